@@ -1,0 +1,548 @@
+"""The settings table: every kvd setting, declared once.
+
+Each field of :class:`Config` is one setting: its name (unit last), type,
+default, bounds and help text. Everything else is derived from that table:
+the TOML keys, the ``KVD_<NAME>`` environment variables, the ``kvd serve``
+flags, the README reference table and the start-up log line.
+
+Precedence, lowest first: defaults < TOML file < environment < flags.
+Unknown keys, unknown ``KVD_*`` variables, wrong types and out-of-bound
+values raise :class:`ConfigError` naming the key and where it came from.
+"""
+
+import difflib
+import importlib
+import ipaddress
+import json
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, get_type_hints
+
+from kvd.sizes import SizeError, format_size, parse_size
+
+ENV_PREFIX = "KVD_"
+# KVD_* variables read by something other than the settings table: the config
+# file path for `kvd serve` and the default target of the client commands.
+ENV_NOT_SETTINGS = frozenset({"KVD_CONFIG", "KVD_TARGET"})
+
+# A config file is a few hundred bytes; refusing more than 1 MiB keeps a wrong
+# path (a log, a disk image) from being read into memory.
+CONFIG_FILE_MAX_BYTES = 1 << 20
+
+# sun_path in struct sockaddr_un is 108 bytes on Linux, one of them the NUL.
+UNIX_SOCKET_PATH_MAX_BYTES = 107
+
+_T = TypeVar("_T")
+
+
+class ConfigError(Exception):
+    """A setting is unknown, malformed or out of bounds; the message names it."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _eviction_policies() -> tuple[str, ...]:
+    """The policy names kvd.eviction offers, or just LRU before it exists."""
+    try:
+        module = importlib.import_module("kvd.eviction")
+        policies = module.POLICIES
+    except (ImportError, AttributeError):
+        return ("lru",)
+    assert isinstance(policies, tuple), policies
+    assert all(isinstance(name, str) for name in policies), policies
+    return policies
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` or ``[IPV6]:PORT``; port 0 asks the kernel for one."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{text!r}: write an IPv6 address in brackets, as [::1]:7070")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"{text!r}: port {port} is above 65535")
+    if not host:
+        raise ValueError(f"{text!r} has no host")
+    return host, port
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for localhost and loopback IPs; any other name could resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_address(value: object) -> None:
+    assert isinstance(value, str)
+    parse_address(value)
+
+
+def _check_address_or_empty(value: object) -> None:
+    assert isinstance(value, str)
+    if value:
+        parse_address(value)
+
+
+def _check_socket_path(value: object) -> None:
+    assert isinstance(value, str)
+    if len(os.fsencode(value)) > UNIX_SOCKET_PATH_MAX_BYTES:
+        raise ValueError(f"unix socket path longer than {UNIX_SOCKET_PATH_MAX_BYTES} bytes")
+
+
+def _check_nonempty(value: object) -> None:
+    assert isinstance(value, str)
+    if not value:
+        raise ValueError("must not be empty")
+
+
+def _check_paths(value: object) -> None:
+    assert isinstance(value, tuple)
+    if any(not path for path in value):
+        raise ValueError("contains an empty path")
+    if len(set(value)) != len(value):
+        raise ValueError("lists a path twice")
+
+
+def _setting(
+    default: _T,
+    *,
+    help: str,
+    min: int | None = None,
+    max: int | None = None,
+    choices: tuple[str, ...] | None = None,
+    octal: bool = False,
+    check: Callable[[object], None] | None = None,
+) -> _T:
+    """Declare one setting; ``min``/``max`` bound numbers or, for lists, the item count."""
+    metadata = {
+        "help": help,
+        "min": min,
+        "max": max,
+        "choices": choices,
+        "octal": octal,
+        "check": check,
+    }
+    return field(default=default, metadata=metadata)
+
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+PiB = 1 << 50
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The daemon's settings; construct through :func:`load_config` or directly."""
+
+    listen: str = _setting(
+        "127.0.0.1:7070",
+        help="gRPC address HOST:PORT; only loopback until auth exists",
+        check=_check_address,
+    )
+    socket: str = _setting(
+        "", help="Unix socket path for gRPC; empty: none", check=_check_socket_path
+    )
+    socket_mode: int = _setting(
+        0o660, help="file mode of the Unix socket (octal)", min=0, max=0o777, octal=True
+    )
+    metrics_listen: str = _setting(
+        "127.0.0.1:9470",
+        help="Prometheus /metrics address HOST:PORT; empty: no metrics endpoint",
+        check=_check_address_or_empty,
+    )
+    dram_bytes: int = _setting(
+        1 * GiB, help="size of the L1 DRAM pool, allocated at start", min=1 * MiB, max=64 * TiB
+    )
+    ssd_path: tuple[str, ...] = _setting(
+        ("./kvd-data/kvd-0.dat",),
+        help="L2 files or block devices, striped; repeat the flag for several",
+        min=1,
+        max=64,
+        check=_check_paths,
+    )
+    ssd_bytes: int = _setting(
+        4 * GiB, help="L2 capacity, over all ssd_path entries", min=1 * MiB, max=1 * PiB
+    )
+    max_value_bytes: int = _setting(
+        256 * MiB, help="largest value a put may store", min=1 * KiB, max=64 * GiB
+    )
+    max_message_bytes: int = _setting(
+        64 * MiB, help="largest gRPC message, either direction", min=1 * MiB, max=1 * GiB
+    )
+    max_concurrent_rpcs: int = _setting(
+        256, help="RPCs served at once; more wait in gRPC's queue", min=1, max=65536
+    )
+    max_inflight_bytes: int = _setting(
+        512 * MiB,
+        help="value bytes in flight over all RPCs; past it: RESOURCE_EXHAUSTED",
+        min=1 * MiB,
+        max=1 * TiB,
+    )
+    max_batch_items: int = _setting(
+        1024, help="items in one BatchPut/BatchGet/region batch", min=1, max=65536
+    )
+    max_lookup_keys: int = _setting(4096, help="keys in one Lookup", min=1, max=1 << 20)
+    lease_ms_max: int = _setting(
+        60_000, help="longest lease a Lookup may take", min=1, max=3_600_000
+    )
+    max_leases: int = _setting(65536, help="leases held at once", min=1, max=1 << 24)
+    eviction_policy: str = _setting(
+        "lru", help="L1 replacement policy", choices=_eviction_policies()
+    )
+    shutdown_grace_ms: int = _setting(
+        10_000, help="time to drain and flush on SIGTERM before exit", min=0, max=600_000
+    )
+    log_level: str = _setting(
+        "info", help="least severe log level written", choices=("debug", "info", "warning", "error")
+    )
+    log_format: str = _setting("logfmt", help="log line format", choices=("logfmt", "json"))
+    shm_dir: str = _setting(
+        "/dev/shm/kvd", help="directory of same-node shared-memory regions", check=_check_nonempty
+    )
+    io_backend: str = _setting(
+        "auto",
+        help="L2 I/O engine; auto: io_uring when available",
+        choices=("auto", "uring", "threads"),
+    )
+
+    def __post_init__(self) -> None:
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            if setting.kind == "list" and isinstance(value, list):
+                object.__setattr__(self, setting.name, tuple(value))  # frozen: only here
+            _validate(setting, getattr(self, setting.name))
+        _validate_together(self)
+
+    def describe(self) -> dict[str, str | int]:
+        """Every setting in short form (sizes as ``1GiB``), for the start-up log line."""
+        return {setting.name: setting.show(getattr(self, setting.name)) for setting in SETTINGS}
+
+    def to_toml(self) -> str:
+        """This configuration as a TOML file that :func:`load_config` reads back."""
+        lines = []
+        for setting in SETTINGS:
+            lines.append(f"# {setting.help}")
+            lines.append(f"{setting.name} = {setting.toml(getattr(self, setting.name))}")
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table, derived from a :class:`Config` field."""
+
+    name: str
+    kind: str  # "str", "int", "size", "bool", "float" or "list"
+    default: Any
+    help: str
+    min: int | None
+    max: int | None
+    choices: tuple[str, ...] | None
+    octal: bool
+    check: Callable[[object], None] | None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def show(self, value: Any) -> str | int:
+        if self.kind == "size":
+            return format_size(value)
+        if self.octal:
+            return f"0o{value:o}"
+        if self.kind == "list":
+            return ",".join(value)
+        if isinstance(value, str | int):
+            return value
+        return str(value)
+
+    def toml(self, value: Any) -> str:
+        if self.kind == "size":
+            return json.dumps(format_size(value))
+        if self.octal:
+            return f"0o{value:o}"
+        if self.kind == "bool":
+            return "true" if value else "false"
+        # JSON strings and arrays of strings are valid TOML.
+        return json.dumps(list(value) if self.kind == "list" else value)
+
+    def bounds(self) -> str:
+        if self.choices is not None:
+            return ", ".join(self.choices)
+        if self.min is None and self.max is None:
+            return ""
+        low = "" if self.min is None else self.format_bound(self.min)
+        high = "" if self.max is None else self.format_bound(self.max)
+        suffix = " items" if self.kind == "list" else ""
+        return f"{low}..{high}{suffix}"
+
+    def format_bound(self, number: int) -> str:
+        if self.kind == "size":
+            return format_size(number)
+        if self.octal:
+            return f"0o{number:o}"
+        return str(number)
+
+
+def _kind(name: str, annotation: object) -> str:
+    if annotation == tuple[str, ...]:
+        return "list"
+    if annotation is int:
+        return "size" if name.endswith("_bytes") else "int"
+    for kind, python_type in (("str", str), ("bool", bool), ("float", float)):
+        if annotation is python_type:
+            return kind
+    raise AssertionError(f"setting {name}: unsupported type {annotation!r}")
+
+
+def _build_table() -> tuple[Setting, ...]:
+    hints = get_type_hints(Config)
+    table = []
+    for config_field in fields(Config):
+        meta = config_field.metadata
+        table.append(
+            Setting(
+                name=config_field.name,
+                kind=_kind(config_field.name, hints[config_field.name]),
+                default=config_field.default,
+                help=meta["help"],
+                min=meta["min"],
+                max=meta["max"],
+                choices=meta["choices"],
+                octal=meta["octal"],
+                check=meta["check"],
+            )
+        )
+    return tuple(table)
+
+
+SETTINGS: tuple[Setting, ...] = _build_table()
+SETTINGS_BY_NAME: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
+
+_TRUE_TEXT = frozenset({"1", "true", "yes", "on"})
+_FALSE_TEXT = frozenset({"0", "false", "no", "off"})
+
+
+def _from_text(setting: Setting, text: str) -> object:
+    """Parse a value given as text (environment variable, flag, TOML string)."""
+    kind = setting.kind
+    if kind == "str":
+        return text
+    if kind == "size":
+        return parse_size(text)
+    if kind == "int":
+        if setting.octal:
+            return int(text.removeprefix("0o"), 8)
+        return int(text, 10)
+    if kind == "bool":
+        lowered = text.strip().lower()
+        if lowered in _TRUE_TEXT | _FALSE_TEXT:
+            return lowered in _TRUE_TEXT
+        raise ValueError(f"{text!r} is not a boolean (true/false)")
+    if kind == "float":
+        number = float(text)
+        if number != number or number in (float("inf"), float("-inf")):
+            raise ValueError(f"{text!r} is not a finite number")
+        return number
+    assert kind == "list", kind
+    return tuple(item.strip() for item in re.split(r"[,:]", text) if item.strip())
+
+
+def _convert(setting: Setting, raw: object) -> object:
+    """Turn a raw value (TOML value, text, list of flag values) into the setting's type."""
+    if isinstance(raw, str):
+        return _from_text(setting, raw)
+    kind = setting.kind
+    if kind == "list" and isinstance(raw, list | tuple):
+        if not all(isinstance(item, str) for item in raw):
+            raise ValueError("expected a list of strings")
+        return tuple(raw)
+    if kind in ("int", "size") and isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if kind == "float" and isinstance(raw, int | float) and not isinstance(raw, bool):
+        return float(raw)
+    if kind == "bool" and isinstance(raw, bool):
+        return raw
+    raise ValueError(f"expected {_KIND_NAMES[kind]}, got {type(raw).__name__} {raw!r}")
+
+
+_KIND_NAMES = {
+    "str": "a string",
+    "int": "an integer",
+    "size": "a size such as 65536, 512MiB or 4GiB",
+    "bool": "true or false",
+    "float": "a number",
+    "list": "a list of strings",
+}
+
+
+def _has_type(kind: str, value: object) -> bool:
+    if kind == "str":
+        return isinstance(value, str)
+    if kind in ("int", "size"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, float)
+    assert kind == "list", kind
+    return isinstance(value, tuple) and all(isinstance(item, str) for item in value)
+
+
+def _validate(setting: Setting, value: object) -> None:
+    """Check one value against its row of the table; raise ConfigError naming it."""
+    name = setting.name
+    if not _has_type(setting.kind, value):
+        raise ConfigError(f"{name}: expected {_KIND_NAMES[setting.kind]}, got {value!r}", key=name)
+    if setting.kind == "list":
+        assert isinstance(value, tuple)
+        count = len(value)
+        if setting.min is not None and count < setting.min:
+            raise ConfigError(f"{name}: needs at least {setting.min} item(s)", key=name)
+        if setting.max is not None and count > setting.max:
+            raise ConfigError(f"{name}: at most {setting.max} items, got {count}", key=name)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if setting.min is not None and value < setting.min:
+            low = setting.format_bound(setting.min)
+            raise ConfigError(f"{name}: {setting.show(value)} is below the minimum {low}", key=name)
+        if setting.max is not None and value > setting.max:
+            high = setting.format_bound(setting.max)
+            raise ConfigError(
+                f"{name}: {setting.show(value)} is above the maximum {high}", key=name
+            )
+    if setting.choices is not None and value not in setting.choices:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(setting.choices)}", key=name)
+    if setting.check is not None:
+        try:
+            setting.check(value)
+        except ValueError as error:
+            raise ConfigError(f"{name}: {error}", key=name) from None
+
+
+def _validate_together(config: Config) -> None:
+    """Rules that tie several settings together."""
+    if config.max_value_bytes > config.dram_bytes:
+        raise ConfigError(
+            f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in "
+            f"dram_bytes {format_size(config.dram_bytes)}; every value passes through L1",
+            key="max_value_bytes",
+        )
+    if config.max_message_bytes > config.max_inflight_bytes:
+        raise ConfigError(
+            f"max_message_bytes: {format_size(config.max_message_bytes)} is more than "
+            f"max_inflight_bytes {format_size(config.max_inflight_bytes)}",
+            key="max_message_bytes",
+        )
+    host, _ = parse_address(config.listen)
+    if not is_loopback_host(host):
+        # No auth exists yet, so any reachable TCP listener would serve anyone.
+        raise ConfigError(
+            f"listen: refusing to listen on {config.listen} without auth; "
+            "use a loopback address (127.0.0.1) or the unix socket",
+            key="listen",
+        )
+
+
+def _unknown(key: str, where: str, known: Sequence[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"{key}: unknown setting in {where}{hint}", key=key)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(CONFIG_FILE_MAX_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    if len(data) > CONFIG_FILE_MAX_BYTES:
+        raise ConfigError(f"config file {path} is larger than {format_size(CONFIG_FILE_MAX_BYTES)}")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+
+
+def load_config(
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Build the Config from defaults < TOML file < ``KVD_*`` environment < overrides.
+
+    ``overrides`` maps setting names to values (flags give text, or a list of
+    text for repeatable ones); a value of None means "not given".
+    """
+    raw: dict[str, tuple[object, str]] = {}
+    names = list(SETTINGS_BY_NAME)
+    if path:
+        for key, value in _read_file(path).items():
+            if key not in SETTINGS_BY_NAME:
+                raise _unknown(key, f"config file {path}", names)
+            raw[key] = (value, f"config file {path}")
+    for variable, text in sorted((env or {}).items()):
+        if not variable.startswith(ENV_PREFIX) or variable in ENV_NOT_SETTINGS:
+            continue
+        name = variable[len(ENV_PREFIX) :].lower()
+        if name not in SETTINGS_BY_NAME or variable != SETTINGS_BY_NAME[name].env:
+            envs = [setting.env for setting in SETTINGS]
+            raise _unknown(variable, "the environment", envs)
+        raw[name] = (text, f"environment {variable}")
+    for name, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if name not in SETTINGS_BY_NAME:
+            raise _unknown(name, "overrides", names)
+        raw[name] = (value, f"flag {SETTINGS_BY_NAME[name].flag}")
+
+    values: dict[str, object] = {}
+    for name, (value, source) in raw.items():
+        try:
+            values[name] = _convert(SETTINGS_BY_NAME[name], value)
+        except (ValueError, SizeError) as error:
+            raise ConfigError(f"{name}: {error} (from {source})", key=name) from None
+    try:
+        return Config(**values)  # type: ignore[arg-type]  # checked against the table
+    except ConfigError as error:
+        if error.key in raw:
+            source = raw[error.key][1]
+            raise ConfigError(f"{error} (from {source})", key=error.key) from None
+        raise
+
+
+def config_from_environment(
+    path: str | None = None, overrides: Mapping[str, object] | None = None
+) -> Config:
+    """load_config with this process's environment; ``KVD_CONFIG`` names the file."""
+    return load_config(path or os.environ.get("KVD_CONFIG"), os.environ, overrides)
+
+
+def settings_markdown() -> str:
+    """The settings reference table, as the README shows it."""
+    rows = [
+        "| Setting | Default | Bounds | Meaning |",
+        "|---|---|---|---|",
+    ]
+    for setting in SETTINGS:
+        default = setting.toml(setting.default)
+        bounds = setting.bounds()
+        rows.append(f"| `{setting.name}` | `{default}` | {bounds} | {setting.help} |")
+    return "\n".join(rows) + "\n"
