@@ -297,7 +297,7 @@ class Setting:
     def format_bound(self, number: int) -> str:
         if self.kind == "size":
             return format_size(number)
-        if self.octal:
+        if self.octal and number:
             return f"0o{number:o}"
         return str(number)
 
@@ -442,13 +442,15 @@ def _validate_together(config: Config) -> None:
     if config.max_value_bytes > config.dram_bytes:
         raise ConfigError(
             f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in "
-            f"dram_bytes {format_size(config.dram_bytes)}; every value passes through L1",
+            f"dram_bytes {format_size(config.dram_bytes)} (every value passes through L1): "
+            "lower max_value_bytes or raise dram_bytes",
             key="max_value_bytes",
         )
     if config.max_message_bytes > config.max_inflight_bytes:
         raise ConfigError(
             f"max_message_bytes: {format_size(config.max_message_bytes)} is more than "
-            f"max_inflight_bytes {format_size(config.max_inflight_bytes)}",
+            f"max_inflight_bytes {format_size(config.max_inflight_bytes)}: "
+            "lower max_message_bytes or raise max_inflight_bytes",
             key="max_message_bytes",
         )
     host, _ = parse_address(config.listen)
@@ -522,10 +524,11 @@ def load_config(
     try:
         return Config(**values)  # type: ignore[arg-type]  # checked against the table
     except ConfigError as error:
-        if error.key in raw:
-            source = raw[error.key][1]
-            raise ConfigError(f"{error} (from {source})", key=error.key) from None
-        raise
+        # Name where each setting the message mentions came from, if not a default.
+        given = [f"{name} from {raw[name][1]}" for name in raw if name in str(error)]
+        if not given:
+            raise
+        raise ConfigError(f"{error} ({'; '.join(given)})", key=error.key) from None
 
 
 def config_from_environment(

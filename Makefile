@@ -1,0 +1,73 @@
+# kvd: `make run` starts the daemon, `make test` runs the tests.
+# Every target is quick when already done: stamps live in .venv/.
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP_INSTALL := $(VENV)/.stamp-install
+STAMP_NATIVE := $(VENV)/.stamp-native
+GENERATED := kvd/v1/kvd_pb2.py kvd/v1/kvd_pb2.pyi kvd/v1/kvd_pb2_grpc.py
+NATIVE_SOURCES := $(wildcard native/*.c native/*.h)
+
+# First interpreter on PATH that is Python >= 3.11.
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; do \
+	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; \
+	then echo $$p; break; fi; done)
+
+.PHONY: venv proto build run test test-fault lint liburing clean
+
+venv: $(STAMP_INSTALL)
+
+$(VENV)/bin/python:
+	@test -n "$(PYTHON)" || { echo "make: no python >= 3.11 on PATH" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+# Build tools first, then kvd itself without build isolation: the generated
+# code and the extension land in the source tree, and no second download of
+# setuptools/grpcio-tools is needed.
+$(STAMP_INSTALL): $(VENV)/bin/python pyproject.toml setup.py | liburing
+	$(PIP) install -q --upgrade pip 'setuptools>=68' wheel 'grpcio-tools>=1.85.1'
+	$(PIP) install -q --no-build-isolation -e '.[test]'
+	touch $@ $(STAMP_NATIVE)
+
+proto: $(GENERATED)
+
+$(GENERATED) &: proto/kvd/v1/kvd.proto | $(STAMP_INSTALL)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
+		proto/kvd/v1/kvd.proto
+	touch $(GENERATED)
+
+# The io_uring extension is optional: setup.py reports a failed build and goes on.
+build: $(STAMP_NATIVE)
+
+$(STAMP_NATIVE): $(NATIVE_SOURCES) setup.py | $(STAMP_INSTALL) liburing
+	$(PY) setup.py -q build_ext --inplace || echo "make: native build failed; kvd runs without it" >&2
+	touch $@
+
+# liburing-dev is needed for kvd._uring; install it when root and missing.
+liburing:
+	@if [ ! -e /usr/include/liburing.h ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make: installing liburing-dev"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q liburing-dev >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q liburing-dev >/dev/null 2>&1; } \
+		|| echo "make: could not install liburing-dev; kvd builds without io_uring" >&2; \
+	fi
+
+run: venv proto build
+	$(VENV)/bin/kvd serve
+
+test: venv proto build
+	$(PY) -m pytest -q
+
+test-fault: venv proto build
+	@if [ -d tests/fault ]; then $(PY) -m pytest -q -m fault tests/fault; \
+	else echo "make: no fault tests yet (tests/fault)"; fi
+
+lint: venv proto
+	$(VENV)/bin/ruff check kvd tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf build $(GENERATED) kvd/*.so .pytest_cache .mypy_cache .ruff_cache

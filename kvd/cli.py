@@ -1,0 +1,313 @@
+"""The ``kvd`` command: ``serve`` runs the daemon, the others talk to one.
+
+``kvd serve`` takes one flag per setting of the table in ``kvd.config``
+(``--dram-bytes 4GiB``, ``--ssd-path P`` repeated, ...), plus ``--config
+FILE``. ``put``/``get``/``lookup``/``stats`` are for people poking at a
+running daemon; programs use ``kvd.client``.
+
+Exit status: 0 done; 1 a miss (``get``) or the daemon failed; 2 bad usage or
+configuration; 3 the daemon could not be reached or refused the call.
+"""
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvd import __version__
+from kvd.config import SETTINGS, ConfigError, Setting, config_from_environment
+
+if TYPE_CHECKING:
+    from kvd.client import Client
+
+EXIT_OK = 0
+EXIT_MISS = 1
+EXIT_USAGE = 2
+EXIT_DAEMON = 3
+
+DEFAULT_TARGET = "127.0.0.1:7070"
+DEFAULT_TIMEOUT_S = 5.0
+TIMEOUT_S_MAX = 3600.0
+# `kvd put` reads the whole value into memory first; beyond 1 GiB use the
+# client library, which streams.
+PUT_VALUE_MAX_BYTES = 1 << 30
+# Keys are 1..64 bytes (the wire contract).
+KEY_MAX_BYTES = 64
+
+# Subcommands that live in their own module and appear once it exists:
+# name -> (module whose main(args: list[str]) -> int runs it, help).
+_PLUGIN_COMMANDS = {
+    "bench": ("kvd.bench", "measure kvd against the hardware and peers"),
+    "fsck": ("kvd.fsck", "verify the L2 data files"),
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input the parser could not catch."""
+
+
+def parse_key(text: str) -> bytes:
+    """A key as given on the command line: UTF-8 text, or ``hex:`` then hex digits."""
+    if text.startswith("hex:"):
+        try:
+            key = bytes.fromhex(text[4:])
+        except ValueError:
+            raise UsageError(f"bad hex key {text!r}") from None
+    else:
+        key = text.encode()
+    if not 1 <= len(key) <= KEY_MAX_BYTES:
+        raise UsageError(f"a key is 1..{KEY_MAX_BYTES} bytes, {text!r} is {len(key)}")
+    return key
+
+
+def _metavar(setting: Setting) -> str:
+    if setting.choices is not None:
+        return "{" + "|".join(setting.choices) + "}"
+    if setting.kind == "size":
+        return "SIZE"
+    if setting.kind in ("int", "float"):
+        return "N"
+    if setting.name.endswith("listen"):
+        return "HOST:PORT"
+    return "PATH" if "path" in setting.name or setting.name.endswith(("socket", "dir")) else "TEXT"
+
+
+def _add_setting_flag(parser: argparse.ArgumentParser, setting: Setting) -> None:
+    shown = setting.show(setting.default)
+    default = '""' if shown == "" else shown
+    bounds = setting.bounds() if setting.choices is None else ""
+    help_text = f"{setting.help} [default {default}{'; ' + bounds if bounds else ''}]"
+    help_text = help_text.replace("%", "%%")  # argparse formats help with %
+    action = "append" if setting.kind == "list" else "store"
+    parser.add_argument(
+        setting.flag, dest=setting.name, action=action, metavar=_metavar(setting), help=help_text
+    )
+
+
+def _add_client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        default=os.environ.get("KVD_TARGET", DEFAULT_TARGET),
+        help=f"daemon address HOST:PORT or unix:///PATH [default $KVD_TARGET or {DEFAULT_TARGET}]",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of each call"
+    )
+
+
+def _add_namespace(parser: argparse.ArgumentParser, keys: str) -> None:
+    parser.add_argument(
+        "-n", "--namespace", help="namespace; without it the first argument is the namespace"
+    )
+    parser.add_argument("args", nargs="+", metavar="[NS] KEY", help=keys)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvd", description="kvd: a per-node KV-cache storage daemon for LLM inference"
+    )
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the daemon. Settings come from defaults < --config FILE < "
+        "KVD_<NAME> environment variables < these flags.",
+    )
+    serve.add_argument("--config", metavar="FILE", help="TOML file [default $KVD_CONFIG]")
+    for setting in SETTINGS:
+        _add_setting_flag(serve, setting)
+
+    config = commands.add_parser(
+        "config",
+        help="print the settings serve would use, as TOML",
+        description="Print the effective settings (same inputs as serve) as a TOML file.",
+    )
+    config.add_argument("--config", metavar="FILE", help="TOML file [default $KVD_CONFIG]")
+    for setting in SETTINGS:
+        _add_setting_flag(config, setting)
+
+    commands.add_parser("version", help="print the version")
+
+    stats = commands.add_parser("stats", help="print the daemon's counters as JSON")
+    _add_client_options(stats)
+    stats.add_argument("-n", "--namespace", default="", help="only this namespace")
+
+    put = commands.add_parser("put", help="store a value read from --file or stdin")
+    _add_client_options(put)
+    _add_namespace(put, "key: text, or hex:0a1b...")
+    put.add_argument("--file", default="-", help="value file; - is stdin [default -]")
+    put.add_argument("--parent", help="key of the previous chunk of the same chain")
+
+    get = commands.add_parser("get", help="write a value to stdout or --out; exit 1 on a miss")
+    _add_client_options(get)
+    _add_namespace(get, "key: text, or hex:0a1b...")
+    get.add_argument("--out", default="-", help="output file; - is stdout [default -]")
+
+    lookup = commands.add_parser("lookup", help="print how many leading keys are stored")
+    _add_client_options(lookup)
+    _add_namespace(lookup, "keys of one chain, in order")
+    lookup.add_argument("--lease-ms", type=int, default=0, help="protect the hits this long")
+
+    for name, (module, help_text) in _PLUGIN_COMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            plugin = commands.add_parser(name, help=help_text, add_help=False)
+            plugin.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _settings_given(args: argparse.Namespace) -> dict[str, object]:
+    return {setting.name: getattr(args, setting.name) for setting in SETTINGS}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = config_from_environment(args.config, _settings_given(args))
+    from kvd.server import run  # the server pulls in grpc; other commands need not
+
+    try:
+        return run(config)
+    except OSError as error:
+        print(f"kvd: {error}", file=sys.stderr)
+        return 1
+
+
+def _config(args: argparse.Namespace) -> int:
+    config = config_from_environment(args.config, _settings_given(args))
+    sys.stdout.write(config.to_toml())
+    return EXIT_OK
+
+
+def _split_namespace(args: argparse.Namespace, keys_exact: int | None) -> tuple[str, list[bytes]]:
+    """NS and keys from ``-n NS KEY...`` or ``NS KEY...``."""
+    words: list[str] = list(args.args)
+    namespace = args.namespace
+    if namespace is None:
+        if len(words) < 2:
+            raise UsageError("give the namespace first (or with -n), then the key")
+        namespace = words.pop(0)
+    if keys_exact is not None and len(words) != keys_exact:
+        raise UsageError(f"expected {keys_exact} key(s), got {len(words)}: {' '.join(words)}")
+    return namespace, [parse_key(word) for word in words]
+
+
+def _talk(args: argparse.Namespace, action: "Callable[[Client], int]") -> int:
+    """Run ``action`` with a client of ``--target``; daemon errors exit 3."""
+    from kvd.client import Client, KvdError
+
+    if not 0 < args.timeout_s <= TIMEOUT_S_MAX:
+        raise UsageError(f"--timeout-s must be in (0, {TIMEOUT_S_MAX}]")
+    try:
+        with Client(args.target, timeout_s=args.timeout_s) as client:
+            return action(client)
+    except KvdError as error:
+        print(f"kvd: {args.target}: {error}", file=sys.stderr)
+        return EXIT_DAEMON
+
+
+def _read_value(path: str) -> bytes:
+    if path == "-":
+        data = sys.stdin.buffer.read(PUT_VALUE_MAX_BYTES + 1)
+    else:
+        with open(path, "rb") as stream:
+            data = stream.read(PUT_VALUE_MAX_BYTES + 1)
+    if len(data) > PUT_VALUE_MAX_BYTES:
+        raise UsageError(f"value larger than {PUT_VALUE_MAX_BYTES} bytes; use kvd.client")
+    return data
+
+
+def _put(args: argparse.Namespace) -> int:
+    namespace, (key,) = _split_namespace(args, 1)
+    parent = parse_key(args.parent) if args.parent else None
+    value = _read_value(args.file)
+
+    def put(client: "Client") -> int:
+        existed = client.put(namespace, key, value, parent=parent)
+        print("exists" if existed else f"stored {len(value)} bytes")
+        return EXIT_OK
+
+    return _talk(args, put)
+
+
+def _get(args: argparse.Namespace) -> int:
+    namespace, (key,) = _split_namespace(args, 1)
+
+    def get(client: "Client") -> int:
+        value = client.get(namespace, key)
+        if value is None:
+            print("kvd: miss", file=sys.stderr)
+            return EXIT_MISS
+        if args.out == "-":
+            sys.stdout.buffer.write(value)
+            sys.stdout.buffer.flush()
+        else:
+            with open(args.out, "wb") as out:
+                out.write(value)
+        return EXIT_OK
+
+    return _talk(args, get)
+
+
+def _lookup(args: argparse.Namespace) -> int:
+    namespace, keys = _split_namespace(args, None)
+    if not keys:
+        raise UsageError("give at least one key")
+    if args.lease_ms < 0:
+        raise UsageError("--lease-ms must not be negative")
+
+    def lookup(client: "Client") -> int:
+        print(client.lookup(namespace, keys, lease_ms=args.lease_ms))
+        return EXIT_OK
+
+    return _talk(args, lookup)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    def stats(client: "Client") -> int:
+        print(json.dumps(client.stats(args.namespace), indent=2, sort_keys=True, default=str))
+        return EXIT_OK
+
+    return _talk(args, stats)
+
+
+def _plugin(name: str, args: argparse.Namespace) -> int:
+    module = importlib.import_module(_PLUGIN_COMMANDS[name][0])
+    status: Any = module.main(list(args.args))
+    return int(status or 0)
+
+
+_COMMANDS = {
+    "serve": _serve,
+    "config": _config,
+    "put": _put,
+    "get": _get,
+    "lookup": _lookup,
+    "stats": _stats,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvd`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "version":
+        print(f"kvd {__version__}")
+        return EXIT_OK
+    try:
+        if args.command in _PLUGIN_COMMANDS:
+            return _plugin(args.command, args)
+        return _COMMANDS[args.command](args)
+    except ConfigError as error:
+        print(f"kvd: config: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as error:
+        print(f"kvd: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except OSError as error:  # a --file or --out that cannot be opened
+        print(f"kvd: {error}", file=sys.stderr)
+        return EXIT_USAGE
