@@ -15,7 +15,7 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; 
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv proto build run test test-fault lint liburing clean
+.PHONY: venv proto build run test test-fault lint liburing readme clean
 
 venv: $(STAMP_INSTALL)
 
@@ -68,6 +68,13 @@ test-fault: venv proto build
 lint: venv proto
 	$(VENV)/bin/ruff check kvd tests
 	$(VENV)/bin/mypy
+
+# Rewrite the settings table in README.md from kvd/config.py.
+readme: venv
+	$(PY) -c 'import kvd.config as c; p = "README.md"; s = open(p).read(); \
+		b = s.index("-->", s.index("<!-- settings-table:begin")) + 4; \
+		e = s.index("<!-- settings-table:end"); \
+		open(p, "w").write(s[:b] + c.settings_markdown() + s[e:])'
 
 clean:
 	rm -rf build $(GENERATED) kvd/*.so .pytest_cache .mypy_cache .ruff_cache
