@@ -1,0 +1,190 @@
+"""L1 DRAM pool: one pre-allocated arena carved into 64 KiB pages.
+
+The arena is a single anonymous mapping, populated at start-up so the
+daemon's memory is claimed up front and ``dram_bytes`` is a hard bound: no
+value-sized buffer is ever allocated per put. A value occupies a short list
+of page runs, ``(first_page, page_count)``; callers move bytes through
+``views()``, memoryview slices of the arena, so copies go straight between a
+socket or a shared region and the pool.
+
+Free space is a stack of runs rather than a per-page list: a 2 TiB pool has
+32 M pages, and a Python list of that many ints would cost ~1 GiB. Runs are
+split on allocation and pushed back on free; when the stack grows past
+``_COALESCE_RUNS`` it is sorted and merged (amortised O(log n) per free), so
+fragmentation stays bounded and a value rarely needs more than a few runs.
+
+This module imports nothing from the server, grpc or metrics.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+
+PAGE_BYTES = 64 * 1024
+
+# Merge the free stack when it holds this many runs: a sort of 4096 tuples
+# takes ~1 ms, paid at most once per 2048 frees.
+_COALESCE_RUNS = 4096
+
+# A value spread over more runs than this triggers a merge of the free stack
+# first: each run costs a slice and a copy call (~1 µs) on every access.
+_RUNS_PER_VALUE_MAX = 64
+
+Run = tuple[int, int]  # (first page, page count)
+
+
+class PoolFull(Exception):
+    """Not enough free pages; the caller evicts and retries, or gives up."""
+
+
+def pages_for(nbytes: int) -> int:
+    """Pages needed to hold ``nbytes`` (at least one, so empty values have a home)."""
+    return max(1, -(-nbytes // PAGE_BYTES))
+
+
+class Pool:
+    """Fixed-size page arena with run allocation."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        page_count = capacity_bytes // PAGE_BYTES
+        if page_count < 1:
+            raise ValueError(f"pool of {capacity_bytes} bytes holds no 64 KiB page")
+        self.page_count = page_count
+        self.capacity_bytes = page_count * PAGE_BYTES
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._arena = mmap.mmap(-1, self.capacity_bytes, flags=flags)
+        if not getattr(mmap, "MAP_POPULATE", 0):
+            self._touch()
+        self._view = memoryview(self._arena)
+        self._free: list[Run] = [(0, page_count)]
+        self.free_pages = page_count
+
+    def _touch(self) -> None:
+        for offset in range(0, self.capacity_bytes, mmap.PAGESIZE):
+            self._arena[offset] = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.page_count - self.free_pages) * PAGE_BYTES
+
+    @property
+    def free_bytes(self) -> int:
+        return self.free_pages * PAGE_BYTES
+
+    def alloc(self, nbytes: int) -> list[Run]:
+        """Runs totalling ``pages_for(nbytes)`` pages, or PoolFull (nothing taken)."""
+        need = pages_for(nbytes)
+        if need > self.free_pages:
+            raise PoolFull(f"need {need} pages, {self.free_pages} free")
+        runs = self._take(need)
+        if len(runs) > _RUNS_PER_VALUE_MAX:
+            # Recently freed small runs sit on top of the stack; merge them
+            # back into large ones rather than scatter one value over many.
+            self._free.extend(runs)
+            self._coalesce()
+            runs = self._take(need)
+        self.free_pages -= need
+        return runs
+
+    def _take(self, need: int) -> list[Run]:
+        runs: list[Run] = []
+        free = self._free
+        while need:
+            first, count = free.pop()
+            if count > need:
+                free.append((first + need, count - need))
+                count = need
+            runs.append((first, count))
+            need -= count
+        return runs
+
+    def free(self, runs: Sequence[Run]) -> None:
+        for run in runs:
+            assert run[0] >= 0 and run[0] + run[1] <= self.page_count, f"bad run {run}"
+            self._free.append(run)
+            self.free_pages += run[1]
+        assert self.free_pages <= self.page_count, "double free"
+        if len(self._free) > _COALESCE_RUNS:
+            self._coalesce()
+
+    def _coalesce(self) -> None:
+        merged: list[Run] = []
+        for first, count in sorted(self._free):
+            if merged and merged[-1][0] + merged[-1][1] == first:
+                merged[-1] = (merged[-1][0], merged[-1][1] + count)
+            else:
+                assert not merged or merged[-1][0] + merged[-1][1] < first, "overlapping runs"
+                merged.append((first, count))
+        # Largest runs on top of the stack: big values get few runs.
+        merged.sort(key=lambda run: run[1])
+        self._free = merged
+
+    def views(self, runs: Sequence[Run], nbytes: int) -> list[memoryview]:
+        """Writable slices of the arena covering the first ``nbytes`` of ``runs``."""
+        out: list[memoryview] = []
+        left = nbytes
+        for first, count in runs:
+            if left <= 0:
+                break
+            take = min(left, count * PAGE_BYTES)
+            start = first * PAGE_BYTES
+            out.append(self._view[start : start + take])
+            left -= take
+        assert left <= 0, "runs shorter than the value"
+        return out
+
+    def close(self) -> None:
+        self._view.release()
+        self._arena.close()
+
+
+class ViewWriter:
+    """Sequential writer over a list of page views (one value's pages)."""
+
+    __slots__ = ("_index", "_pos", "_views", "capacity", "written")
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = views
+        self._index = 0
+        self._pos = 0
+        self.written = 0
+        self.capacity = sum(len(v) for v in views)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``; the caller checks ``capacity`` first (overflow is a bug)."""
+        src = memoryview(data)
+        n = len(src)
+        assert self.written + n <= self.capacity, "write past the value's pages"
+        done = 0
+        while done < n:
+            view = self._views[self._index]
+            take = min(n - done, len(view) - self._pos)
+            view[self._pos : self._pos + take] = src[done : done + take]
+            done += take
+            self._pos += take
+            if self._pos == len(view):
+                self._index += 1
+                self._pos = 0
+        self.written += n
+
+
+def chunked(views: Sequence[memoryview], chunk_bytes: int) -> list[list[memoryview]]:
+    """Group ``views`` into consecutive pieces of ``chunk_bytes`` (the last may be short)."""
+    chunks: list[list[memoryview]] = []
+    current: list[memoryview] = []
+    room = chunk_bytes
+    for view in views:
+        pos = 0
+        while pos < len(view):
+            take = min(room, len(view) - pos)
+            current.append(view[pos : pos + take])
+            pos += take
+            room -= take
+            if room == 0:
+                chunks.append(current)
+                current = []
+                room = chunk_bytes
+    if current:
+        chunks.append(current)
+    return chunks

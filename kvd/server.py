@@ -1,0 +1,197 @@
+"""The daemon process: builds the pool and store, serves gRPC (TCP and an
+optional Unix socket), health, reflection and /metrics, and shuts down
+gracefully on SIGTERM/SIGINT.
+
+One asyncio event loop (uvloop when installed) owns all state. Shutdown
+stops accepting RPCs, lets those in flight finish for ``shutdown_grace_ms``,
+then cancels the rest and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvd import __version__, logs
+from kvd.eviction import make_policy
+from kvd.metrics import Metrics, SnapshotCollector
+from kvd.pool import Pool
+from kvd.service import KVStoreService, ServiceLimits
+from kvd.store import Store, StoreLimits
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvd.config import Config
+
+log = logging.getLogger("kvd.server")
+
+SERVICE_NAME = "kvd.v1.KVStore"
+
+_STORE_GAUGES = {
+    "pool_bytes": ("kvd_pool_bytes", "DRAM pool size"),
+    "pool_used_bytes": ("kvd_pool_used_bytes", "DRAM pool bytes holding values"),
+    "pool_free_bytes": ("kvd_pool_free_bytes", "DRAM pool bytes free"),
+    "entries": ("kvd_entries", "Values stored"),
+    "namespaces": ("kvd_namespaces", "Namespaces with values"),
+    "leases_active": ("kvd_leases_active", "Leases from Lookup not yet released or expired"),
+    "inflight_bytes": ("kvd_inflight_bytes", "Value bytes held by requests in progress"),
+    "inflight_requests": ("kvd_inflight_requests", "Requests in progress"),
+}
+_STORE_COUNTERS = {
+    "evictions": ("kvd_evictions", "Values evicted from L1"),
+    "eviction_failures": ("kvd_eviction_failures", "Puts refused: nothing evictable"),
+    "put_conflicts": ("kvd_put_conflicts", "Puts refused: key stored with other content"),
+    "leases_granted": ("kvd_leases_granted", "Leases granted by Lookup"),
+}
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Daemon:
+    """Everything one kvd process runs; ``start()`` then ``wait()``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.pool = Pool(config.dram_bytes)
+        limits = StoreLimits(
+            max_value_bytes=config.max_value_bytes,
+            max_lookup_keys=config.max_lookup_keys,
+            lease_ms_max=config.lease_ms_max,
+            max_leases=config.max_leases,
+        )
+        self.store = Store(self.pool, limits, make_policy(config.eviction_policy))
+        self.service = KVStoreService(
+            self.store,
+            ServiceLimits(
+                max_message_bytes=config.max_message_bytes,
+                max_inflight_bytes=config.max_inflight_bytes,
+                max_batch_items=config.max_batch_items,
+            ),
+            self.metrics,
+        )
+        self.metrics.add_collector(
+            SnapshotCollector(self._snapshot, _STORE_GAUGES, _STORE_COUNTERS)
+        )
+        self.health = health.aio.HealthServicer()
+        self._server: Any = None
+        self._stopping = asyncio.Event()
+        self.port = 0
+        self.metrics_port = 0
+
+    def _snapshot(self) -> dict[str, int]:
+        values = self.store.stats()
+        values["inflight_bytes"] = self.service.inflight.bytes
+        values["inflight_requests"] = self.service.inflight.requests
+        return values
+
+    async def start(self) -> None:
+        cfg = self.config
+        # Room for the largest value's framing on top of max_message_bytes.
+        message_limit = cfg.max_message_bytes + (1 << 20)
+        server = grpc.aio.server(
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+            options=[
+                ("grpc.max_receive_message_length", message_limit),
+                ("grpc.max_send_message_length", message_limit),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        kvd_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                kvd_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        if cfg.listen:
+            self.port = server.add_insecure_port(cfg.listen)
+            if self.port == 0:
+                raise OSError(f"cannot listen on {cfg.listen}")
+        if cfg.socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.socket)
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.socket)), exist_ok=True)
+            server.add_insecure_port("unix:" + cfg.socket)
+        await server.start()
+        if cfg.socket:
+            os.chmod(cfg.socket, cfg.socket_mode)
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_listen:
+            host, port = split_host_port(cfg.metrics_listen)
+            self.metrics_port = self.metrics.serve(host, port)
+        self.metrics.up.set(1)
+        log.info(
+            "kvd started",
+            extra={
+                "version": __version__,
+                "listen": f"{cfg.listen.rpartition(':')[0]}:{self.port}" if cfg.listen else "",
+                "socket": cfg.socket,
+                "metrics": f"{cfg.metrics_listen.rpartition(':')[0]}:{self.metrics_port}"
+                if cfg.metrics_listen
+                else "",
+                "dram_bytes": self.pool.capacity_bytes,
+                "pages": self.pool.page_count,
+                "eviction_policy": cfg.eviction_policy,
+                "max_value_bytes": cfg.max_value_bytes,
+                "max_inflight_bytes": cfg.max_inflight_bytes,
+                "max_concurrent_rpcs": cfg.max_concurrent_rpcs,
+            },
+        )
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait(self) -> None:
+        await self._stopping.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        grace_s = self.config.shutdown_grace_ms / 1000
+        log.info("kvd stopping", extra={"grace_ms": self.config.shutdown_grace_ms})
+        self.metrics.up.set(0)
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        self.metrics.close()
+        if self.config.socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket)
+        log.info("kvd stopped")
+
+
+async def _serve(config: Config) -> int:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    await daemon.start()
+    await daemon.wait()
+    return 0
+
+
+def run(config: Config) -> int:
+    """Run a daemon until SIGTERM/SIGINT; the exit status."""
+    logs.configure(config.log_level, config.log_format)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
+        log.warning("uvloop not installed, using the default asyncio loop")
+        return asyncio.run(_serve(config))
+    return uvloop.run(_serve(config))

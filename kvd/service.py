@@ -1,0 +1,321 @@
+"""The KVStore gRPC service: request validation, byte movement between
+gRPC messages and pool pages, and the mapping of typed errors to codes.
+
+Each handler runs on the daemon's one event loop and calls the store
+directly. Limits enforced here: message sizes (by the gRPC server options),
+batch sizes, and in-flight value bytes (``InflightBytes``): a request that
+would push the total over ``max_inflight_bytes`` is refused with
+RESOURCE_EXHAUSTED at once rather than queued.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, TypeVar
+
+import grpc
+
+from kvd import __version__
+from kvd.checksum import Hasher, checksum
+from kvd.errors import InvalidArgument, KvdError, ResourceExhausted
+from kvd.metrics import Metrics
+from kvd.pool import ViewWriter, chunked
+from kvd.store import PutResult, Store
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+# 1 MiB messages: server-streamed 1 MiB chunks carry ~0.9 GB/s here, against
+# ~0.56 GB/s for one 4 MiB message and ~0.1 GB/s for 64 KiB ones.
+CHUNK_BYTES = 1 << 20
+
+# Room left in a BatchGet response for per-item framing and metadata.
+_BATCH_OVERHEAD_BYTES = 64 * 1024
+
+OK = grpc.StatusCode.OK.value[0]
+_CODE_VALUES: dict[str, int] = {code.name: int(code.value[0]) for code in grpc.StatusCode}
+
+
+def status_code(error: KvdError) -> grpc.StatusCode:
+    return grpc.StatusCode[error.code_name]
+
+
+def status_value(error: KvdError) -> int:
+    return _CODE_VALUES[error.code_name]
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_message_bytes: int
+    max_inflight_bytes: int
+    max_batch_items: int
+
+
+class InflightBytes:
+    """Counts value bytes held by requests in progress; full is refused, not queued."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.bytes = 0
+        self.requests = 0
+
+    def acquire(self, nbytes: int) -> None:
+        if self.bytes + nbytes > self.limit_bytes and self.bytes > 0:
+            raise ResourceExhausted(
+                f"{self.bytes} bytes in flight, {nbytes} more would pass "
+                f"max_inflight_bytes={self.limit_bytes}"
+            )
+        self.bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+        assert self.bytes >= 0
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Any])
+
+
+def _unary(op: str) -> Callable[[Handler], Handler]:
+    """Times and counts a unary (or client-streaming) handler; maps errors to codes."""
+
+    def wrap(fn: Handler) -> Handler:
+        @wraps(fn)
+        async def handler(self: KVStoreService, request: Any, context: Any) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            self.inflight.requests += 1
+            try:
+                return await fn(self, request, context)
+            except KvdError as exc:
+                code = exc.code_name
+                if isinstance(exc, ResourceExhausted):
+                    self.metrics.rejected.labels("resource_exhausted").inc()
+                await context.abort(status_code(exc), str(exc))
+            except BaseException:
+                code = "CANCELLED"
+                raise
+            finally:
+                self.inflight.requests -= 1
+                self.metrics.requests.labels(op, code).inc()
+                self.metrics.latency.labels(op).observe(time.perf_counter() - start)
+
+        return handler  # type: ignore[return-value]
+
+    return wrap
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(self, store: Store, limits: ServiceLimits, metrics: Metrics) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self.inflight = InflightBytes(limits.max_inflight_bytes)
+
+    # ---- Put -------------------------------------------------------------------
+    @_unary("put")
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.PutRequest], context: Any
+    ) -> pb.PutResponse:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("a Put stream starts with a header")
+        h = first.header
+        checksum_sent = h.checksum if h.HasField("checksum") else None
+        ticket = self.store.begin_put(
+            h.namespace, h.key, h.size, h.meta, h.parent or None, checksum_sent
+        )
+        if isinstance(ticket, PutResult):
+            return pb.PutResponse(existed=True, checksum=ticket.checksum)
+        self.inflight.acquire(h.size)
+        try:
+            writer = ViewWriter(ticket.views)
+            hasher = Hasher()
+            async for message in _prepend(first, request_iterator):
+                if message is not first and message.HasField("header"):
+                    raise InvalidArgument("a Put stream has one header")
+                data = message.data
+                if writer.written + len(data) > h.size:
+                    raise InvalidArgument(
+                        f"Put chunks add up to more than the declared {h.size} bytes"
+                    )
+                writer.write(data)
+                hasher.update(data)
+            if writer.written != h.size:
+                raise InvalidArgument(
+                    f"Put chunks add up to {writer.written} bytes, the header declared {h.size}"
+                )
+            result = self.store.finish_put(ticket, hasher.value())
+        finally:
+            self.store.abort_put(ticket)
+            self.inflight.release(h.size)
+        self.metrics.bytes.labels("put", "in").inc(h.size)
+        return pb.PutResponse(existed=result.existed, checksum=result.checksum)
+
+    # ---- Get -------------------------------------------------------------------
+    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetResponse]:
+        start = time.perf_counter()
+        code = "OK"
+        self.inflight.requests += 1
+        held = 0
+        try:
+            reader = self.store.open(request.namespace, request.key)
+            if reader is None:
+                self.metrics.misses.labels("get").inc()
+                yield pb.GetResponse(header=pb.GetHeader(found=False))
+                return
+            try:
+                self.inflight.acquire(reader.size)
+                held = reader.size
+                self.metrics.hits.labels("get", "l1").inc()
+                header = pb.GetHeader(
+                    found=True,
+                    size=reader.size,
+                    checksum=reader.checksum,
+                    meta=reader.meta,
+                    tier=pb.TIER_L1,
+                )
+                pieces = chunked(reader.views, CHUNK_BYTES)
+                if not pieces:
+                    yield pb.GetResponse(header=header)
+                for i, piece in enumerate(pieces):
+                    data = bytes(piece[0]) if len(piece) == 1 else b"".join(piece)
+                    yield pb.GetResponse(header=header if i == 0 else None, data=data)
+                self.metrics.bytes.labels("get", "out").inc(reader.size)
+            finally:
+                reader.close()
+        except KvdError as exc:
+            code = exc.code_name
+            await context.abort(status_code(exc), str(exc))
+        except BaseException:
+            code = "CANCELLED"
+            raise
+        finally:
+            if held:
+                self.inflight.release(held)
+            self.inflight.requests -= 1
+            self.metrics.requests.labels("get", code).inc()
+            self.metrics.latency.labels("get").observe(time.perf_counter() - start)
+
+    # ---- batches ---------------------------------------------------------------
+    def _check_batch(self, count: int) -> None:
+        if count > self.limits.max_batch_items:
+            raise InvalidArgument(
+                f"{count} items in one batch, max_batch_items={self.limits.max_batch_items}"
+            )
+
+    @_unary("batch_put")
+    async def BatchPut(self, request: pb.BatchPutRequest, context: Any) -> pb.BatchPutResponse:
+        self._check_batch(len(request.items))
+        statuses = []
+        previous: bytes | None = None
+        for item in request.items:
+            parent = item.parent or (previous if request.chained else None)
+            previous = item.key
+            try:
+                result = self.store.put(
+                    request.namespace,
+                    item.key,
+                    item.value,
+                    item.meta,
+                    parent,
+                    item.checksum if item.HasField("checksum") else None,
+                    hasher=checksum,
+                )
+            except KvdError as exc:
+                statuses.append(pb.ItemStatus(code=status_value(exc), message=str(exc)))
+                continue
+            self.metrics.bytes.labels("batch_put", "in").inc(len(item.value))
+            statuses.append(pb.ItemStatus(existed=result.existed, checksum=result.checksum))
+        return pb.BatchPutResponse(statuses=statuses)
+
+    @_unary("batch_get")
+    async def BatchGet(self, request: pb.BatchGetRequest, context: Any) -> pb.BatchGetResponse:
+        self._check_batch(len(request.keys))
+        budget = self.limits.max_message_bytes - _BATCH_OVERHEAD_BYTES
+        items = []
+        for key in request.keys:
+            reader = self.store.open(request.namespace, key)
+            if reader is None:
+                self.metrics.misses.labels("batch_get").inc()
+                items.append(pb.GetItem(found=False))
+                continue
+            try:
+                if reader.size > budget:
+                    items.append(pb.GetItem(found=True, code=_CODE_VALUES["RESOURCE_EXHAUSTED"]))
+                    continue
+                budget -= reader.size
+                value = b"".join(reader.views)
+                self.metrics.hits.labels("batch_get", "l1").inc()
+                self.metrics.bytes.labels("batch_get", "out").inc(reader.size)
+                items.append(
+                    pb.GetItem(
+                        found=True,
+                        value=value,
+                        meta=reader.meta,
+                        checksum=reader.checksum,
+                        tier=pb.TIER_L1,
+                    )
+                )
+            finally:
+                reader.close()
+        return pb.BatchGetResponse(items=items)
+
+    # ---- index -----------------------------------------------------------------
+    @_unary("exists")
+    async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
+        return pb.ExistsResponse(exists=self.store.exists(request.namespace, request.keys))
+
+    @_unary("lookup")
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        result = self.store.lookup(request.namespace, request.keys, request.lease_ms)
+        if result.prefix_len:
+            self.metrics.hits.labels("lookup", "l1").inc(result.l1_hits)
+            self.metrics.hits.labels("lookup", "l2").inc(result.l2_hits)
+        if result.prefix_len < len(request.keys):
+            self.metrics.misses.labels("lookup").inc()
+        return pb.LookupResponse(
+            prefix_len=result.prefix_len,
+            l1_hits=result.l1_hits,
+            l2_hits=result.l2_hits,
+            lease_id=result.lease_id,
+            lease_expires_ms=result.lease_ms,
+        )
+
+    @_unary("release")
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.store.release(request.lease_id))
+
+    @_unary("delete")
+    async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
+        if request.all_keys:
+            if request.keys:
+                raise InvalidArgument("Delete takes keys or all_keys, not both")
+            return pb.DeleteResponse(deleted=self.store.delete_namespace(request.namespace))
+        return pb.DeleteResponse(deleted=self.store.delete(request.namespace, request.keys))
+
+    @_unary("stats")
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        self.store.active_leases  # noqa: B018 - expires stale leases before counting
+        values = self.store.stats()
+        values["inflight_bytes"] = self.inflight.bytes
+        values["inflight_requests"] = self.inflight.requests
+        namespaces = [
+            pb.NamespaceStats(
+                name=ns.name,
+                entries=len(ns.entries),
+                bytes=ns.bytes_stored,
+                hits=ns.hits,
+                misses=ns.misses,
+            )
+            for ns in self.store.namespaces()
+            if not request.namespace or ns.name == request.namespace
+        ]
+        return pb.StatsResponse(values=values, namespaces=namespaces, version=__version__)
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
