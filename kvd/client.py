@@ -59,6 +59,10 @@ DEFAULT_TIMEOUT_S = 5.0
 CHUNK_BYTES = 1 << 20
 # Values up to this size travel in BatchPut/BatchGet, up to this many per call.
 BATCH_VALUE_BYTES_MAX = 1 << 20
+# get() asks for values up to this size in one unary call and streams larger
+# ones: a unary call costs ~half a stream's fixed overhead (64 KiB: ~0.13 vs
+# ~0.08 GB/s here), while above 1 MiB streamed messages win.
+INLINE_GET_BYTES_MAX = 1 << 20
 BATCH_BYTES_MAX = 8 << 20
 BATCH_ITEMS_MAX = 256
 _MESSAGE_BYTES_MAX = 1 << 30
@@ -247,6 +251,32 @@ def _batch_get_item(item: pb.GetItem) -> bytes | type[ResourceExhausted] | None:
     return item.value
 
 
+def _single_get_request(ns: str, key: bytes) -> pb.BatchGetRequest:
+    return pb.BatchGetRequest(namespace=ns, keys=[key], inline_bytes_max=INLINE_GET_BYTES_MAX)
+
+
+def _copy_into(value: bytes | None, buffer: Buffer) -> int | None:
+    if value is None:
+        return None
+    view = memoryview(buffer).cast("B")
+    if len(value) > len(view):
+        raise InvalidArgument(f"buffer of {len(view)} bytes is too small for {len(value)}")
+    view[: len(value)] = value
+    return len(value)
+
+
+def _small_put_request(
+    ns: str, key: bytes, value: Buffer, meta: bytes, parent: bytes | None, durable: bool
+) -> pb.BatchPutRequest | None:
+    """A one-item BatchPut for a small value (one unary call), else None."""
+    view = memoryview(value).cast("B")
+    if len(view) > BATCH_VALUE_BYTES_MAX:
+        return None
+    data = value if isinstance(value, bytes) else bytes(view)
+    item = pb.PutItem(key=key, value=data, meta=meta, parent=parent or b"", checksum=checksum(view))
+    return pb.BatchPutRequest(namespace=ns, items=[item], durable=durable)
+
+
 def _lookup_result(response: pb.LookupResponse) -> LookupResult:
     return LookupResult(
         response.prefix_len,
@@ -305,6 +335,9 @@ class Client:
         durable: bool = False,
     ) -> bool:
         """Store a value; True when the key already held these bytes."""
+        small = _small_put_request(ns, key, value, meta, parent, durable)
+        if small is not None:
+            return _batch_put_result(self._call(self._stub.BatchPut, small), 0)[0]
         response = self._call(self._stub.Put, _put_requests(ns, key, value, meta, parent, durable))
         return bool(response.existed)
 
@@ -323,12 +356,20 @@ class Client:
             raise
 
     def get(self, ns: str, key: bytes) -> bytes | None:
+        item = self._call(self._stub.BatchGet, _single_get_request(ns, key)).items[0]
+        value = _batch_get_item(item)
+        if value is not ResourceExhausted:
+            return value  # type: ignore[return-value]
         assembler = _GetAssembler()
         self._get(ns, key, assembler)
         return assembler.value()
 
     def get_into(self, ns: str, key: bytes, buffer: Buffer) -> int | None:
         """Read a value into ``buffer``; its size, or None on a miss."""
+        item = self._call(self._stub.BatchGet, _single_get_request(ns, key)).items[0]
+        value = _batch_get_item(item)
+        if value is not ResourceExhausted:
+            return _copy_into(value, buffer)  # type: ignore[arg-type]
         assembler = _GetAssembler(memoryview(buffer).cast("B"))
         self._get(ns, key, assembler)
         return assembler.size_into()
@@ -431,6 +472,9 @@ class AsyncClient:
         *,
         durable: bool = False,
     ) -> bool:
+        small = _small_put_request(ns, key, value, meta, parent, durable)
+        if small is not None:
+            return _batch_put_result(await self._call(self._stub.BatchPut, small), 0)[0]
         requests = _aiter(_put_requests(ns, key, value, meta, parent, durable))
         return bool((await self._call(self._stub.Put, requests)).existed)
 
@@ -449,11 +493,19 @@ class AsyncClient:
             raise
 
     async def get(self, ns: str, key: bytes) -> bytes | None:
+        item = (await self._call(self._stub.BatchGet, _single_get_request(ns, key))).items[0]
+        value = _batch_get_item(item)
+        if value is not ResourceExhausted:
+            return value  # type: ignore[return-value]
         assembler = _GetAssembler()
         await self._get(ns, key, assembler)
         return assembler.value()
 
     async def get_into(self, ns: str, key: bytes, buffer: Buffer) -> int | None:
+        item = (await self._call(self._stub.BatchGet, _single_get_request(ns, key))).items[0]
+        value = _batch_get_item(item)
+        if value is not ResourceExhausted:
+            return _copy_into(value, buffer)  # type: ignore[arg-type]
         assembler = _GetAssembler(memoryview(buffer).cast("B"))
         await self._get(ns, key, assembler)
         return assembler.size_into()

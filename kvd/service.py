@@ -234,6 +234,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def BatchGet(self, request: pb.BatchGetRequest, context: Any) -> pb.BatchGetResponse:
         self._check_batch(len(request.keys))
         budget = self.limits.max_message_bytes - _BATCH_OVERHEAD_BYTES
+        inline_max = request.inline_bytes_max or budget
         items = []
         for key in request.keys:
             reader = self.store.open(request.namespace, key)
@@ -242,7 +243,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 items.append(pb.GetItem(found=False))
                 continue
             try:
-                if reader.size > budget:
+                if reader.size > min(budget, inline_max):
                     items.append(pb.GetItem(found=True, code=_CODE_VALUES["RESOURCE_EXHAUSTED"]))
                     continue
                 budget -= reader.size

@@ -1,0 +1,113 @@
+"""A kvd daemon in a child process, for benchmarks and tests.
+
+Started as ``python -m kvd serve`` on ephemeral ports (0); the ports it bound
+are read from its start-up log line, so runs never collide on a port. Stopped
+with SIGTERM, then SIGKILL after a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+START_TIMEOUT_S = 30.0
+# Log lines kept per daemon: enough for any test to read its start and stop.
+LOG_LINES_MAX = 10_000
+
+
+class SpawnedDaemon:
+    """A running ``kvd serve`` and what it printed."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        dram: str = "64MiB",
+        max_value: str = "32MiB",
+    ) -> None:
+        self.workdir = workdir
+        self.socket = str(workdir / "kvd.sock")
+        self.log: list[str] = []
+        self._started = threading.Event()
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        full_env.update(env or {})
+        full_env["PYTHONUNBUFFERED"] = "1"
+        cmd = [
+            sys.executable, "-m", "kvd", "serve",
+            "--listen", "127.0.0.1:0",
+            "--metrics-listen", "127.0.0.1:0",
+            "--socket", self.socket,
+            "--dram-bytes", dram,
+            "--max-value-bytes", max_value,
+            "--ssd-path", str(workdir / "ssd-0.dat"),
+            "--ssd-bytes", "256MiB",
+            *args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        if not self._started.wait(START_TIMEOUT_S) or self.proc.poll() is not None:
+            self.kill()
+            raise RuntimeError("kvd did not start:\n" + "\n".join(self.log))
+        line = next(line for line in self.log if "kvd started" in line)
+        listen = re.search(r"listen=[^ ]*:(\d+)", line)
+        metrics = re.search(r"metrics=[^ ]*:(\d+)", line)
+        self.port = int(listen.group(1)) if listen else 0
+        self.metrics_port = int(metrics.group(1)) if metrics else 0
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if len(self.log) < LOG_LINES_MAX:
+                self.log.append(line.rstrip("\n"))
+            if "kvd started" in line:
+                self._started.set()
+        self._started.set()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def socket_target(self) -> str:
+        return f"unix://{self.socket}"
+
+    def _reap(self) -> None:
+        self._reader.join(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._reap()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._reap()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
