@@ -146,7 +146,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise InvalidArgument(
                     f"Put chunks add up to {writer.written} bytes, the header declared {h.size}"
                 )
-            result = self.store.finish_put(ticket, hasher.value())
+            result = await self.store.publish(ticket, hasher.value(), h.durable)
         finally:
             self.store.abort_put(ticket)
             self.inflight.release(h.size)
@@ -160,7 +160,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.inflight.requests += 1
         held = 0
         try:
-            reader = self.store.open(request.namespace, request.key)
+            reader = await self.store.fetch(request.namespace, request.key)
             if reader is None:
                 self.metrics.misses.labels("get").inc()
                 yield pb.GetResponse(header=pb.GetHeader(found=False))
@@ -214,7 +214,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             parent = item.parent or (previous if request.chained else None)
             previous = item.key
             try:
-                result = self.store.put(
+                result = await self.store.put(
                     request.namespace,
                     item.key,
                     item.value,
@@ -222,6 +222,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     parent,
                     item.checksum if item.HasField("checksum") else None,
                     hasher=checksum,
+                    durable=request.durable,
                 )
             except KvdError as exc:
                 statuses.append(pb.ItemStatus(code=status_value(exc), message=str(exc)))
@@ -237,7 +238,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         inline_max = request.inline_bytes_max or budget
         items = []
         for key in request.keys:
-            reader = self.store.open(request.namespace, key)
+            reader = await self.store.fetch(request.namespace, key)
             if reader is None:
                 self.metrics.misses.labels("batch_get").inc()
                 items.append(pb.GetItem(found=False))

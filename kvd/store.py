@@ -282,13 +282,20 @@ class Store:
         self.policy.insert((ns.id, ticket.key), parent_pk)
         return PutResult(existed=False, checksum=checksum)
 
+    async def publish(self, ticket: PutTicket, checksum: int, durable: bool = False) -> PutResult:
+        """Publish a filled ticket; with ``durable``, return once the value is on L2.
+
+        Every transport (gRPC, shared memory, bulk TCP) ends its puts here.
+        """
+        return self.finish_put(ticket, checksum)
+
     def abort_put(self, ticket: PutTicket) -> None:
         """Give a ticket's pages back (idempotent; safe after finish_put)."""
         if not ticket.done:
             ticket.done = True
             self.pool.free(ticket.runs)
 
-    def put(
+    async def put(
         self,
         ns_name: str,
         key: bytes,
@@ -298,6 +305,7 @@ class Store:
         checksum: int | None = None,
         *,
         hasher: Callable[[bytes | memoryview], int],
+        durable: bool = False,
     ) -> PutResult:
         """Whole-value put (batches, tests): reserve, copy, publish."""
         value = memoryview(value).cast("B")
@@ -312,7 +320,7 @@ class Store:
         except BaseException:
             self.abort_put(ticket)
             raise
-        return self.finish_put(ticket, hasher(value))
+        return await self.publish(ticket, hasher(value), durable)
 
     def _alloc(self, size: int) -> list[Run]:
         self._expire_leases()
@@ -378,6 +386,13 @@ class Store:
         entry.readers += 1
         self.policy.touch((ns.id, key))
         return Reader(self, entry, self.pool.views(entry.runs, entry.size))
+
+    async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin a value wherever it is stored (L1, or L2 read back into L1); None on a miss.
+
+        Every transport's get starts here.
+        """
+        return self.open(ns_name, key)
 
     def _unpin(self, entry: Entry) -> None:
         entry.readers -= 1

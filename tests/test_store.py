@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -25,10 +26,14 @@ def make_store(pages: int = 16, **limits: int) -> tuple[Store, Clock]:
     return Store(Pool(pages * PAGE_BYTES), StoreLimits(**limits), clock=clock), clock
 
 
+_loop = asyncio.new_event_loop()
+
+
 def put(
     store: Store, key: bytes, value: bytes, ns: str = "ns", parent: bytes | None = None
 ) -> PutResult:
-    return store.put(ns, key, value, parent=parent, checksum=checksum(value), hasher=checksum)
+    coro = store.put(ns, key, value, parent=parent, checksum=checksum(value), hasher=checksum)
+    return _loop.run_until_complete(coro)
 
 
 def read(store: Store, key: bytes, ns: str = "ns") -> bytes | None:
@@ -79,7 +84,9 @@ def test_concurrent_puts_of_one_key_first_finisher_wins() -> None:
 def test_checksum_mismatch_is_data_loss_and_leaves_nothing() -> None:
     store, _ = make_store()
     with pytest.raises(DataLoss):
-        store.put("ns", b"k", b"abc", checksum=checksum(b"abd"), hasher=checksum)
+        _loop.run_until_complete(
+            store.put("ns", b"k", b"abc", checksum=checksum(b"abd"), hasher=checksum)
+        )
     assert read(store, b"k") is None
     assert store.pool.used_bytes == 0
 
