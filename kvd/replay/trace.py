@@ -88,9 +88,7 @@ def _int_field(obj: dict[str, object], name: str, line: int) -> int:
     return value
 
 
-def parse_trace(
-    lines: Iterable[str | bytes], *, block_tokens: int = BLOCK_TOKENS_DEFAULT
-) -> Trace:
+def parse_trace(lines: Iterable[str | bytes], *, block_tokens: int = BLOCK_TOKENS_DEFAULT) -> Trace:
     """Parse JSONL lines (blank lines are skipped) into a Trace."""
     if not 1 <= block_tokens <= 1 << 20:
         raise TraceError(0, f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")

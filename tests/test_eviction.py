@@ -1,0 +1,202 @@
+"""Semantics of the store's eviction policies (kvd.eviction)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvd.eviction import (
+    POLICIES,
+    EvictionPolicy,
+    GdfPolicy,
+    LruPolicy,
+    UnknownPolicyError,
+    make_policy,
+)
+
+
+def never(_key: object) -> bool:
+    return False
+
+
+def drain(policy: EvictionPolicy[Any], skip: Callable[[Any], bool] = never) -> list[Any]:
+    """Evict until victim() says None; the order of victims."""
+    order: list[Any] = []
+    for _ in range(10_000):
+        key = policy.victim(skip)
+        if key is None:
+            return order
+        policy.remove(key)
+        order.append(key)
+    raise AssertionError("victim() never returned None")
+
+
+def test_policies_listed_and_made() -> None:
+    assert "lru" in POLICIES
+    for name in POLICIES:
+        policy = make_policy(name)
+        assert policy.name == name
+        assert len(policy) == 0
+        assert policy.victim(never) is None
+    with pytest.raises(UnknownPolicyError, match="nope"):
+        make_policy("nope")
+
+
+def test_lru_order_among_unrelated_blocks() -> None:
+    policy = LruPolicy[str]()
+    for key in "abcd":
+        policy.insert(key, None)
+    policy.touch("a")
+    policy.touch("c")
+    assert drain(policy) == ["b", "d", "a", "c"]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_chain_is_evicted_tail_first(name: str) -> None:
+    policy = make_policy(name)
+    chain = [("ns", i) for i in range(5)]
+    parent = None
+    for key in chain:
+        policy.insert(key, parent)
+        parent = key
+    policy.touch(chain[0])  # the head is the most recently used block
+    assert drain(policy) == list(reversed(chain))
+
+
+def test_lru_evicts_leaves_before_older_ancestors() -> None:
+    policy = LruPolicy[str]()
+    policy.insert("root", None)
+    policy.insert("x", "root")
+    policy.insert("y", "root")
+    policy.insert("lone", None)
+    policy.touch("lone")
+    # root is the oldest block, but it has resident children: the leaves go first
+    # in LRU order (x, y, then lone, which was touched last but root only became a
+    # leaf after x and y left and is older).
+    assert drain(policy) == ["x", "y", "root", "lone"]
+
+
+def test_leaf_order_is_by_last_access_within_leaves() -> None:
+    policy = LruPolicy[str]()
+    policy.insert("a", None)
+    policy.insert("a1", "a")
+    policy.insert("b", None)
+    policy.insert("b1", "b")
+    policy.touch("a")
+    policy.touch("a1")
+    assert drain(policy) == ["b1", "b", "a1", "a"]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_skip_is_respected_and_pinned_keys_stay_tracked(name: str) -> None:
+    policy = make_policy(name)
+    for key in range(6):
+        policy.insert(key, None)
+    pinned = {0, 2, 4}
+    order = drain(policy, pinned.__contains__)
+    assert sorted(order) == [1, 3, 5]
+    assert len(policy) == 3
+    assert sorted(drain(policy)) == [0, 2, 4]  # still tracked once unpinned
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_interior_blocks_go_only_when_every_leaf_is_pinned(name: str) -> None:
+    policy = make_policy(name)
+    policy.insert("head", None)
+    policy.insert("mid", "head")
+    policy.insert("tail", "mid")
+    assert policy.victim(lambda key: key != "head") == "head"
+    # the only leaf is pinned: an unpinned interior block is offered rather than
+    # stalling the store
+    assert policy.victim(lambda key: key == "tail") in ("head", "mid")
+    assert policy.victim(lambda key: True) is None
+    assert len(policy) == 3
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_remove_unknown_key_is_a_no_op(name: str) -> None:
+    policy = make_policy(name)
+    policy.insert("a", None)
+    policy.remove("missing")
+    policy.remove("missing")
+    assert len(policy) == 1
+    assert policy.victim(never) == "a"
+    policy.remove("a")
+    policy.remove("a")
+    assert len(policy) == 0
+    policy.touch("a")  # touching an unknown key is ignored as well
+    assert policy.victim(never) is None
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_child_inserted_before_parent_is_adopted(name: str) -> None:
+    policy = make_policy(name)
+    policy.insert("child", "parent")
+    policy.insert("parent", None)
+    policy.touch("parent")
+    # parent is newer, but it has a resident child, so the child goes first
+    assert drain(policy) == ["child", "parent"]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_removed_parent_frees_its_child_to_be_a_root(name: str) -> None:
+    policy = make_policy(name)
+    policy.insert("p", None)
+    policy.insert("c", "p")
+    policy.remove("p")  # a delete, not an eviction
+    assert policy.victim(never) == "c"
+    policy.remove("c")
+    assert len(policy) == 0
+
+
+def test_gdf_keeps_hit_blocks_over_newer_unhit_ones() -> None:
+    policy = GdfPolicy[str]()
+    policy.insert("hot", None)
+    for _ in range(3):
+        policy.touch("hot")
+    policy.insert("cold", None)
+    assert policy.victim(never) == "cold"
+
+
+def test_gdf_remembers_hits_of_evicted_blocks() -> None:
+    policy = GdfPolicy[str]()
+    policy.insert("a", None)
+    policy.touch("a")
+    policy.touch("a")
+    assert policy.victim(never) == "a"
+    policy.remove("a")
+    assert policy.ghost_len == 1
+    policy.insert("a", None)  # comes back with its two hits
+    policy.insert("b", None)
+    assert policy.victim(never) == "b"
+    assert policy.ghost_len == 0
+
+
+def test_gdf_ghost_and_heaps_stay_bounded() -> None:
+    policy = GdfPolicy[int]()
+    capacity = 50
+    for key in range(20_000):
+        policy.insert(key, key - 1 if key % 10 else None)
+        policy.touch(key)
+        if key % 3 == 0 and key >= 3:
+            policy.touch(key - 3)
+        while len(policy) > capacity:
+            victim = policy.victim(never)
+            assert victim is not None
+            policy.remove(victim)
+        assert policy.ghost_len <= len(policy) + 1024
+        # rebuilt whenever a push finds more than 2x the live entries + 1024
+        assert len(policy._leaf_heap) + len(policy._inner_heap) <= 2 * (capacity + 1) + 1025
+    assert len(policy) == capacity
+
+
+def test_lru_heaps_stay_bounded_under_touches() -> None:
+    policy = LruPolicy[int]()
+    for key in range(100):
+        policy.insert(key, None)
+    for step in range(50_000):
+        policy.touch(step % 100)
+    assert len(policy._leaf_heap) + len(policy._inner_heap) <= 2 * 100 + 1025
+    assert drain(policy)[:3] == [0, 1, 2]
