@@ -123,7 +123,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise InvalidArgument("a Put stream starts with a header")
         h = first.header
         checksum_sent = h.checksum if h.HasField("checksum") else None
-        ticket = self.store.begin_put(
+        ticket = await self.store.begin_put(
             h.namespace, h.key, h.size, h.meta, h.parent or None, checksum_sent
         )
         if isinstance(ticket, PutResult):

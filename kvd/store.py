@@ -210,7 +210,7 @@ class Store:
         return list(self._namespaces.values())
 
     # ---- put -------------------------------------------------------------------
-    def begin_put(
+    async def begin_put(
         self,
         ns_name: str,
         key: bytes,
@@ -243,7 +243,7 @@ class Store:
             existing = ns.entries.get(key)
             if existing is not None:
                 return self._same_or_conflict(existing, checksum)
-        runs = self._alloc(size)
+        runs = await self._alloc(size)
         return PutTicket(
             ns_name, key, size, meta, parent or None, checksum, runs, self.pool.views(runs, size)
         )
@@ -309,7 +309,7 @@ class Store:
     ) -> PutResult:
         """Whole-value put (batches, tests): reserve, copy, publish."""
         value = memoryview(value).cast("B")
-        ticket = self.begin_put(ns_name, key, len(value), meta, parent, checksum)
+        ticket = await self.begin_put(ns_name, key, len(value), meta, parent, checksum)
         if isinstance(ticket, PutResult):
             return ticket
         try:
@@ -322,7 +322,7 @@ class Store:
             raise
         return await self.publish(ticket, hasher(value), durable)
 
-    def _alloc(self, size: int) -> list[Run]:
+    async def _alloc(self, size: int) -> list[Run]:
         self._expire_leases()
         need = pages_for(size)
         while self.pool.free_pages < need:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
@@ -11,6 +13,8 @@ from kvd.checksum import checksum
 from kvd.errors import AlreadyExists, DataLoss, InvalidArgument, ResourceExhausted
 from kvd.pool import PAGE_BYTES, Pool
 from kvd.store import PutResult, PutTicket, Store, StoreLimits
+
+T = TypeVar("T")
 
 
 class Clock:
@@ -27,6 +31,10 @@ def make_store(pages: int = 16, **limits: int) -> tuple[Store, Clock]:
 
 
 _loop = asyncio.new_event_loop()
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return _loop.run_until_complete(coro)
 
 
 def put(
@@ -69,8 +77,8 @@ def test_write_once_same_content_is_noop_other_content_rejected() -> None:
 
 def test_concurrent_puts_of_one_key_first_finisher_wins() -> None:
     store, _ = make_store()
-    t1 = store.begin_put("ns", b"k", 3)
-    t2 = store.begin_put("ns", b"k", 3)
+    t1 = run(store.begin_put("ns", b"k", 3))
+    t2 = run(store.begin_put("ns", b"k", 3))
     assert isinstance(t1, PutTicket) and isinstance(t2, PutTicket)
     t1.views[0][:] = b"abc"
     t2.views[0][:] = b"xyz"
@@ -93,7 +101,7 @@ def test_checksum_mismatch_is_data_loss_and_leaves_nothing() -> None:
 
 def test_aborted_put_is_invisible_and_frees_pages() -> None:
     store, _ = make_store()
-    ticket = store.begin_put("ns", b"k", 2 * PAGE_BYTES)
+    ticket = run(store.begin_put("ns", b"k", 2 * PAGE_BYTES))
     assert isinstance(ticket, PutTicket)
     assert store.exists("ns", [b"k"]) == [False]
     store.abort_put(ticket)
@@ -117,7 +125,7 @@ def test_bad_input(ns: str, key: bytes, size: int, meta: bytes, match: str) -> N
     if size == 1 << 40:
         store, _ = make_store(16, max_value_bytes=1 << 20)
     with pytest.raises(InvalidArgument, match=match):
-        store.begin_put(ns, key, size, meta)
+        run(store.begin_put(ns, key, size, meta))
 
 
 def test_eviction_makes_room_and_counts() -> None:
