@@ -337,6 +337,13 @@ class UringBackend(_BackendBase):
         self._ring.close()
 
 
+def open_ring(depth: int) -> _uring.Ring:
+    """A bare native ring, for tests and benchmarks of the native layer."""
+    if _uring_import_error is not None:
+        raise RuntimeError(_uring_import_error)
+    return _uring.Ring(depth)
+
+
 @functools.cache
 def native_available() -> tuple[bool, str]:
     """Whether the io_uring backend can run here, and why not when it cannot."""
