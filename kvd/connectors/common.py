@@ -1,0 +1,274 @@
+"""Pieces every engine connector shares.
+
+- ``namespace()`` builds a namespace name from everything that changes the
+  bytes of a KV block (model, dtype, layout, rank, world size, salt, ...), so
+  blocks of different layouts never meet (DESIGN §3).
+- ``text_key()`` / ``int_key()`` turn an engine's block id (a hex digest, a
+  string, an integer hash) into a kvd key of at most 64 bytes, injectively
+  and the same way in every process (no ``hash()``).
+- ``Guard`` runs a daemon call and turns every failure (daemon down, deadline
+  passed, bad data, or a bug in the connector itself) into the caller's miss
+  value, logging at most one line per ``LOG_INTERVAL_S`` per operation. An
+  engine's step loop never sees an exception from kvd; it recomputes.
+- ``encode_meta()`` / ``decode_meta()``: the small JSON blob kept in a value's
+  ``meta`` (shape, dtype, format), bounded by the daemon's 4 KiB.
+- ``get_with_meta()`` reads a value together with its ``meta``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvd.checksum import checksum
+from kvd.client import (
+    INLINE_GET_BYTES_MAX,
+    Client,
+    DataLoss,
+    _GetAssembler,
+)
+from kvd.v1 import kvd_pb2 as pb
+
+log = logging.getLogger("kvd.connectors")
+
+T = TypeVar("T")
+
+NAMESPACE_BYTES_MAX = 256
+KEY_BYTES_MAX = 64
+META_BYTES_MAX = 4096
+# A connector's calls sit on the engine's critical path: a lookup that takes
+# longer than a prefill of a few hundred tokens (~0.5 s on a GPU) is worth
+# less than recomputing, so the default deadline is short.
+DEFAULT_TIMEOUT_S = 2.0
+# Scheduler-side leases keep looked-up blocks in place until the worker has
+# fetched them; a step takes well under a second, so 10 s covers a slow one.
+DEFAULT_LEASE_MS = 10_000
+# One warning per operation per this many seconds: a down daemon must not
+# flood the engine's log at one line per block.
+LOG_INTERVAL_S = 30.0
+DEFAULT_TARGET = "127.0.0.1:7070"
+
+_KEY_TAG_HEX = b"\x01"
+_KEY_TAG_TEXT = b"\x02"
+_KEY_TAG_DIGEST = b"\x03"
+_KEY_TAG_INT = b"\x04"
+_UNSAFE = set("/=%@")
+
+
+def _escape(value: str) -> str:
+    out = []
+    for ch in value:
+        if ch in _UNSAFE or not ch.isprintable() or ch.isspace():
+            out.append("".join(f"%{b:02X}" for b in ch.encode()))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def namespace(engine: str, fields: Mapping[str, object]) -> str:
+    """``engine/k=v/k=v...`` in the given order, escaped; hashed down when too long.
+
+    Every field separates: two field sets that differ in any value give
+    different names (values are escaped, so no value can fake a separator).
+    """
+    parts = [_escape(engine)]
+    for name, value in fields.items():
+        parts.append(f"{_escape(name)}={_escape(str(value))}")
+    full = "/".join(parts)
+    if len(full.encode()) <= NAMESPACE_BYTES_MAX:
+        return full
+    digest = hashlib.sha256(full.encode()).hexdigest()[:32]
+    head = full.encode()[: NAMESPACE_BYTES_MAX - len(digest) - 1].decode(errors="ignore")
+    return f"{head}#{digest}"
+
+
+def text_key(value: str) -> bytes:
+    """A kvd key for an engine's string block id (hex digests stay compact)."""
+    if value and len(value) % 2 == 0 and len(value) // 2 < KEY_BYTES_MAX:
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            raw = b""
+        if raw and raw.hex() == value:
+            return _KEY_TAG_HEX + raw
+    encoded = value.encode()
+    if len(encoded) < KEY_BYTES_MAX:
+        return _KEY_TAG_TEXT + encoded
+    return _KEY_TAG_DIGEST + hashlib.sha256(encoded).digest()
+
+
+def int_key(value: int, suffix: bytes = b"") -> bytes:
+    """A kvd key for an integer block hash of any sign and size."""
+    length = max(1, (value.bit_length() + 8) // 8)
+    body = value.to_bytes(length, "big", signed=True) + suffix
+    if len(body) < KEY_BYTES_MAX:
+        return _KEY_TAG_INT + body
+    return _KEY_TAG_DIGEST + hashlib.sha256(body).digest()
+
+
+def bytes_key(value: bytes) -> bytes:
+    """A kvd key for an engine's binary block hash (vLLM's 32-byte digests)."""
+    if 0 < len(value) <= KEY_BYTES_MAX:
+        return value
+    return hashlib.sha256(value).digest()
+
+
+def parse_target(url: str | None) -> str:
+    """``kvd://host:port``, ``host:port``, ``kvd:///a.sock``, ``unix:///a.sock`` → a target."""
+    if not url:
+        return DEFAULT_TARGET
+    if url.startswith("unix://"):
+        return url
+    if url.startswith("kvd://"):
+        rest = url[len("kvd://") :]
+        if rest.startswith("/"):
+            return "unix://" + rest
+        return rest.split("?", 1)[0].rstrip("/") or DEFAULT_TARGET
+    if "://" in url:
+        raise ValueError(f"not a kvd address: {url!r}")
+    return url
+
+
+def encode_meta(fields: Mapping[str, Any]) -> bytes:
+    blob = json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
+    if len(blob) > META_BYTES_MAX:
+        raise ValueError(f"meta of {len(blob)} bytes is over {META_BYTES_MAX}")
+    return blob
+
+
+def decode_meta(blob: bytes) -> dict[str, Any] | None:
+    """The meta dict, or None when it is missing or not ours (a miss, never a guess)."""
+    if not blob or len(blob) > META_BYTES_MAX:
+        return None
+    try:
+        value = json.loads(blob)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def get_with_meta(client: Client, ns: str, key: bytes) -> tuple[bytes, bytes] | None:
+    """(value, meta) of one key, or None on a miss; checksums checked."""
+    request = pb.BatchGetRequest(namespace=ns, keys=[key], inline_bytes_max=INLINE_GET_BYTES_MAX)
+    item = client._call(client._stub.BatchGet, request).items[0]
+    if item.code == 0:
+        if not item.found:
+            return None
+        if checksum(item.value) != item.checksum:
+            raise DataLoss("value does not match its checksum")
+        return item.value, item.meta
+    assembler = _GetAssembler()
+    client._get(ns, key, assembler)
+    value = assembler.value()
+    if value is None or assembler.header is None:
+        return None
+    return value, assembler.header.meta
+
+
+def get_many_with_meta(
+    client: Client, ns: str, keys: Sequence[bytes]
+) -> list[tuple[bytes, bytes] | None]:
+    """``get_with_meta`` for several keys: small values in one BatchGet."""
+    request = pb.BatchGetRequest(
+        namespace=ns, keys=list(keys), inline_bytes_max=INLINE_GET_BYTES_MAX
+    )
+    items = client._call(client._stub.BatchGet, request).items
+    out: list[tuple[bytes, bytes] | None] = []
+    for key, item in zip(keys, items, strict=True):
+        if item.code != 0:
+            out.append(get_with_meta(client, ns, key))
+        elif not item.found:
+            out.append(None)
+        elif checksum(item.value) != item.checksum:
+            raise DataLoss("value does not match its checksum")
+        else:
+            out.append((item.value, item.meta))
+    return out
+
+
+@dataclass
+class GuardStats:
+    calls: int = 0
+    failures: int = 0
+
+
+class Guard:
+    """Runs daemon calls; any exception becomes the caller's miss value.
+
+    Catches ``Exception`` on purpose, not only ``KvdError``: the engine's step
+    loop must never stop because of the cache (a miss costs a recompute, an
+    exception costs the whole batch). Failures are counted and logged at most
+    once per ``LOG_INTERVAL_S`` per operation name.
+    """
+
+    def __init__(self, component: str, log_interval_s: float = LOG_INTERVAL_S) -> None:
+        self.component = component
+        self.log_interval_s = log_interval_s
+        self.stats: dict[str, GuardStats] = {}
+        self._last_log_s: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def call(self, op: str, default: T, fn: Callable[[], T]) -> T:
+        with self._lock:
+            stats = self.stats.setdefault(op, GuardStats())
+            stats.calls += 1
+        try:
+            return fn()
+        except Exception as exc:
+            self.failed(op, exc)
+            return default
+
+    def failed(self, op: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stats = self.stats.setdefault(op, GuardStats())
+            stats.failures += 1
+            last = self._last_log_s.get(op)
+            if last is not None and now - last < self.log_interval_s:
+                return
+            self._last_log_s[op] = now
+            failures = stats.failures
+        log.warning(
+            "kvd %s %s failed, treated as a miss (%d failures so far): %s: %s",
+            self.component,
+            op,
+            failures,
+            type(exc).__name__,
+            exc,
+        )
+
+    def failures(self, op: str | None = None) -> int:
+        with self._lock:
+            if op is not None:
+                return self.stats.get(op, GuardStats()).failures
+            return sum(s.failures for s in self.stats.values())
+
+
+def prefix_hits(found: Sequence[bool]) -> int:
+    """Number of leading True values."""
+    for i, hit in enumerate(found):
+        if not hit:
+            return i
+    return len(found)
+
+
+def config_value(config: Mapping[str, Any] | None, name: str, default: T) -> T:
+    """``config[name]`` converted to the type of ``default``, or ``default``."""
+    if not config or name not in config or config[name] is None:
+        return default
+    value = config[name]
+    if isinstance(default, bool):
+        if isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+        return bool(value)  # type: ignore[return-value]
+    if isinstance(default, int):
+        return int(value)  # type: ignore[return-value]
+    if isinstance(default, float):
+        return float(value)  # type: ignore[return-value]
+    return str(value)  # type: ignore[return-value]
