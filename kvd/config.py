@@ -170,16 +170,37 @@ class Config:
     )
     ssd_path: tuple[str, ...] = _setting(
         ("./kvd-data/kvd-0.dat",),
-        help="L2 files or block devices, striped; repeat the flag for several",
-        min=1,
+        help="L2 files or block devices, striped; repeat the flag for several; empty: no L2",
+        min=0,
         max=64,
         check=_check_paths,
     )
     ssd_bytes: int = _setting(
-        4 * GiB, help="L2 capacity, over all ssd_path entries", min=1 * MiB, max=1 * PiB
+        4 * GiB,
+        help="L2 space per ssd_path (a file is preallocated to it; a device is bounded by it)",
+        min=1 * MiB,
+        max=1 * PiB,
+    )
+    ssd_segment_bytes: int = _setting(
+        256 * MiB,
+        help="L2 segment size per path: the unit of append and reclaim",
+        min=1 * MiB,
+        max=16 * GiB,
+    )
+    ssd_stripe_bytes: int = _setting(
+        256 * KiB,
+        help="bytes written to one path before the next, with several ssd_path entries",
+        min=64 * KiB,
+        max=1 * GiB,
+    )
+    io_depth: int = _setting(
+        64, help="L2 I/O ops in flight at once (io_uring depth)", min=1, max=4096
+    )
+    io_threads: int = _setting(
+        8, help="threads of the fallback I/O backend (no io_uring)", min=1, max=256
     )
     max_value_bytes: int = _setting(
-        256 * MiB, help="largest value a put may store", min=1 * KiB, max=64 * GiB
+        64 * MiB, help="largest value a put may store", min=1 * KiB, max=64 * GiB
     )
     max_message_bytes: int = _setting(
         64 * MiB, help="largest gRPC message, either direction", min=1 * MiB, max=1 * GiB
@@ -213,6 +234,50 @@ class Config:
     log_format: str = _setting("logfmt", help="log line format", choices=("logfmt", "json"))
     shm_dir: str = _setting(
         "/dev/shm/kvd", help="directory of same-node shared-memory regions", check=_check_nonempty
+    )
+    max_regions_per_client: int = _setting(
+        16,
+        help="shared-memory regions one client connection may attach at once",
+        min=1,
+        max=1024,
+    )
+    max_regions: int = _setting(
+        256, help="shared-memory regions attached at once over all clients", min=1, max=65536
+    )
+    max_region_bytes: int = _setting(
+        4 * GiB, help="largest shared-memory region", min=64 * KiB, max=1 * TiB
+    )
+    region_check_ms: int = _setting(
+        1000,
+        help="how often the daemon checks that region owners still hold their lock",
+        min=10,
+        max=60_000,
+    )
+    bulk_listen: str = _setting(
+        "127.0.0.1:7071",
+        help="bulk TCP data port HOST:PORT; empty: none; only loopback until auth exists",
+        check=_check_address_or_empty,
+    )
+    bulk_max_connections: int = _setting(
+        256, help="bulk TCP connections served at once; more are closed", min=1, max=65536
+    )
+    bulk_inflight_bytes: int = _setting(
+        64 * MiB,
+        help="value bytes one bulk connection may have queued to send; past it, reading pauses",
+        min=1 * MiB,
+        max=64 * GiB,
+    )
+    bulk_frame_timeout_ms: int = _setting(
+        30_000,
+        help="time a started bulk frame (header and payload) has to arrive in full",
+        min=10,
+        max=3_600_000,
+    )
+    bulk_idle_timeout_ms: int = _setting(
+        600_000,
+        help="a bulk connection with no frame for this long is closed",
+        min=10,
+        max=86_400_000,
     )
     io_backend: str = _setting(
         "auto",
@@ -439,6 +504,8 @@ def _validate(setting: Setting, value: object) -> None:
 
 def _validate_together(config: Config) -> None:
     """Rules that tie several settings together."""
+    if config.ssd_path:
+        _validate_l2(config)
     if config.max_value_bytes > config.dram_bytes:
         raise ConfigError(
             f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in "
@@ -453,6 +520,14 @@ def _validate_together(config: Config) -> None:
             "lower max_message_bytes or raise max_inflight_bytes",
             key="max_message_bytes",
         )
+    if config.bulk_listen:
+        bulk_host, _ = parse_address(config.bulk_listen)
+        if not is_loopback_host(bulk_host):
+            raise ConfigError(
+                f"bulk_listen: refusing to listen on {config.bulk_listen} without auth; "
+                "use a loopback address (127.0.0.1) or leave it empty",
+                key="bulk_listen",
+            )
     host, _ = parse_address(config.listen)
     if not is_loopback_host(host):
         # No auth exists yet, so any reachable TCP listener would serve anyone.
@@ -549,3 +624,30 @@ def settings_markdown() -> str:
         bounds = setting.bounds()
         rows.append(f"| `{setting.name}` | `{default}` | {bounds} | {setting.help} |")
     return "\n".join(rows) + "\n"
+
+
+def _validate_l2(config: Config) -> None:
+    page = 64 * KiB
+    for name in ("ssd_segment_bytes", "ssd_stripe_bytes"):
+        if getattr(config, name) % page:
+            raise ConfigError(f"{name}: must be a multiple of 64KiB", key=name)
+    if config.ssd_segment_bytes % config.ssd_stripe_bytes:
+        raise ConfigError(
+            "ssd_segment_bytes: must be a multiple of ssd_stripe_bytes", key="ssd_segment_bytes"
+        )
+    if config.ssd_bytes < 2 * config.ssd_segment_bytes:
+        raise ConfigError(
+            f"ssd_bytes: {format_size(config.ssd_bytes)} holds fewer than 2 segments of "
+            f"{format_size(config.ssd_segment_bytes)}: raise ssd_bytes or lower ssd_segment_bytes",
+            key="ssd_bytes",
+        )
+    # A record is a header (<= 8 KiB) plus the value, padded to 64 KiB, and must
+    # fit in a segment after the segment's own 64 KiB marker record.
+    segment_room = config.ssd_segment_bytes * len(config.ssd_path) - 2 * page
+    if config.max_value_bytes > segment_room:
+        raise ConfigError(
+            f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in an L2 "
+            f"segment ({format_size(config.ssd_segment_bytes)} x {len(config.ssd_path)} paths): "
+            "raise ssd_segment_bytes or lower max_value_bytes",
+            key="max_value_bytes",
+        )

@@ -25,6 +25,7 @@ from kvd.eviction import make_policy
 from kvd.metrics import Metrics, SnapshotCollector
 from kvd.pool import Pool
 from kvd.service import KVStoreService, ServiceLimits
+from kvd.shm_service import FastPaths
 from kvd.store import Store, StoreLimits
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -86,6 +87,7 @@ class Daemon:
         )
         self.health = health.aio.HealthServicer()
         self._server: Any = None
+        self.fast_paths: FastPaths | None = None
         self._stopping = asyncio.Event()
         self.port = 0
         self.metrics_port = 0
@@ -136,6 +138,7 @@ class Daemon:
         if cfg.metrics_listen:
             host, port = split_host_port(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)
+        self.fast_paths = await FastPaths.start(cfg, self.service, self.metrics)
         self.metrics.up.set(1)
         log.info(
             "kvd started",
@@ -143,6 +146,8 @@ class Daemon:
                 "version": __version__,
                 "listen": f"{cfg.listen.rpartition(':')[0]}:{self.port}" if cfg.listen else "",
                 "socket": cfg.socket,
+                "bulk": self.fast_paths.bulk_address,
+                "shm_dir": cfg.shm_dir if self.service.regions else "",
                 "metrics": f"{cfg.metrics_listen.rpartition(':')[0]}:{self.metrics_port}"
                 if cfg.metrics_listen
                 else "",
@@ -169,6 +174,8 @@ class Daemon:
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self.fast_paths is not None:
+            await self.fast_paths.stop(grace_s)
         self.metrics.close()
         if self.config.socket:
             with contextlib.suppress(FileNotFoundError):

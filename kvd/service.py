@@ -23,6 +23,7 @@ from kvd.checksum import Hasher, checksum
 from kvd.errors import InvalidArgument, KvdError, ResourceExhausted
 from kvd.metrics import Metrics
 from kvd.pool import ViewWriter, chunked
+from kvd.shm_service import RegionHandlers
 from kvd.store import PutResult, Store
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -106,7 +107,7 @@ def _unary(op: str) -> Callable[[Handler], Handler]:
     return wrap
 
 
-class KVStoreService(pb_grpc.KVStoreServicer):
+class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
     def __init__(self, store: Store, limits: ServiceLimits, metrics: Metrics) -> None:
         self.store = store
         self.limits = limits

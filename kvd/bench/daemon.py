@@ -31,6 +31,8 @@ class SpawnedDaemon:
         *,
         dram: str = "64MiB",
         max_value: str = "32MiB",
+        ssd: str = "256MiB",
+        segment: str = "64MiB",
     ) -> None:
         self.workdir = workdir
         self.socket = str(workdir / "kvd.sock")
@@ -47,7 +49,10 @@ class SpawnedDaemon:
             "--dram-bytes", dram,
             "--max-value-bytes", max_value,
             "--ssd-path", str(workdir / "ssd-0.dat"),
-            "--ssd-bytes", "256MiB",
+            "--ssd-bytes", ssd,
+            "--ssd-segment-bytes", segment,
+            "--shm-dir", str(workdir / "shm"),
+            "--bulk-listen", "127.0.0.1:0",
             *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
@@ -67,6 +72,8 @@ class SpawnedDaemon:
         line = next(line for line in self.log if "kvd started" in line)
         listen = re.search(r"listen=[^ ]*:(\d+)", line)
         metrics = re.search(r"metrics=[^ ]*:(\d+)", line)
+        bulk = re.search(r"bulk=[^ ]*:(\d+)", line)
+        self.bulk_port = int(bulk.group(1)) if bulk else 0
         self.port = int(listen.group(1)) if listen else 0
         self.metrics_port = int(metrics.group(1)) if metrics else 0
 

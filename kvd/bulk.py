@@ -1,0 +1,499 @@
+"""Bulk TCP data port: values stream between sockets and pool pages.
+
+The frame format is docs/bulk-protocol.md; this module holds its codec
+(shared with ``kvd.bulk_client``) and the server. Per connection, a reader
+task parses requests in order and a writer task sends the answers in the
+same order, so a client may pipeline many requests on one connection.
+
+- PUT: ``recv_into`` straight into the ticket's pool pages, hashing each
+  piece as it lands (cache-hot); published only once the whole payload
+  arrived and matches the checksum sent with it. A connection that dies or
+  times out half-way aborts the ticket: nothing partial becomes visible.
+- GET: the reader pins the value (``store.fetch``) and queues it; the writer
+  sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
+  what the socket did not take) and unpins once the last byte left.
+- Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
+  and ``QUEUE_FRAMES_MAX`` answers queued; past that its reader stops reading
+  the socket, and TCP flow control slows the client down.
+- Bad input (wrong magic or version, a field over its limit, a frame that
+  does not complete within ``bulk_frame_timeout_ms``, EOF inside a frame)
+  closes the connection with a logged reason. Expected failures of one
+  request (a miss, a full pool, a conflicting put) are answered with a code
+  and the connection stays open.
+
+This module imports neither grpc nor the gRPC service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvd.checksum import Hasher
+from kvd.errors import DataLoss, KvdError
+from kvd.store import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX, PutResult, Reader
+
+if TYPE_CHECKING:
+    from kvd.metrics import Metrics
+    from kvd.store import Store
+
+log = logging.getLogger("kvd.bulk")
+
+# ---- codec --------------------------------------------------------------------------
+VERSION = 1
+REQUEST_MAGIC = b"KVDQ"
+RESPONSE_MAGIC = b"KVDR"
+# magic, version, op, flags, request_id, ns_len, key_len, parent_len, meta_len, length, checksum
+REQUEST = struct.Struct("<4sBBHQHHHHQQ")
+# magic, version, op, flags, request_id, code, meta_len, msg_len, length, checksum
+RESPONSE = struct.Struct("<4sBBHQiHHQQ")
+assert REQUEST.size == 40 and RESPONSE.size == 40
+
+OP_HELLO = 1
+OP_PUT = 2
+OP_GET = 3
+OPS = frozenset({OP_HELLO, OP_PUT, OP_GET})
+
+FLAG_DURABLE = 1  # request: acknowledge a put once it is on L2
+FLAG_CHECKSUM = 2  # request: the checksum field is set; verify the payload against it
+FLAG_EXISTED = 1  # response: the put's key already held these bytes
+
+TOKEN_BYTES_MAX = 4096
+MESSAGE_BYTES_MAX = 1024
+# Codes, as gRPC numbers them (the gRPC path reports the same ones).
+CODE_OK = 0
+CODE_NOT_FOUND = 5
+CODE_RESOURCE_EXHAUSTED = 8
+CODE_INTERNAL = 13
+CODE_BY_NAME = {
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+NAME_BY_CODE = {code: name for name, code in CODE_BY_NAME.items()}
+
+# Answers queued per connection before its reader pauses: 1024 × 40 bytes of
+# put acknowledgements, or as many pinned gets as bulk_inflight_bytes allows.
+QUEUE_FRAMES_MAX = 1024
+# sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
+IOV_MAX = 1024
+# Payload of a request answered with an error is read into this and dropped.
+_DISCARD_BYTES = 1 << 20
+
+
+class ProtocolError(Exception):
+    """The peer broke the framing; the connection is closed with this reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    op: int
+    flags: int
+    request_id: int
+    ns_len: int
+    key_len: int
+    parent_len: int
+    meta_len: int
+    length: int
+    checksum: int
+
+    @property
+    def tail_bytes(self) -> int:
+        return self.ns_len + self.key_len + self.parent_len + self.meta_len
+
+
+def encode_request(
+    op: int,
+    request_id: int,
+    ns: bytes = b"",
+    key: bytes = b"",
+    *,
+    parent: bytes = b"",
+    meta: bytes = b"",
+    length: int = 0,
+    checksum: int | None = None,
+    durable: bool = False,
+) -> bytes:
+    """Header and the variable fields; the payload (``length`` bytes) follows."""
+    flags = (FLAG_DURABLE if durable else 0) | (FLAG_CHECKSUM if checksum is not None else 0)
+    header = REQUEST.pack(
+        REQUEST_MAGIC,
+        VERSION,
+        op,
+        flags,
+        request_id,
+        len(ns),
+        len(key),
+        len(parent),
+        len(meta),
+        length,
+        checksum or 0,
+    )
+    return b"".join((header, ns, key, parent, meta))
+
+
+def decode_request(data: bytes | bytearray | memoryview, max_value_bytes: int) -> Request:
+    magic, version, op, flags, rid, ns_len, key_len, parent_len, meta_len, length, checksum = (
+        REQUEST.unpack(data)
+    )
+    if magic != REQUEST_MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this daemon speaks {VERSION}")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op}")
+    if ns_len > NAMESPACE_BYTES_MAX or key_len > KEY_BYTES_MAX or parent_len > KEY_BYTES_MAX:
+        raise ProtocolError("namespace, key or parent longer than its limit")
+    if meta_len > META_BYTES_MAX:
+        raise ProtocolError(f"meta of {meta_len} bytes is over {META_BYTES_MAX}")
+    if op == OP_PUT and length > max_value_bytes:
+        raise ProtocolError(f"value of {length} bytes is over max_value_bytes={max_value_bytes}")
+    if op == OP_HELLO and length > TOKEN_BYTES_MAX:
+        raise ProtocolError(f"hello token of {length} bytes is over {TOKEN_BYTES_MAX}")
+    return Request(op, flags, rid, ns_len, key_len, parent_len, meta_len, length, checksum)
+
+
+def encode_response(
+    op: int,
+    request_id: int,
+    code: int = CODE_OK,
+    *,
+    flags: int = 0,
+    meta: bytes = b"",
+    message: str = "",
+    length: int = 0,
+    checksum: int = 0,
+) -> bytes:
+    text = message.encode()[:MESSAGE_BYTES_MAX]
+    header = RESPONSE.pack(
+        RESPONSE_MAGIC, VERSION, op, flags, request_id, code, len(meta), len(text), length, checksum
+    )
+    return b"".join((header, meta, text))
+
+
+def _error_code(exc: KvdError) -> int:
+    return CODE_BY_NAME.get(exc.code_name, CODE_BY_NAME["UNKNOWN"])
+
+
+# ---- socket helpers (non-blocking sockets on the event loop) -----------------------------
+async def recv_into_exact(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, hasher: Hasher | None
+) -> None:
+    """Fill ``view``; EOF first is a ProtocolError (a truncated frame)."""
+    pos, size = 0, len(view)
+    while pos < size:
+        try:
+            n = sock.recv_into(view[pos:])
+        except BlockingIOError:
+            n = await loop.sock_recv_into(sock, view[pos:])
+        if n == 0:
+            raise ProtocolError(f"connection ended inside a frame ({pos} of {size} bytes)")
+        if hasher is not None:
+            hasher.update(view[pos : pos + n])
+        pos += n
+
+
+async def send_parts(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[memoryview]
+) -> None:
+    """Send ``parts`` in order: one sendmsg, then sock_sendall for what is left."""
+    index = 0
+    while index < len(parts):
+        try:
+            sent = sock.sendmsg(parts[index : index + IOV_MAX])
+        except BlockingIOError:
+            sent = 0
+        while index < len(parts) and sent >= len(parts[index]):
+            sent -= len(parts[index])
+            index += 1
+        if index < len(parts):
+            await loop.sock_sendall(sock, parts[index][sent:])
+            index += 1
+
+
+@dataclass(frozen=True)
+class BulkLimits:
+    max_connections: int = 256
+    inflight_bytes: int = 64 << 20
+    frame_timeout_s: float = 30.0
+    idle_timeout_s: float = 600.0
+
+
+class _Connection:
+    """One client connection: reader and writer tasks, in-order answers."""
+
+    def __init__(self, server: BulkServer, sock: socket.socket, peer: str) -> None:
+        self.server = server
+        self.store = server.store
+        self.sock = sock
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[bytes, Reader | None]] = asyncio.Queue(QUEUE_FRAMES_MAX)
+        self.queued_bytes = 0
+        self.drained = asyncio.Event()
+        self.header = bytearray(REQUEST.size)
+        self.discard = bytearray(0)
+
+    async def serve(self) -> None:
+        writer = asyncio.create_task(self._write_loop())
+        reader = asyncio.create_task(self._read_loop())
+        reason = ""
+        try:
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if isinstance(exc, ProtocolError | TimeoutError | OSError):
+                    reason = f"{type(exc).__name__}: {exc}"
+                elif exc is not None:
+                    raise exc
+            if reader in done and not reason:
+                await self.queue.put((b"", None))  # clean EOF: flush answers, then close
+                await asyncio.wait_for(writer, self.server.limits.frame_timeout_s)
+        except (ProtocolError, TimeoutError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            self._drop_queued()
+            self.sock.close()
+        if reason:
+            log.warning("bulk connection closed", extra={"peer": self.peer, "reason": reason})
+
+    def _drop_queued(self) -> None:
+        while not self.queue.empty():
+            _, reader = self.queue.get_nowait()
+            if reader is not None:
+                reader.close()
+
+    # ---- reading ---------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        limits = self.server.limits
+        hello = await self._next_request(limits.frame_timeout_s)
+        if hello is None:
+            return
+        if hello[0].op != OP_HELLO:
+            raise ProtocolError("the first frame must be HELLO")
+        while True:
+            got = await self._next_request(limits.idle_timeout_s)
+            if got is None:
+                return
+            request, tail = got
+            if request.op == OP_PUT:
+                async with asyncio.timeout(limits.frame_timeout_s):
+                    answer = await self._put(request, tail)
+                await self.queue.put((answer, None))
+            elif request.op == OP_GET:
+                await self._get(request, tail)
+            else:
+                raise ProtocolError("HELLO sent twice")
+
+    async def _next_request(self, wait_s: float) -> tuple[Request, bytes] | None:
+        """The next header and its variable fields; None on EOF between frames."""
+        view = memoryview(self.header)
+        try:
+            first = self.sock.recv_into(view)
+        except BlockingIOError:
+            first = await asyncio.wait_for(self.loop.sock_recv_into(self.sock, view), wait_s)
+        if first == 0:
+            return None
+        async with asyncio.timeout(self.server.limits.frame_timeout_s):
+            await recv_into_exact(self.loop, self.sock, view[first:], None)
+            request = decode_request(self.header, self.store.limits.max_value_bytes)
+            tail = bytearray(request.tail_bytes)
+            await recv_into_exact(self.loop, self.sock, memoryview(tail), None)
+            if request.op == OP_HELLO:
+                token = bytearray(request.length)  # kept for when auth lands; unchecked now
+                await recv_into_exact(self.loop, self.sock, memoryview(token), None)
+                await self.queue.put((encode_response(OP_HELLO, request.request_id), None))
+        return request, bytes(tail)
+
+    async def _put(self, request: Request, tail: bytes) -> bytes:
+        ns, key, parent, meta = _split_tail(request, tail)
+        checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
+        try:
+            ticket = await self.store.begin_put(
+                ns, key, request.length, meta, parent or None, checksum
+            )
+        except KvdError as exc:
+            await self._discard(request.length)
+            return encode_response(OP_PUT, request.request_id, _error_code(exc), message=str(exc))
+        if isinstance(ticket, PutResult):
+            await self._discard(request.length)
+            return encode_response(
+                OP_PUT, request.request_id, flags=FLAG_EXISTED, checksum=ticket.checksum
+            )
+        try:
+            hasher = Hasher()
+            for view in ticket.views:
+                await recv_into_exact(self.loop, self.sock, view, hasher)
+            try:
+                result = await self.store.publish(
+                    ticket, hasher.value(), bool(request.flags & FLAG_DURABLE)
+                )
+            except KvdError as exc:
+                if isinstance(exc, DataLoss):
+                    self.server.metrics.rejected.labels("checksum").inc()
+                return encode_response(
+                    OP_PUT, request.request_id, _error_code(exc), message=str(exc)
+                )
+        finally:
+            self.store.abort_put(ticket)
+        self.server.metrics.bytes.labels("bulk_put", "in").inc(request.length)
+        flags = FLAG_EXISTED if result.existed else 0
+        return encode_response(OP_PUT, request.request_id, flags=flags, checksum=result.checksum)
+
+    async def _discard(self, nbytes: int) -> None:
+        if not self.discard:
+            self.discard = bytearray(min(nbytes, _DISCARD_BYTES))
+        view = memoryview(self.discard)
+        while nbytes:
+            take = min(nbytes, len(view))
+            await recv_into_exact(self.loop, self.sock, view[:take], None)
+            nbytes -= take
+
+    async def _get(self, request: Request, tail: bytes) -> None:
+        ns, key, _, _ = _split_tail(request, tail)
+        rid = request.request_id
+        try:
+            reader = await self.store.fetch(ns, key)
+        except KvdError as exc:
+            await self.queue.put(
+                (encode_response(OP_GET, rid, _error_code(exc), message=str(exc)), None)
+            )
+            return
+        if reader is None:
+            self.server.metrics.misses.labels("bulk_get").inc()
+            await self.queue.put((encode_response(OP_GET, rid, CODE_NOT_FOUND), None))
+            return
+        try:
+            if request.length and reader.size > request.length:
+                answer = encode_response(
+                    OP_GET,
+                    rid,
+                    CODE_RESOURCE_EXHAUSTED,
+                    message=f"value of {reader.size} bytes, room for {request.length}",
+                    length=reader.size,
+                )
+                await self.queue.put((answer, None))
+                return
+            limit = self.server.limits.inflight_bytes
+            while self.queued_bytes and self.queued_bytes + reader.size > limit:
+                self.drained.clear()
+                await self.drained.wait()
+            header = encode_response(
+                OP_GET, rid, meta=reader.meta, length=reader.size, checksum=reader.checksum
+            )
+            self.queued_bytes += reader.size
+            await self.queue.put((header, reader))
+            reader = None  # the writer closes it
+        finally:
+            if reader is not None:
+                reader.close()
+
+    # ---- writing ---------------------------------------------------------------------
+    async def _write_loop(self) -> None:
+        metrics = self.server.metrics
+        while True:
+            header, reader = await self.queue.get()
+            if not header:
+                return
+            try:
+                parts = [memoryview(header)]
+                if reader is not None:
+                    parts.extend(reader.views)
+                await send_parts(self.loop, self.sock, parts)
+            finally:
+                if reader is not None:
+                    self.queued_bytes -= reader.size
+                    reader.close()
+                    self.drained.set()
+                    metrics.hits.labels("bulk_get", "l1").inc()
+                    metrics.bytes.labels("bulk_get", "out").inc(reader.size)
+
+
+def _split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes]:
+    """(namespace, key, parent, meta) from a request's variable fields."""
+    a = request.ns_len
+    b = a + request.key_len
+    c = b + request.parent_len
+    try:
+        ns = tail[:a].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("namespace is not UTF-8") from None
+    return ns, tail[a:b], tail[b:c], tail[c:]
+
+
+class BulkServer:
+    """The listener and its connections."""
+
+    def __init__(self, store: Store, limits: BulkLimits, metrics: Metrics) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    async def start(self, host: str, port: int) -> int:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(1024)
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accept_task = asyncio.create_task(self._accept_loop(listener))
+        return self.port
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, address = await loop.sock_accept(listener)
+            peer = f"{address[0]}:{address[1]}"
+            if len(self._connections) >= self.limits.max_connections:
+                sock.close()
+                log.warning(
+                    "bulk connection refused",
+                    extra={"peer": peer, "reason": f"{self.limits.max_connections} connections"},
+                )
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.create_task(_Connection(self, sock, peer).serve())
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+        tasks = list(self._connections)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)

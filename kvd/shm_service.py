@@ -1,0 +1,421 @@
+"""gRPC handlers of the same-node shared-memory path, mixed into KVStoreService.
+
+``AttachRegion``/``DetachRegion`` manage regions (``kvd.shm``);
+``PutFromRegion``/``GetIntoRegion`` move a batch of values between a region
+and the pool with one RPC. Per item: pin (a ticket or a reader) on the event
+loop, copy on a worker thread, publish or check the checksum back on the loop.
+Items fail alone (a per-item status); only a bad region fails the whole call.
+
+Batches under ``INLINE_COPY_BYTES`` copy on the event loop thread: handing a
+64 KiB copy (~6 µs) to a thread costs ~50 µs of wake-ups. Larger batches go
+to ``COPY_THREADS`` workers, one group of items per worker.
+
+``DescribePaths`` tells clients which fast paths this daemon offers, and
+``FastPaths`` is what the daemon starts and stops: the region registry, the
+task that frees regions of clients that exited, and the bulk TCP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from kvd.bulk import BulkLimits, BulkServer
+from kvd.config import parse_address
+from kvd.errors import DataLoss, InvalidArgument, KvdError, ResourceExhausted, Unavailable
+from kvd.metrics import Metrics, SnapshotCollector
+from kvd.shm import Region, RegionLimits, RegionRegistry, copy_from_pages, copy_to_pages
+from kvd.store import PutResult, PutTicket, Reader, Store
+from kvd.v1 import kvd_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvd.config import Config
+    from kvd.service import InflightBytes, ServiceLimits
+
+log = logging.getLogger("kvd.fastpaths")
+
+INLINE_COPY_BYTES = 256 << 10
+# Two copy threads saturate memory bandwidth on small machines (one numpy
+# copy moves ~12 GB/s); more only add contention with the event loop.
+COPY_THREADS = 2
+BULK_PROTOCOL_VERSION = 1
+
+_CODES: dict[str, int] = {code.name: int(code.value[0]) for code in grpc.StatusCode}
+
+
+def _status(exc: KvdError) -> pb.RegionItemResult:
+    return pb.RegionItemResult(code=_CODES.get(exc.code_name, _CODES["UNKNOWN"]), message=str(exc))
+
+
+def _response(results: list[pb.RegionItemResult | None]) -> pb.RegionBatchResponse:
+    done = [result for result in results if result is not None]
+    assert len(done) == len(results), "an item without a result"
+    return pb.RegionBatchResponse(results=done)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One item's copy: ``span`` of the region and the pool ``views``."""
+
+    index: int
+    span: np.ndarray[Any, np.dtype[np.uint8]]
+    views: list[memoryview]
+    held_bytes: int
+    checksum: int = 0
+
+
+def _run_jobs(jobs: list[_Job], to_pages: bool) -> None:
+    for job in jobs:
+        if to_pages:
+            job.checksum = copy_to_pages(job.span, job.views)
+        else:
+            job.checksum = copy_from_pages(job.views, job.span)
+
+
+def _grouped(jobs: list[_Job], groups: int) -> list[list[_Job]]:
+    """Split jobs into at most ``groups`` lists of about equal bytes, largest first."""
+    buckets: list[list[_Job]] = [[] for _ in range(groups)]
+    loads = [0] * groups
+    for job in sorted(jobs, key=lambda j: -len(j.span)):
+        i = loads.index(min(loads))
+        buckets[i].append(job)
+        loads[i] += len(job.span)
+    return [bucket for bucket in buckets if bucket]
+
+
+Handler = Callable[[Any, Any, Any], Awaitable[Any]]
+
+
+def _rpc(op: str) -> Callable[[Handler], Handler]:
+    """Counts and times a handler; maps typed errors to status codes."""
+
+    def wrap(fn: Handler) -> Handler:
+        async def handler(self: RegionHandlers, request: Any, context: Any) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            self.inflight.requests += 1
+            try:
+                return await fn(self, request, context)
+            except KvdError as exc:
+                code = exc.code_name
+                if isinstance(exc, ResourceExhausted):
+                    self.metrics.rejected.labels("resource_exhausted").inc()
+                await context.abort(grpc.StatusCode[exc.code_name], str(exc))
+            except BaseException:
+                code = "CANCELLED"
+                raise
+            finally:
+                self.inflight.requests -= 1
+                self.metrics.requests.labels(op, code).inc()
+                self.metrics.latency.labels(op).observe(time.perf_counter() - start)
+
+        handler.__name__ = fn.__name__
+        handler.__doc__ = fn.__doc__
+        return handler
+
+    return wrap
+
+
+class RegionHandlers:
+    """The region RPCs; KVStoreService inherits them and provides the attributes below."""
+
+    store: Store
+    metrics: Metrics
+    inflight: InflightBytes
+    limits: ServiceLimits
+    regions: RegionRegistry | None = None
+    bulk_port: int = 0
+    _copy_pool: ThreadPoolExecutor | None = None
+
+    def enable_fast_paths(self, regions: RegionRegistry | None, bulk_port: int) -> None:
+        """Called by the daemon at start, once the shm directory and bulk port exist."""
+        self.regions = regions
+        self.bulk_port = bulk_port
+        if regions is not None and self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvd-copy")
+
+    def close_fast_paths(self) -> None:
+        if self.regions is not None:
+            self.regions.close()
+            self.regions = None
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
+
+    def _registry(self) -> RegionRegistry:
+        if self.regions is None:
+            raise Unavailable("this daemon has no shared-memory path (shm_dir unusable)")
+        return self.regions
+
+    async def _copy(self, jobs: list[_Job], to_pages: bool) -> None:
+        total = sum(len(job.span) for job in jobs)
+        if total < INLINE_COPY_BYTES or self._copy_pool is None:
+            _run_jobs(jobs, to_pages)
+            return
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            *(
+                loop.run_in_executor(self._copy_pool, _run_jobs, group, to_pages)
+                for group in _grouped(jobs, COPY_THREADS)
+            )
+        )
+
+    # ---- regions -------------------------------------------------------------------
+    @_rpc("attach_region")
+    async def AttachRegion(
+        self, request: pb.AttachRegionRequest, context: Any
+    ) -> pb.AttachRegionResponse:
+        region = self._registry().attach(context.peer(), request.name, request.size)
+        return pb.AttachRegionResponse(region_id=region.region_id, token=region.token)
+
+    @_rpc("detach_region")
+    async def DetachRegion(
+        self, request: pb.DetachRegionRequest, context: Any
+    ) -> pb.DetachRegionResponse:
+        self._registry().detach(request.region_id, request.token)
+        return pb.DetachRegionResponse()
+
+    @_rpc("describe_paths")
+    async def DescribePaths(
+        self, request: pb.DescribePathsRequest, context: Any
+    ) -> pb.DescribePathsResponse:
+        regions = self.regions
+        if regions is None:
+            return pb.DescribePathsResponse(bulk_port=self.bulk_port)
+        return pb.DescribePathsResponse(
+            shm_dir=regions.shm_dir,
+            max_region_bytes=regions.limits.max_region_bytes,
+            max_regions_per_client=regions.limits.max_regions_per_client,
+            bulk_port=self.bulk_port,
+            regions_attached=regions.count,
+            bulk_version=BULK_PROTOCOL_VERSION if self.bulk_port else 0,
+        )
+
+    def _check_batch(self, count: int) -> None:
+        if count > self.limits.max_batch_items:
+            raise InvalidArgument(
+                f"{count} items in one batch, max_batch_items={self.limits.max_batch_items}"
+            )
+
+    # ---- put -----------------------------------------------------------------------
+    @_rpc("shm_put")
+    async def PutFromRegion(
+        self, request: pb.PutFromRegionRequest, context: Any
+    ) -> pb.RegionBatchResponse:
+        self._check_batch(len(request.items))
+        registry = self._registry()
+        region = registry.checked(request.region_id, request.token)
+        results: list[pb.RegionItemResult | None] = [None] * len(request.items)
+        tickets: list[PutTicket] = []
+        jobs: list[_Job] = []
+        registry.enter(region)
+        try:
+            previous: bytes | None = None
+            for i, item in enumerate(request.items):
+                parent = item.parent or (previous if request.chained else None)
+                previous = item.key
+                try:
+                    begun = await self._begin_put(region, request.namespace, item, parent, i)
+                except KvdError as exc:
+                    results[i] = _status(exc)
+                    continue
+                if isinstance(begun, pb.RegionItemResult):
+                    results[i] = begun
+                    continue
+                tickets.append(begun[0])
+                jobs.append(begun[1])
+            await self._copy(jobs, to_pages=True)
+            for job, ticket in zip(jobs, tickets, strict=True):
+                results[job.index] = await self._publish(ticket, job, request.durable)
+        finally:
+            for ticket in tickets:
+                self.store.abort_put(ticket)
+            for job in jobs:
+                self.inflight.release(job.held_bytes)
+            registry.leave(region)
+        return _response(results)
+
+    async def _begin_put(
+        self, region: Region, ns: str, item: pb.RegionItem, parent: bytes | None, index: int
+    ) -> pb.RegionItemResult | tuple[PutTicket, _Job]:
+        span = region.span(item.offset, item.length)
+        checksum = item.checksum if item.HasField("checksum") else None
+        ticket = await self.store.begin_put(ns, item.key, item.length, item.meta, parent, checksum)
+        if isinstance(ticket, PutResult):
+            return pb.RegionItemResult(existed=True, checksum=ticket.checksum, size=item.length)
+        try:
+            self.inflight.acquire(item.length)
+        except KvdError:
+            self.store.abort_put(ticket)
+            raise
+        return ticket, _Job(index, span, ticket.views, item.length)
+
+    async def _publish(self, ticket: PutTicket, job: _Job, durable: bool) -> pb.RegionItemResult:
+        try:
+            result = await self.store.publish(ticket, job.checksum, durable)
+        except KvdError as exc:
+            return _status(exc)
+        self.metrics.bytes.labels("shm_put", "in").inc(ticket.size)
+        return pb.RegionItemResult(
+            size=ticket.size, checksum=result.checksum, existed=result.existed
+        )
+
+    # ---- get -----------------------------------------------------------------------
+    @_rpc("shm_get")
+    async def GetIntoRegion(
+        self, request: pb.GetIntoRegionRequest, context: Any
+    ) -> pb.RegionBatchResponse:
+        self._check_batch(len(request.items))
+        registry = self._registry()
+        region = registry.checked(request.region_id, request.token)
+        results: list[pb.RegionItemResult | None] = [None] * len(request.items)
+        readers: list[Reader] = []
+        jobs: list[_Job] = []
+        registry.enter(region)
+        try:
+            for i, item in enumerate(request.items):
+                try:
+                    reader = await self._open(region, request.namespace, item)
+                except KvdError as exc:
+                    results[i] = _status(exc)
+                    continue
+                if reader is None:
+                    self.metrics.misses.labels("shm_get").inc()
+                    results[i] = pb.RegionItemResult(code=_CODES["NOT_FOUND"], message="miss")
+                    continue
+                readers.append(reader)
+                if reader.size > item.length:
+                    results[i] = pb.RegionItemResult(
+                        code=_CODES["RESOURCE_EXHAUSTED"],
+                        message=f"value of {reader.size} bytes, room for {item.length}",
+                        size=reader.size,
+                    )
+                    continue
+                try:
+                    self.inflight.acquire(reader.size)
+                except KvdError as exc:
+                    results[i] = _status(exc)
+                    continue
+                span = region.span(item.offset, reader.size)
+                jobs.append(_Job(i, span, reader.views, reader.size))
+                results[i] = pb.RegionItemResult(
+                    size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=pb.TIER_L1
+                )
+            await self._copy(jobs, to_pages=False)
+            for job in jobs:
+                result = results[job.index]
+                assert result is not None
+                if job.checksum != result.checksum:
+                    results[job.index] = _status(
+                        DataLoss("value copied into the region does not match its checksum")
+                    )
+                    continue
+                self.metrics.hits.labels("shm_get", "l1").inc()
+                self.metrics.bytes.labels("shm_get", "out").inc(job.held_bytes)
+        finally:
+            for reader in readers:
+                reader.close()
+            for job in jobs:
+                self.inflight.release(job.held_bytes)
+            registry.leave(region)
+        return _response(results)
+
+    async def _open(self, region: Region, ns: str, item: pb.RegionItem) -> Reader | None:
+        region.span(item.offset, item.length)  # the room must lie inside the region
+        return await self.store.fetch(ns, item.key)
+
+
+class FastPaths:
+    """The daemon's shared-memory registry, its reaper task and the bulk TCP server."""
+
+    def __init__(self, service: RegionHandlers, regions: RegionRegistry | None) -> None:
+        self.service = service
+        self.regions = regions
+        self.bulk: BulkServer | None = None
+        self.bulk_address = ""
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, config: Config, service: RegionHandlers, metrics: Metrics) -> FastPaths:
+        regions: RegionRegistry | None = RegionRegistry(
+            config.shm_dir,
+            RegionLimits(
+                max_regions_per_client=config.max_regions_per_client,
+                max_regions=config.max_regions,
+                max_region_bytes=config.max_region_bytes,
+            ),
+        )
+        assert regions is not None
+        try:
+            regions.open()
+        except OSError as exc:
+            # A host without /dev/shm still serves gRPC and bulk TCP.
+            log.warning(
+                "shared-memory path off", extra={"shm_dir": config.shm_dir, "reason": str(exc)}
+            )
+            regions = None
+        paths = cls(service, regions)
+        if config.bulk_listen:
+            host, port = parse_address(config.bulk_listen)
+            paths.bulk = BulkServer(
+                service.store,
+                BulkLimits(
+                    max_connections=config.bulk_max_connections,
+                    inflight_bytes=config.bulk_inflight_bytes,
+                    frame_timeout_s=config.bulk_frame_timeout_ms / 1000,
+                    idle_timeout_s=config.bulk_idle_timeout_ms / 1000,
+                ),
+                metrics,
+            )
+            bound = await paths.bulk.start(host, port)
+            paths.bulk_address = f"{host}:{bound}"
+        service.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
+        metrics.add_collector(
+            SnapshotCollector(paths._snapshot, _FAST_PATH_GAUGES, _FAST_PATH_COUNTERS)
+        )
+        if regions is not None:
+            paths._reaper = asyncio.create_task(
+                _reap_forever(regions, config.region_check_ms / 1000)
+            )
+        return paths
+
+    def _snapshot(self) -> dict[str, int]:
+        regions = self.service.regions
+        return {
+            "regions": regions.count if regions else 0,
+            "region_bytes": regions.mapped_bytes if regions else 0,
+            "regions_reaped": regions.reaped if regions else 0,
+            "bulk_connections": self.bulk.connection_count if self.bulk else 0,
+        }
+
+    async def stop(self, grace_s: float) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        if self.bulk is not None:
+            await self.bulk.stop(grace_s)
+        self.service.close_fast_paths()
+
+
+_FAST_PATH_GAUGES = {
+    "regions": ("kvd_regions", "Shared-memory regions attached"),
+    "region_bytes": ("kvd_region_bytes", "Bytes of shared-memory regions mapped"),
+    "bulk_connections": ("kvd_bulk_connections", "Bulk TCP connections open"),
+}
+_FAST_PATH_COUNTERS = {
+    "regions_reaped": ("kvd_regions_reaped", "Regions freed because their owner exited"),
+}
+
+
+async def _reap_forever(regions: RegionRegistry, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        regions.reap()
