@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__, logs
 from kvd.eviction import make_policy
+from kvd.iobackend import open_backend
+from kvd.l2 import DeviceSet, L2Tier
 from kvd.metrics import Metrics, SnapshotCollector
 from kvd.pool import Pool
 from kvd.service import KVStoreService, ServiceLimits
@@ -46,12 +48,48 @@ _STORE_GAUGES = {
     "inflight_bytes": ("kvd_inflight_bytes", "Value bytes held by requests in progress"),
     "inflight_requests": ("kvd_inflight_requests", "Requests in progress"),
 }
+_L2_GAUGES = {
+    "l2_bytes": ("kvd_ssd_bytes", "L2 capacity"),
+    "l2_used_bytes": ("kvd_ssd_used_bytes", "L2 bytes holding live records"),
+    "l2_free_bytes": ("kvd_ssd_free_bytes", "L2 bytes not holding live records"),
+    "l2_entries": ("kvd_l2_entries", "Values stored on L2"),
+    "writeback_queue": ("kvd_writeback_queue", "Values waiting for their L2 write"),
+    "writeback_writing": ("kvd_writeback_inflight", "L2 writes in flight"),
+}
+_L2_COUNTERS = {
+    "checksum_failures": ("kvd_checksum_failures", "L2 reads whose bytes failed their checksum"),
+    "l2_writes": ("kvd_l2_writes", "Records appended to L2"),
+    "l2_write_bytes": ("kvd_l2_write_bytes", "Value bytes appended to L2"),
+    "l2_write_errors": ("kvd_l2_write_errors", "L2 appends that failed"),
+    "l2_reads": ("kvd_l2_reads", "Records read from L2"),
+    "l2_read_bytes": ("kvd_l2_read_bytes", "Value bytes read from L2"),
+    "l2_read_errors": ("kvd_l2_read_errors", "L2 reads that failed"),
+    "l2_reclaims": ("kvd_l2_reclaims", "L2 segments reclaimed"),
+    "l2_reclaimed_records": ("kvd_l2_reclaimed_records", "Records dropped by reclaim"),
+    "l1_dropped_unwritten": ("kvd_l1_dropped_unwritten", "L1 values evicted before reaching L2"),
+    "promotions": ("kvd_l2_promotions", "Values read from L2 into L1"),
+}
 _STORE_COUNTERS = {
     "evictions": ("kvd_evictions", "Values evicted from L1"),
     "eviction_failures": ("kvd_eviction_failures", "Puts refused: nothing evictable"),
     "put_conflicts": ("kvd_put_conflicts", "Puts refused: key stored with other content"),
     "leases_granted": ("kvd_leases_granted", "Leases granted by Lookup"),
 }
+
+
+def open_l2(config: Config) -> L2Tier | None:
+    """The L2 tier over the configured SSD paths, or None without any."""
+    if not config.ssd_path:
+        return None
+    devices = DeviceSet(
+        config.ssd_path, config.ssd_bytes, config.ssd_segment_bytes, config.ssd_stripe_bytes
+    )
+    try:
+        io = open_backend(config.io_backend, depth=config.io_depth, threads=config.io_threads)
+    except BaseException:
+        devices.close()
+        raise
+    return L2Tier(devices, io)
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -72,7 +110,8 @@ class Daemon:
             lease_ms_max=config.lease_ms_max,
             max_leases=config.max_leases,
         )
-        self.store = Store(self.pool, limits, make_policy(config.eviction_policy))
+        self.l2 = open_l2(config)
+        self.store = Store(self.pool, limits, make_policy(config.eviction_policy), l2=self.l2)
         self.service = KVStoreService(
             self.store,
             ServiceLimits(
@@ -85,6 +124,10 @@ class Daemon:
         self.metrics.add_collector(
             SnapshotCollector(self._snapshot, _STORE_GAUGES, _STORE_COUNTERS)
         )
+        if self.l2 is not None:
+            self.metrics.add_collector(
+                SnapshotCollector(self.store.stats, _L2_GAUGES, _L2_COUNTERS)
+            )
         self.health = health.aio.HealthServicer()
         self._server: Any = None
         self.fast_paths: FastPaths | None = None
@@ -100,6 +143,8 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
+        recovered = await self.l2.recover() if self.l2 is not None else 0
+        self.store.start()
         # Room for the largest value's framing on top of max_message_bytes.
         message_limit = cfg.max_message_bytes + (1 << 20)
         server = grpc.aio.server(
@@ -152,6 +197,11 @@ class Daemon:
                 if cfg.metrics_listen
                 else "",
                 "dram_bytes": self.pool.capacity_bytes,
+                "ssd_paths": ",".join(cfg.ssd_path),
+                "ssd_bytes": self.l2.capacity_bytes if self.l2 is not None else 0,
+                "ssd_direct": self.l2.devices.direct if self.l2 is not None else False,
+                "io_backend": self.l2.io.name if self.l2 is not None else "",
+                "l2_recovered": recovered,
                 "pages": self.pool.page_count,
                 "eviction_policy": cfg.eviction_policy,
                 "max_value_bytes": cfg.max_value_bytes,
@@ -176,6 +226,13 @@ class Daemon:
             await self._server.stop(grace_s)
         if self.fast_paths is not None:
             await self.fast_paths.stop(grace_s)
+        left = await self.store.close(flush_s=grace_s)
+        if left:
+            log.warning("write-back not finished at shutdown", extra={"values_left": left})
+        if self.l2 is not None:
+            self.l2.close()
+            self.l2.io.close()
+            self.l2.devices.close()
         self.metrics.close()
         if self.config.socket:
             with contextlib.suppress(FileNotFoundError):

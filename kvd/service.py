@@ -24,7 +24,7 @@ from kvd.errors import InvalidArgument, KvdError, ResourceExhausted
 from kvd.metrics import Metrics
 from kvd.pool import ViewWriter, chunked
 from kvd.shm_service import RegionHandlers
-from kvd.store import PutResult, Store
+from kvd.store import TIER_NAMES, PutResult, Store
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -169,13 +169,13 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
             try:
                 self.inflight.acquire(reader.size)
                 held = reader.size
-                self.metrics.hits.labels("get", "l1").inc()
+                self.metrics.hits.labels("get", TIER_NAMES[reader.tier]).inc()
                 header = pb.GetHeader(
                     found=True,
                     size=reader.size,
                     checksum=reader.checksum,
                     meta=reader.meta,
-                    tier=pb.TIER_L1,
+                    tier=pb.Tier.Name(reader.tier),
                 )
                 pieces = chunked(reader.views, CHUNK_BYTES)
                 if not pieces:
@@ -250,7 +250,7 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
                     continue
                 budget -= reader.size
                 value = b"".join(reader.views)
-                self.metrics.hits.labels("batch_get", "l1").inc()
+                self.metrics.hits.labels("batch_get", TIER_NAMES[reader.tier]).inc()
                 self.metrics.bytes.labels("batch_get", "out").inc(reader.size)
                 items.append(
                     pb.GetItem(
@@ -258,7 +258,7 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
                         value=value,
                         meta=reader.meta,
                         checksum=reader.checksum,
-                        tier=pb.TIER_L1,
+                        tier=pb.Tier.Name(reader.tier),
                     )
                 )
             finally:
@@ -295,8 +295,9 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
         if request.all_keys:
             if request.keys:
                 raise InvalidArgument("Delete takes keys or all_keys, not both")
-            return pb.DeleteResponse(deleted=self.store.delete_namespace(request.namespace))
-        return pb.DeleteResponse(deleted=self.store.delete(request.namespace, request.keys))
+            deleted = await self.store.delete_namespace(request.namespace)
+            return pb.DeleteResponse(deleted=deleted)
+        return pb.DeleteResponse(deleted=await self.store.delete(request.namespace, request.keys))
 
     @_unary("stats")
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:

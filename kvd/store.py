@@ -1,36 +1,50 @@
-"""The store: namespaces, the index, leases and L1 placement.
+"""The store: namespaces, the index, leases and placement between L1 and L2.
 
 Every state change happens on the event loop thread that owns the store, so
 nothing here locks. Bytes never pass through this module: a put gets a
 ``PutTicket`` whose ``views`` are pool pages to fill, a get gets a ``Reader``
 whose ``views`` are pool pages to send. Both pin their pages: a ticket's
-pages are invisible until ``finish_put`` publishes them (a writer that dies
-half-way leaves nothing behind), and a reader's entry cannot be evicted or
-freed until the reader closes (a delete while reading unlinks the key at once
-and frees the pages after the last reader).
+pages are invisible until ``publish`` links them (a writer that dies half-way
+leaves nothing behind), and a reader's entry cannot be evicted or freed until
+the reader closes (a delete while reading unlinks the key at once and frees
+the pages after the last reader).
+
+Placement: a put lands in L1 and is queued for L2 (``kvd.writeback``); a
+durable put returns once its record is on L2 and synced. L1 evicts only
+entries already on L2 (``dirty`` ones wait, unless L2 is failing: then they
+are dropped and counted). A get that misses L1 but hits L2 reads the record
+into fresh pool pages (promotion), verifying its checksum; concurrent gets
+of one key share one read.
 
 Keys are write-once: a second put of a key with the same checksum is a no-op,
 with a different one it is ``AlreadyExists``. Two puts of one key may run at
 once; the first to finish publishes, the second compares checksums.
-
-Eviction asks the policy (``kvd.eviction``) for a victim, skipping entries
-that are being read or are under a lease from ``lookup``.
 
 This module imports neither grpc nor metrics.
 """
 
 from __future__ import annotations
 
-import heapq
+import asyncio
 import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.errors import AlreadyExists, DataLoss, InvalidArgument, ResourceExhausted
+from kvd.errors import (
+    AlreadyExists,
+    DataLoss,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvd.eviction import EvictionPolicy, make_policy
+from kvd.iobackend import IoError
+from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
+from kvd.leases import LeaseTable
 from kvd.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
+from kvd.writeback import WriteBack
 
 KEY_BYTES_MAX = 64
 META_BYTES_MAX = 4096
@@ -38,6 +52,11 @@ NAMESPACE_BYTES_MAX = 256
 # Bounds the index's per-namespace structures; a namespace is one model
 # layout of one tenant, so thousands is already a large fleet.
 NAMESPACES_MAX = 65536
+
+# Same numbers as kvd.v1.Tier on the wire.
+TIER_L1 = 1
+TIER_L2 = 2
+TIER_NAMES = {TIER_L1: "l1", TIER_L2: "l2"}
 
 PolicyKey = tuple[int, bytes]
 
@@ -52,7 +71,7 @@ class StoreLimits:
 
 @dataclass(eq=False, slots=True)
 class Entry:
-    """One stored value."""
+    """One value in L1 (and maybe also on L2: ``l2``)."""
 
     ns: Namespace
     key: bytes
@@ -63,7 +82,10 @@ class Entry:
     parent: bytes | None
     readers: int = 0
     leases: int = 0
-    linked: bool = True  # False once deleted/evicted from the index
+    linked: bool = True  # False once unlinked from L1 (evicted or deleted)
+    deleted: bool = False  # unlinked by a delete (not by eviction)
+    dirty: bool = False  # not yet on L2 (only when there is an L2)
+    l2: L2Record | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -98,6 +120,7 @@ class Reader:
     store: Store
     entry: Entry
     views: list[memoryview]
+    tier: int = TIER_L1
     closed: bool = False
 
     @property
@@ -133,18 +156,12 @@ class LookupResult:
     lease_ms: int
 
 
-@dataclass(eq=False, slots=True)
-class _Lease:
-    entries: list[Entry]
-    expires_at: float
-    active: bool = True
-
-
 @dataclass
 class StoreCounters:
     """Plain integers the metrics collector reads at scrape time."""
 
     hits: int = 0
+    l2_hits: int = 0
     misses: int = 0
     puts: int = 0
     put_existed: int = 0
@@ -153,8 +170,9 @@ class StoreCounters:
     eviction_failures: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
-    leases_granted: int = 0
-    leases_expired: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    l2_reinserted: int = 0
 
 
 def check_namespace(name: str) -> None:
@@ -180,6 +198,7 @@ class Store:
         limits: StoreLimits | None = None,
         policy: EvictionPolicy[Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        l2: L2Tier | None = None,
     ) -> None:
         self.pool = pool
         self.limits = limits or StoreLimits()
@@ -189,15 +208,32 @@ class Store:
         self._namespaces: dict[str, Namespace] = {}
         self._ns_by_id: dict[int, Namespace] = {}
         self._ns_ids = itertools.count(1)
-        self._leases: dict[int, _Lease] = {}
-        self._lease_expiry: list[tuple[float, int]] = []
-        self._lease_ids = itertools.count(1)
+        self.leases = LeaseTable(self.limits.max_leases, clock, self._pin, self._unpin_lease)
         self.entry_count = 0
+        self.l2 = l2
+        self.writeback: WriteBack | None = None
+        self._promotions: dict[tuple[str, bytes], asyncio.Future[None]] = {}
+        if l2 is not None:
+            self.writeback = WriteBack(self, l2, clock)
+            l2.on_drop = self._on_l2_drop
+
+    def start(self) -> None:
+        """Start background work (the write-back workers); call on the event loop."""
+        if self.writeback is not None:
+            self.writeback.start()
+
+    async def close(self, flush_s: float = 0.0) -> int:
+        """Stop background work after flushing write-back for up to ``flush_s``; values left."""
+        left = 0
+        if self.writeback is not None:
+            left = await self.writeback.flush(flush_s) if flush_s > 0 else 0
+            await self.writeback.close()
+        return left
 
     # ---- namespaces ------------------------------------------------------------
-    def _namespace(self, name: str, create: bool) -> Namespace | None:
+    def _namespace(self, name: str) -> Namespace:
         ns = self._namespaces.get(name)
-        if ns is None and create:
+        if ns is None:
             check_namespace(name)
             if len(self._namespaces) >= NAMESPACES_MAX:
                 raise ResourceExhausted(f"more than {NAMESPACES_MAX} namespaces")
@@ -208,6 +244,17 @@ class Store:
 
     def namespaces(self) -> list[Namespace]:
         return list(self._namespaces.values())
+
+    def _l1(self, ns_name: str, key: bytes) -> Entry | None:
+        ns = self._namespaces.get(ns_name)
+        return None if ns is None else ns.entries.get(key)
+
+    def _stored_checksum(self, ns_name: str, key: bytes) -> int | None:
+        entry = self._l1(ns_name, key)
+        if entry is not None:
+            return entry.checksum
+        record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+        return None if record is None else record.checksum
 
     # ---- put -------------------------------------------------------------------
     async def begin_put(
@@ -238,25 +285,27 @@ class Store:
             raise InvalidArgument(
                 f"value of {size} bytes is larger than the pool ({self.pool.capacity_bytes} bytes)"
             )
-        ns = self._namespaces.get(ns_name)
-        if ns is not None and checksum is not None:
-            existing = ns.entries.get(key)
-            if existing is not None:
-                return self._same_or_conflict(existing, checksum)
+        if checksum is not None:
+            stored = self._stored_checksum(ns_name, key)
+            if stored is not None:
+                return self._same_or_conflict(stored, checksum)
         runs = await self._alloc(size)
         return PutTicket(
             ns_name, key, size, meta, parent or None, checksum, runs, self.pool.views(runs, size)
         )
 
-    def _same_or_conflict(self, existing: Entry, checksum: int) -> PutResult:
-        if existing.checksum != checksum:
+    def _same_or_conflict(self, stored: int, checksum: int) -> PutResult:
+        if stored != checksum:
             self.counters.put_conflicts += 1
             raise AlreadyExists("key is stored with different content (keys are write-once)")
         self.counters.put_existed += 1
         return PutResult(existed=True, checksum=checksum)
 
-    def finish_put(self, ticket: PutTicket, checksum: int) -> PutResult:
-        """Publish a filled ticket; ``checksum`` is what the bytes received hash to."""
+    def finish_put(self, ticket: PutTicket, checksum: int, *, queue: bool = True) -> PutResult:
+        """Link a filled ticket into L1; ``checksum`` is what the bytes received hash to.
+
+        With an L2 the entry is dirty and, with ``queue``, queued for write-back.
+        """
         assert not ticket.done, "ticket finished twice"
         ticket.done = True
         if ticket.checksum is not None and ticket.checksum != checksum:
@@ -264,30 +313,52 @@ class Store:
             raise DataLoss(
                 f"value hashes to {checksum:#018x}, the put said {ticket.checksum:#018x}"
             )
-        ns = self._namespace(ticket.ns_name, create=True)
-        assert ns is not None
-        existing = ns.entries.get(ticket.key)
-        if existing is not None:
+        stored = self._stored_checksum(ticket.ns_name, ticket.key)
+        if stored is not None:
             self.pool.free(ticket.runs)
-            return self._same_or_conflict(existing, checksum)
+            return self._same_or_conflict(stored, checksum)
+        ns = self._namespace(ticket.ns_name)
         entry = Entry(
             ns, ticket.key, ticket.size, checksum, ticket.meta, ticket.runs, ticket.parent
         )
-        ns.entries[ticket.key] = entry
-        ns.bytes_stored += entry.size
-        self.entry_count += 1
+        self._link(entry)
         self.counters.puts += 1
         self.counters.bytes_in += entry.size
-        parent_pk = (ns.id, ticket.parent) if ticket.parent else None
-        self.policy.insert((ns.id, ticket.key), parent_pk)
+        if self.writeback is not None:
+            entry.dirty = True
+            if queue:
+                self.writeback.enqueue(entry)
         return PutResult(existed=False, checksum=checksum)
+
+    def _link(self, entry: Entry) -> None:
+        ns = entry.ns
+        ns.entries[entry.key] = entry
+        ns.bytes_stored += entry.size
+        self.entry_count += 1
+        parent_pk = (ns.id, entry.parent) if entry.parent else None
+        self.policy.insert((ns.id, entry.key), parent_pk)
 
     async def publish(self, ticket: PutTicket, checksum: int, durable: bool = False) -> PutResult:
         """Publish a filled ticket; with ``durable``, return once the value is on L2.
 
-        Every transport (gRPC, shared memory, bulk TCP) ends its puts here.
+        Every transport (gRPC, shared memory, bulk TCP) ends its puts here. A
+        durable put that cannot reach L2 fails and leaves nothing visible.
         """
-        return self.finish_put(ticket, checksum)
+        if durable and self.writeback is None:
+            self.abort_put(ticket)
+            raise Unavailable("durable put: this daemon has no L2 tier (ssd_path)")
+        result = self.finish_put(ticket, checksum, queue=not durable)
+        if not durable:
+            return result
+        assert self.writeback is not None
+        entry = self._l1(ticket.ns_name, ticket.key)  # None: the key is only on L2
+        try:
+            await self.writeback.make_durable(entry)
+        except BaseException:
+            if entry is not None and not result.existed and entry.linked and entry.dirty:
+                self._unlink(entry)
+            raise
+        return result
 
     def abort_put(self, ticket: PutTicket) -> None:
         """Give a ticket's pages back (idempotent; safe after finish_put)."""
@@ -322,25 +393,32 @@ class Store:
             raise
         return await self.publish(ticket, hasher(value), durable)
 
+    # ---- room in L1 ------------------------------------------------------------
     async def _alloc(self, size: int) -> list[Run]:
-        self._expire_leases()
+        self.leases.expire()
         need = pages_for(size)
         while self.pool.free_pages < need:
-            if not self._evict_one():
-                self.counters.eviction_failures += 1
-                raise ResourceExhausted(
-                    f"pool full: {need} pages needed, {self.pool.free_pages} free, "
-                    "the rest pinned by readers or leases"
-                )
+            if self._evict_one():
+                continue
+            wb = self.writeback
+            if wb is not None and wb.can_make_progress() and await wb.wait_progress():
+                continue
+            self.counters.eviction_failures += 1
+            raise ResourceExhausted(
+                f"pool full: {need} pages needed, {self.pool.free_pages} free, "
+                "the rest pinned by readers, leases or write-back"
+            )
         try:
             return self.pool.alloc(size)
         except PoolFull as exc:  # cannot happen after the loop above
             raise AssertionError(str(exc)) from exc
 
-    # ---- eviction --------------------------------------------------------------
     def _pinned(self, pk: PolicyKey) -> bool:
         entry = self._entry_by_pk(pk)
-        return entry is None or entry.readers > 0 or entry.leases > 0
+        if entry is None or entry.readers > 0 or entry.leases > 0:
+            return True
+        # A value not yet on L2 stays, unless L2 is failing (then it is dropped).
+        return entry.dirty and self.writeback is not None and self.writeback.healthy
 
     def _entry_by_pk(self, pk: PolicyKey) -> Entry | None:
         ns = self._ns_by_id.get(pk[0])
@@ -352,12 +430,14 @@ class Store:
             return False
         entry = self._entry_by_pk(pk)
         assert entry is not None and entry.readers == 0 and entry.leases == 0, pk
+        if entry.dirty and self.writeback is not None:
+            self.writeback.dropped_unwritten += 1
         self._unlink(entry)
         self.counters.evictions += 1
         return True
 
     def _unlink(self, entry: Entry) -> None:
-        """Remove from the index; free the pages unless a reader still holds them."""
+        """Remove from L1; free the pages unless a reader still holds them."""
         ns = entry.ns
         del ns.entries[entry.key]
         ns.bytes_stored -= entry.size
@@ -368,31 +448,94 @@ class Store:
             self.pool.free(entry.runs)
             entry.runs = []
 
+    def _on_l2_drop(self, record: L2Record) -> None:
+        """L2 forgot a record (reclaim, bad checksum): an L1 copy is written again."""
+        entry = self._l1(record.namespace, record.key)
+        if entry is not None and entry.l2 is record and self.writeback is not None:
+            entry.l2 = None
+            entry.dirty = True
+            self.writeback.enqueue(entry)
+            self.counters.l2_reinserted += 1
+
     # ---- get -------------------------------------------------------------------
     def open(self, ns_name: str, key: bytes) -> Reader | None:
-        """Pin a stored value for reading, or None on a miss."""
+        """Pin an L1 value for reading, or None when it is not in L1."""
         check_key(key)
-        ns = self._namespaces.get(ns_name)
-        entry = None if ns is None else ns.entries.get(key)
+        entry = self._l1(ns_name, key)
         if entry is None:
-            self.counters.misses += 1
-            if ns is not None:
-                ns.misses += 1
             return None
-        assert ns is not None
-        ns.hits += 1
+        return self._reader(entry, TIER_L1)
+
+    def _reader(self, entry: Entry, tier: int) -> Reader:
+        entry.ns.hits += 1
         self.counters.hits += 1
         self.counters.bytes_out += entry.size
         entry.readers += 1
-        self.policy.touch((ns.id, key))
-        return Reader(self, entry, self.pool.views(entry.runs, entry.size))
+        self.policy.touch((entry.ns.id, entry.key))
+        return Reader(self, entry, self.pool.views(entry.runs, entry.size), tier)
+
+    def _miss(self, ns_name: str) -> None:
+        self.counters.misses += 1
+        ns = self._namespaces.get(ns_name)
+        if ns is not None:
+            ns.misses += 1
 
     async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
-        """Pin a value wherever it is stored (L1, or L2 read back into L1); None on a miss.
+        """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
 
         Every transport's get starts here.
         """
-        return self.open(ns_name, key)
+        reader = self.open(ns_name, key)
+        if reader is not None:
+            return reader
+        record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+        if record is None:
+            self._miss(ns_name)
+            return None
+        pending = self._promotions.get((ns_name, key))
+        if pending is not None:
+            await asyncio.shield(pending)
+            reader = self.open(ns_name, key)
+            if reader is None:
+                self._miss(ns_name)
+            return reader
+        entry = await self._promote(record)
+        if entry is None:
+            self._miss(ns_name)
+            return None
+        return self._reader(entry, TIER_L2)
+
+    async def _promote(self, record: L2Record) -> Entry | None:
+        assert self.l2 is not None
+        done = asyncio.get_running_loop().create_future()
+        self._promotions[(record.namespace, record.key)] = done
+        try:
+            runs = await self._alloc(record.size)
+            try:
+                await self.l2.read(record, self.pool.views(runs, record.read_bytes))
+            except (ChecksumMismatch, IoError):
+                self.pool.free(runs)
+                self.counters.promotion_failures += 1
+                return None
+            except BaseException:
+                self.pool.free(runs)
+                raise
+            current = self._l1(record.namespace, record.key)
+            if current is not None or not record.live:
+                # A put landed meanwhile (same bytes, keys are write-once) or a
+                # delete removed the key: use L1's copy, or miss.
+                self.pool.free(runs)
+                return current
+            ns = self._namespace(record.namespace)
+            entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
+                          record.parent or None, l2=record)  # fmt: skip
+            self._link(entry)
+            self.counters.promotions += 1
+            self.counters.l2_hits += 1
+            return entry
+        finally:
+            del self._promotions[(record.namespace, record.key)]
+            done.set_result(None)
 
     def _unpin(self, entry: Entry) -> None:
         entry.readers -= 1
@@ -402,15 +545,20 @@ class Store:
             entry.runs = []
 
     # ---- index queries ---------------------------------------------------------
+    def _has(self, ns_name: str, key: bytes) -> int:
+        """TIER_L1, TIER_L2 or 0."""
+        if self._l1(ns_name, key) is not None:
+            return TIER_L1
+        if self.l2 is not None and self.l2.lookup(ns_name, key) is not None:
+            return TIER_L2
+        return 0
+
     def exists(self, ns_name: str, keys: Sequence[bytes]) -> list[bool]:
         self._check_keys(keys)
-        ns = self._namespaces.get(ns_name)
-        if ns is None:
-            return [False] * len(keys)
-        return [key in ns.entries for key in keys]
+        return [self._has(ns_name, key) != 0 for key in keys]
 
     def lookup(self, ns_name: str, keys: Sequence[bytes], lease_ms: int = 0) -> LookupResult:
-        """Longest stored prefix of a chain; with ``lease_ms`` its entries are pinned."""
+        """Longest stored prefix of a chain; with ``lease_ms`` its values are pinned."""
         if not keys:
             raise InvalidArgument("lookup of no keys")
         self._check_keys(keys)
@@ -418,20 +566,23 @@ class Store:
             raise InvalidArgument(
                 f"lease_ms={lease_ms} is over lease_ms_max={self.limits.lease_ms_max}"
             )
-        ns = self._namespaces.get(ns_name)
-        hits: list[Entry] = []
-        if ns is not None:
-            for key in keys:
-                entry = ns.entries.get(key)
-                if entry is None:
-                    break
-                hits.append(entry)
-        for entry in hits:
-            self.policy.touch((entry.ns.id, entry.key))
-        lease_id = 0
-        if lease_ms and hits:
-            lease_id = self._grant_lease(hits, lease_ms)
-        return LookupResult(len(hits), len(hits), 0, lease_id, lease_ms if lease_id else 0)
+        pins: list[Entry | L2Record] = []
+        l1_hits = 0
+        for key in keys:
+            entry = self._l1(ns_name, key)
+            if entry is not None:
+                l1_hits += 1
+                self.policy.touch((entry.ns.id, entry.key))
+                pins.append(entry)
+                continue
+            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+            if record is None:
+                break
+            pins.append(record)
+        lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
+        return LookupResult(
+            len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0
+        )
 
     def _check_keys(self, keys: Sequence[bytes]) -> None:
         if len(keys) > self.limits.max_lookup_keys:
@@ -442,95 +593,73 @@ class Store:
             check_key(key)
 
     # ---- leases ----------------------------------------------------------------
-    def _grant_lease(self, entries: list[Entry], lease_ms: int) -> int:
-        self._expire_leases()
-        if len(self._leases) >= self.limits.max_leases:
-            raise ResourceExhausted(f"max_leases={self.limits.max_leases} leases are active")
-        lease_id = next(self._lease_ids)
-        expires_at = self._clock() + lease_ms / 1000
-        for entry in entries:
-            entry.leases += 1
-        self._leases[lease_id] = _Lease(entries, expires_at)
-        heapq.heappush(self._lease_expiry, (expires_at, lease_id))
-        self.counters.leases_granted += 1
-        return lease_id
+    def _pin(self, item: Entry | L2Record) -> None:
+        if isinstance(item, Entry):
+            item.leases += 1
+        elif self.l2 is not None:
+            self.l2.pin(item)
+
+    def _unpin_lease(self, item: Entry | L2Record) -> None:
+        if isinstance(item, Entry):
+            item.leases -= 1
+            assert item.leases >= 0
+        elif self.l2 is not None:
+            self.l2.unpin(item)
 
     def release(self, lease_id: int) -> bool:
         """Drop a lease; False when it already expired or was released."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        self._end_lease(lease)
-        return True
-
-    def _end_lease(self, lease: _Lease) -> None:
-        assert lease.active
-        lease.active = False
-        for entry in lease.entries:
-            entry.leases -= 1
-            assert entry.leases >= 0
-
-    def _expire_leases(self) -> None:
-        now = self._clock()
-        heap = self._lease_expiry
-        while heap and heap[0][0] <= now:
-            _, lease_id = heapq.heappop(heap)
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
-                self._end_lease(lease)
-                self.counters.leases_expired += 1
-        # Released leases leave stale heap rows; rebuild once they dominate.
-        if len(heap) > 2 * len(self._leases) + 1024:
-            self._lease_expiry = [(lease.expires_at, lid) for lid, lease in self._leases.items()]
-            heapq.heapify(self._lease_expiry)
+        return self.leases.release(lease_id)
 
     @property
     def active_leases(self) -> int:
-        self._expire_leases()
-        return len(self._leases)
-
-    def lease_namespace(self, lease_id: int) -> str | None:
-        lease = self._leases.get(lease_id)
-        if lease is None or not lease.entries:
-            return None
-        return lease.entries[0].ns.name
+        self.leases.expire()
+        return len(self.leases)
 
     # ---- delete ----------------------------------------------------------------
-    def delete(self, ns_name: str, keys: Sequence[bytes]) -> int:
+    async def delete(self, ns_name: str, keys: Sequence[bytes]) -> int:
         self._check_keys(keys)
-        ns = self._namespaces.get(ns_name)
-        if ns is None:
-            return 0
         deleted = 0
         for key in keys:
-            entry = ns.entries.get(key)
-            if entry is not None:
-                self._unlink(entry)
-                deleted += 1
+            deleted += await self._delete_one(ns_name, key)
         return deleted
 
-    def delete_namespace(self, ns_name: str) -> int:
-        ns = self._namespaces.get(ns_name)
-        if ns is None:
-            return 0
-        entries = list(ns.entries.values())
-        for entry in entries:
+    async def _delete_one(self, ns_name: str, key: bytes) -> int:
+        found = 0
+        entry = self._l1(ns_name, key)
+        if entry is not None:
+            entry.deleted = True
             self._unlink(entry)
-        return len(entries)
+            found = 1
+        if self.l2 is not None and await self.l2.delete(ns_name, key):
+            found = 1
+        return found
+
+    async def delete_namespace(self, ns_name: str) -> int:
+        ns = self._namespaces.get(ns_name)
+        keys = set(ns.entries) if ns is not None else set()
+        if self.l2 is not None:
+            keys.update(key for (name, key) in self.l2.index if name == ns_name)
+        deleted = 0
+        for key in keys:
+            deleted += await self._delete_one(ns_name, key)
+        return deleted
 
     # ---- stats -----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Plain integers only: the metrics thread calls this while the loop runs."""
         c = self.counters
-        return {
+        values = {
             "pool_bytes": self.pool.capacity_bytes,
             "pool_used_bytes": self.pool.used_bytes,
             "pool_free_bytes": self.pool.free_bytes,
             "page_bytes": PAGE_BYTES,
             "entries": self.entry_count,
             "namespaces": len(self._namespaces),
-            "leases_active": len(self._leases),
+            "leases_active": len(self.leases),
+            "leases_granted": self.leases.granted,
+            "leases_expired": self.leases.expired,
             "hits": c.hits,
+            "l2_hits": c.l2_hits,
             "misses": c.misses,
             "puts": c.puts,
             "put_existed": c.put_existed,
@@ -539,6 +668,14 @@ class Store:
             "eviction_failures": c.eviction_failures,
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
-            "leases_granted": c.leases_granted,
-            "leases_expired": c.leases_expired,
+            "promotions": c.promotions,
+            "promotion_failures": c.promotion_failures,
+            "l2_reinserted": c.l2_reinserted,
         }
+        if self.l2 is not None and self.writeback is not None:
+            values.update(self.l2.stats())
+            values["writeback_queue"] = self.writeback.queue_depth
+            values["writeback_writing"] = self.writeback.writing
+            values["writeback_errors"] = self.writeback.errors
+            values["l1_dropped_unwritten"] = self.writeback.dropped_unwritten
+        return values

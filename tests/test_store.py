@@ -45,7 +45,7 @@ def put(
 
 
 def read(store: Store, key: bytes, ns: str = "ns") -> bytes | None:
-    reader = store.open(ns, key)
+    reader = run(store.fetch(ns, key))
     if reader is None:
         return None
     try:
@@ -148,7 +148,7 @@ def test_reader_pins_entry_against_eviction_and_delete() -> None:
     with pytest.raises(ResourceExhausted):  # a is pinned, b is the only victim, then nothing
         put(store, b"c", b"C" * PAGE_BYTES)
         put(store, b"d", b"D" * (2 * PAGE_BYTES))
-    assert store.delete("ns", [b"a"]) == 1
+    assert run(store.delete("ns", [b"a"])) == 1
     assert store.exists("ns", [b"a"]) == [False]
     assert b"".join(reader.views) == b"A" * PAGE_BYTES  # pages stay until the reader closes
     used = store.pool.used_bytes
@@ -210,7 +210,7 @@ def test_namespaces_are_isolated_and_delete_namespace() -> None:
     put(store, b"k", b"in-b", ns="b")
     assert read(store, b"k", ns="a") == b"in-a"
     assert read(store, b"k", ns="b") == b"in-b"
-    assert store.delete_namespace("a") == 1
+    assert run(store.delete_namespace("a")) == 1
     assert read(store, b"k", ns="a") is None
     assert read(store, b"k", ns="b") == b"in-b"
 

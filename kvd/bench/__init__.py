@@ -56,7 +56,7 @@ def _grpc(args: argparse.Namespace) -> int:
     target = args.target
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
         if not target:
-            daemon = SpawnedDaemon(Path(tmp), [], dram="1GiB", max_value="64MiB")
+            daemon = SpawnedDaemon(Path(tmp), [], dram="1GiB", max_value="48MiB", ssd="1GiB")
             target = daemon.target
         try:
             rows = grpc_path.run(target, sizes, _progress)

@@ -1,0 +1,191 @@
+"""The SSD paths under L2, striped like RAID0, and aligned I/O buffers.
+
+Each configured path (a regular file on XFS/ext4, or a block device such as
+an NVMe / NVMe-oF namespace or an md RAID0) is opened with O_DIRECT and cut
+into segments of ``segment_bytes``. A logical segment is segment *i* of
+every path, and its bytes are dealt round-robin over the paths in stripes of
+``stripe_bytes``: logical offset L lands on path ``(L // S) % N`` at
+``i * segment_bytes + ((L // S) // N) * S + L % S``. A path's stripes of one
+segment are contiguous there, so any logical range is at most one op per
+path, and a large record is read from every device in parallel.
+
+A regular file is created and preallocated to ``bytes_per_path``; a block
+device uses its size, bounded by ``bytes_per_path`` when that is smaller.
+Filesystems without O_DIRECT (tmpfs) are opened buffered, with a warning:
+the format and checks are the same, the page cache just sits in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvd.iobackend import IoOp, OpKind
+
+log = logging.getLogger("kvd.l2")
+
+
+class DeviceError(OSError):
+    """An SSD path that cannot be used as configured."""
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    path: str
+    fd: int
+    usable_bytes: int
+    direct: bool
+    block_device: bool
+
+
+def _open(path: str, bytes_per_path: int) -> Device:
+    is_block = os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode)
+    if not is_block:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    flags = os.O_RDWR | (0 if is_block else os.O_CREAT)
+    direct = True
+    try:
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise DeviceError(exc.errno, f"cannot open SSD path {path}: {exc.strerror}") from exc
+        log.warning("O_DIRECT refused, opening buffered", extra={"path": path})
+        fd = os.open(path, flags, 0o600)
+        direct = False
+    try:
+        if is_block:
+            size = os.lseek(fd, 0, os.SEEK_END)
+            usable = min(size, bytes_per_path) if bytes_per_path else size
+        else:
+            current = os.fstat(fd).st_size
+            if current < bytes_per_path:
+                try:
+                    os.posix_fallocate(fd, 0, bytes_per_path)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise DeviceError(
+                            exc.errno,
+                            f"cannot reserve {bytes_per_path} bytes in {path}: {exc.strerror}",
+                        ) from exc
+                    os.ftruncate(fd, bytes_per_path)
+            usable = bytes_per_path
+    except BaseException:
+        os.close(fd)
+        raise
+    return Device(path, fd, usable, direct, is_block)
+
+
+class DeviceSet:
+    """N paths as one striped address space of logical segments."""
+
+    def __init__(
+        self, paths: Sequence[str], bytes_per_path: int, segment_bytes: int, stripe_bytes: int
+    ) -> None:
+        if not paths:
+            raise DeviceError(errno.EINVAL, "no SSD path")
+        if segment_bytes % stripe_bytes:
+            raise DeviceError(errno.EINVAL, "segment_bytes is not a multiple of stripe_bytes")
+        self.devices: list[Device] = []
+        try:
+            for path in paths:
+                self.devices.append(_open(path, bytes_per_path))
+        except BaseException:
+            self.close()
+            raise
+        self.segment_bytes = segment_bytes  # per path
+        self.stripe_bytes = stripe_bytes
+        self.segment_count = min(d.usable_bytes for d in self.devices) // segment_bytes
+        if self.segment_count < 2:
+            self.close()
+            raise DeviceError(
+                errno.ENOSPC,
+                f"SSD paths hold {self.segment_count} segment(s) of {segment_bytes} bytes; "
+                "L2 needs at least 2 (raise ssd_bytes or lower ssd_segment_bytes)",
+            )
+        self.logical_segment_bytes = segment_bytes * len(self.devices)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.segment_count * self.logical_segment_bytes
+
+    @property
+    def direct(self) -> bool:
+        return all(d.direct for d in self.devices)
+
+    def ops(
+        self, kind: OpKind, segment: int, offset: int, bufs: Sequence[memoryview]
+    ) -> list[IoOp]:
+        """The per-path ops that move ``bufs`` to/from logical ``offset`` of ``segment``."""
+        length = sum(len(b) for b in bufs)
+        assert 0 <= segment < self.segment_count
+        assert offset >= 0 and offset + length <= self.logical_segment_bytes, (offset, length)
+        n = len(self.devices)
+        stripe = self.stripe_bytes
+        per_device: list[list[memoryview]] = [[] for _ in range(n)]
+        start: list[int] = [-1] * n
+        pieces = _Cursor(bufs)
+        pos = offset
+        end = offset + length
+        while pos < end:
+            index = pos // stripe
+            device = index % n
+            take = min(end, (index + 1) * stripe) - pos
+            if start[device] < 0:
+                row = index // n
+                start[device] = segment * self.segment_bytes + row * stripe + pos % stripe
+            per_device[device].extend(pieces.take(take))
+            pos += take
+        return [
+            IoOp(kind, self.devices[d].fd, start[d], per_device[d])
+            for d in range(n)
+            if per_device[d]
+        ]
+
+    def fds(self) -> list[int]:
+        return [d.fd for d in self.devices]
+
+    def close(self) -> None:
+        for device in self.devices:
+            with contextlib.suppress(OSError):
+                os.close(device.fd)
+        self.devices = []
+
+
+class _Cursor:
+    """Takes consecutive byte ranges out of a list of views."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = views
+        self._index = 0
+        self._pos = 0
+
+    def take(self, nbytes: int) -> list[memoryview]:
+        out = []
+        while nbytes:
+            view = self._views[self._index]
+            step = min(nbytes, len(view) - self._pos)
+            out.append(view[self._pos : self._pos + step])
+            self._pos += step
+            nbytes -= step
+            if self._pos == len(view):
+                self._index += 1
+                self._pos = 0
+        return out
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory for headers (O_DIRECT needs aligned memory)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._map = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()

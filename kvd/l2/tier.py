@@ -1,0 +1,525 @@
+"""The L2 SSD tier: an index over append-only segments, with appends,
+verified reads, tombstones, reclaim and recovery.
+
+Segments go FREE -> OPEN (appending) -> SEALED -> reclaimed (FIFO, oldest
+first) -> OPEN again with a fresh random generation. An OPEN segment starts
+with a segment record (flags SEGMENT) that carries its generation; it is
+written and completed before any other record of that use, so a scan after
+a crash never mistakes the previous use's records for live ones.
+
+Reclaim never touches a segment with I/O in flight (a read that may still be
+reading a record, or a tombstone being written) or with records pinned by a
+lease; it drops the segment's records from the index and tells the owner
+(``on_drop``), which re-queues the ones still in L1 (reinsertion of hot
+blocks, bounded by L1's size).
+
+Recovery reads each segment's first header; for a used segment it walks the
+records, jumping by each record's length, and after an invalid header steps
+64 KiB at a time looking for the next record of the same generation (a write
+that failed in the middle of a segment leaves such a hole). When a key
+appears twice the higher sequence number wins; tombstones hide records.
+
+All state changes happen on the event loop; only the io backend moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import errno
+import logging
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvd.checksum import checksum_views
+from kvd.iobackend import IoBackend, IoError, OpKind
+from kvd.l2.devices import AlignedBuffer, DeviceSet
+from kvd.l2.format import (
+    BLOCK_BYTES,
+    HEADER_BYTES_MAX,
+    RECORD_ALIGN_BYTES,
+    HeaderError,
+    RecordHeader,
+    align_up,
+    decode,
+    header_bytes_at,
+)
+
+log = logging.getLogger("kvd.l2")
+
+FLAG_TOMBSTONE = 1
+FLAG_SEGMENT = 2
+# Segments scanned at once during recovery: enough to keep every device busy.
+RECOVERY_PARALLEL_SEGMENTS = 16
+# How long an append waits for a reclaimable segment (all busy or pinned).
+RECLAIM_WAIT_S = 5.0
+
+Key = tuple[str, bytes]
+
+
+class L2Full(Exception):
+    """No segment can be reclaimed right now (all pinned or busy)."""
+
+
+class ChecksumMismatch(Exception):
+    """A record's payload does not match its checksum: a miss, never a hit."""
+
+
+class SegmentState(enum.Enum):
+    FREE = 0
+    OPEN = 1
+    SEALED = 2
+
+
+@dataclass(eq=False, slots=True)
+class L2Record:
+    namespace: str
+    key: bytes
+    parent: bytes
+    meta: bytes
+    size: int
+    checksum: int
+    seq: int
+    segment: int
+    offset: int
+    header_bytes: int
+    pins: int = 0
+    live: bool = True
+
+    @property
+    def read_bytes(self) -> int:
+        """Payload bytes as read from disk: whole O_DIRECT blocks."""
+        return align_up(self.size, BLOCK_BYTES)
+
+
+@dataclass(eq=False, slots=True)
+class Segment:
+    index: int
+    state: SegmentState = SegmentState.FREE
+    generation: int = 0
+    write_pos: int = 0
+    first_seq: int = 0
+    records: dict[Key, L2Record] = field(default_factory=dict)
+    io_inflight: int = 0
+    pinned: int = 0
+
+
+@dataclass
+class L2Counters:
+    writes: int = 0
+    write_bytes: int = 0
+    write_errors: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    read_errors: int = 0
+    checksum_failures: int = 0
+    reclaims: int = 0
+    reclaimed_records: int = 0
+    tombstones: int = 0
+    syncs: int = 0
+    recovered_records: int = 0
+
+
+class L2Tier:
+    def __init__(self, devices: DeviceSet, io: IoBackend) -> None:
+        self.devices = devices
+        self.io = io
+        self.counters = L2Counters()
+        self.index: dict[Key, L2Record] = {}
+        self.segments = [Segment(i) for i in range(devices.segment_count)]
+        self._free: list[int] = []
+        self._sealed: list[int] = []  # oldest first
+        self._open: Segment | None = None
+        self._seq = 0
+        self._opening: asyncio.Future[Segment] | None = None
+        self._io_done = asyncio.Event()
+        self._buffers: list[AlignedBuffer] = []
+        self.on_drop: Callable[[L2Record], None] = lambda record: None
+        self.used_bytes = 0
+
+    # ---- queries ---------------------------------------------------------------
+    def lookup(self, namespace: str, key: bytes) -> L2Record | None:
+        return self.index.get((namespace, key))
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.devices.capacity_bytes
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "l2_bytes": self.capacity_bytes,
+            "l2_used_bytes": self.used_bytes,
+            "l2_free_bytes": self.capacity_bytes - self.used_bytes,
+            "l2_entries": len(self.index),
+            "l2_segments_free": len(self._free),
+            "l2_writes": c.writes,
+            "l2_write_bytes": c.write_bytes,
+            "l2_write_errors": c.write_errors,
+            "l2_reads": c.reads,
+            "l2_read_bytes": c.read_bytes,
+            "l2_read_errors": c.read_errors,
+            "checksum_failures": c.checksum_failures,
+            "l2_reclaims": c.reclaims,
+            "l2_reclaimed_records": c.reclaimed_records,
+        }
+
+    # ---- pins (leases on L2-only hits) -----------------------------------------
+    def pin(self, record: L2Record) -> None:
+        record.pins += 1
+        self.segments[record.segment].pinned += 1
+
+    def unpin(self, record: L2Record) -> None:
+        record.pins -= 1
+        self.segments[record.segment].pinned -= 1
+        assert record.pins >= 0
+        self._io_done.set()
+
+    # ---- append ----------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _header_buffer(self) -> AlignedBuffer:
+        return self._buffers.pop() if self._buffers else AlignedBuffer(HEADER_BYTES_MAX)
+
+    async def append(
+        self,
+        namespace: str,
+        key: bytes,
+        parent: bytes,
+        meta: bytes,
+        size: int,
+        payload_checksum: int,
+        payload: Sequence[memoryview],
+    ) -> L2Record:
+        """Write one record; ``payload`` covers ``size`` rounded up to 4 KiB.
+
+        Raises IoError (errno kept) or L2Full; the index only ever holds
+        records whose write completed.
+        """
+        assert sum(len(v) for v in payload) == align_up(size, BLOCK_BYTES)
+        header = RecordHeader(namespace, key, parent, meta, 0, 0, size, payload_checksum)
+        record_bytes = header.record_bytes
+        if record_bytes > self.devices.logical_segment_bytes - RECORD_ALIGN_BYTES:
+            raise IoError(errno.EFBIG, f"record of {record_bytes} bytes is larger than a segment")
+        segment = await self._room_for(record_bytes)
+        offset = segment.write_pos
+        segment.write_pos += record_bytes
+        header = RecordHeader(
+            namespace, key, parent, meta, segment.generation, self._next_seq(),
+            size, payload_checksum,
+        )  # fmt: skip
+        buffer = self._header_buffer()
+        encoded = header.encode()
+        buffer.view[: len(encoded)] = encoded
+        segment.io_inflight += 1
+        try:
+            views = [buffer.view[: len(encoded)], *payload]
+            await self._write(segment.index, offset, views)
+        except IoError:
+            self.counters.write_errors += 1
+            raise
+        finally:
+            segment.io_inflight -= 1
+            self._buffers.append(buffer)
+            self._io_done.set()
+        record = L2Record(
+            namespace, key, parent, meta, size, payload_checksum, header.seq,
+            segment.index, offset, len(encoded),
+        )  # fmt: skip
+        self.counters.writes += 1
+        self.counters.write_bytes += size
+        if segment.state is not SegmentState.FREE and segment.generation == header.generation:
+            self._publish(segment, record, record_bytes)
+        return record
+
+    def _publish(self, segment: Segment, record: L2Record, record_bytes: int) -> None:
+        key = (record.namespace, record.key)
+        old = self.index.get(key)
+        if old is not None:
+            if old.seq > record.seq:
+                return
+            self._forget(old)
+        self.index[key] = record
+        segment.records[key] = record
+        self.used_bytes += record_bytes
+
+    async def _write(self, segment: int, offset: int, views: Sequence[memoryview]) -> None:
+        ops = self.devices.ops(OpKind.WRITE, segment, offset, views)
+        results = await self.io.submit_many(ops)
+        for op, result in zip(ops, results, strict=True):
+            want = sum(len(b) for b in op.bufs)
+            if result < 0:
+                raise IoError(-result, f"L2 write of segment {segment}")
+            if result != want:
+                raise IoError(errno.EIO, f"short L2 write: {result} of {want} bytes")
+
+    async def _room_for(self, record_bytes: int) -> Segment:
+        segment = self._open
+        if segment is not None and segment.write_pos + record_bytes <= (
+            self.devices.logical_segment_bytes
+        ):
+            return segment
+        if segment is not None:
+            segment.state = SegmentState.SEALED
+            self._sealed.append(segment.index)
+            self._open = None
+        # One opener at a time; the others wait for its segment and recheck.
+        while self._opening is not None:
+            await asyncio.shield(self._opening)
+            if self._open is not None and self._open.write_pos + record_bytes <= (
+                self.devices.logical_segment_bytes
+            ):
+                return self._open
+        loop = asyncio.get_running_loop()
+        self._opening = loop.create_future()
+        try:
+            segment = await self._open_segment()
+        except BaseException as exc:
+            self._opening.set_exception(exc)
+            self._opening.exception()  # retrieved: waiters re-raise their own
+            raise
+        finally:
+            opening, self._opening = self._opening, None
+        if not opening.done():
+            opening.set_result(segment)
+        self._open = segment
+        return segment
+
+    async def _open_segment(self) -> Segment:
+        index = self._free.pop(0) if self._free else await self._reclaim()
+        segment = self.segments[index]
+        segment.generation = secrets.randbits(63) | 1
+        segment.first_seq = self._next_seq()
+        marker = RecordHeader("", b"", b"", b"", segment.generation, segment.first_seq, 0, 0,
+                              FLAG_SEGMENT)  # fmt: skip
+        buffer = self._header_buffer()
+        encoded = marker.encode()
+        buffer.view[: len(encoded)] = encoded
+        try:
+            await self._write(index, 0, [buffer.view[: len(encoded)]])
+        except BaseException:
+            segment.state = SegmentState.FREE
+            self._free.append(index)
+            raise
+        finally:
+            self._buffers.append(buffer)
+        segment.state = SegmentState.OPEN
+        segment.write_pos = RECORD_ALIGN_BYTES
+        return segment
+
+    async def _reclaim(self) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RECLAIM_WAIT_S
+        while True:
+            for position, index in enumerate(self._sealed):
+                segment = self.segments[index]
+                if segment.io_inflight == 0 and segment.pinned == 0:
+                    del self._sealed[position]
+                    self._drop_segment(segment)
+                    return index
+            self._io_done.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise L2Full("every L2 segment is pinned by a lease or busy")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._io_done.wait(), left)
+
+    def _drop_segment(self, segment: Segment) -> None:
+        records = list(segment.records.values())
+        for record in records:
+            self._forget(record)
+        self.counters.reclaims += 1
+        self.counters.reclaimed_records += len(records)
+        segment.state = SegmentState.FREE
+        segment.records = {}
+        for record in records:
+            self.on_drop(record)
+
+    def _forget(self, record: L2Record) -> None:
+        """Drop a record from the index (not from disk)."""
+        key = (record.namespace, record.key)
+        if self.index.get(key) is record:
+            del self.index[key]
+        segment = self.segments[record.segment]
+        if segment.records.get(key) is record:
+            del segment.records[key]
+            header = RecordHeader(record.namespace, record.key, record.parent, record.meta, 0, 0,
+                                  record.size, 0)  # fmt: skip
+            self.used_bytes -= header.record_bytes
+        record.live = False
+
+    # ---- read ------------------------------------------------------------------
+    async def read(self, record: L2Record, views: Sequence[memoryview]) -> None:
+        """Read a payload into ``views`` (``record.read_bytes`` long) and verify it.
+
+        ChecksumMismatch drops the record (and counts it); IoError keeps errno.
+        """
+        assert sum(len(v) for v in views) == record.read_bytes
+        segment = self.segments[record.segment]
+        segment.io_inflight += 1
+        try:
+            ops = self.devices.ops(
+                OpKind.READ, record.segment, record.offset + record.header_bytes, views
+            )
+            results = await self.io.submit_many(ops)
+        finally:
+            segment.io_inflight -= 1
+            self._io_done.set()
+        self.counters.reads += 1
+        for op, result in zip(ops, results, strict=True):
+            if result != sum(len(b) for b in op.bufs):
+                self.counters.read_errors += 1
+                self.discard(record)
+                raise IoError(-result if result < 0 else errno.EIO, "L2 read")
+        data = _trim(views, record.size)
+        if checksum_views(data) != record.checksum:
+            self.counters.checksum_failures += 1
+            self.discard(record)
+            raise ChecksumMismatch(f"L2 record {record.key.hex()} failed its checksum")
+        self.counters.read_bytes += record.size
+
+    def discard(self, record: L2Record) -> None:
+        """Forget a bad record (it stays on disk; its checksum keeps failing)."""
+        if record.live:
+            self._forget(record)
+            self.on_drop(record)
+
+    # ---- delete ----------------------------------------------------------------
+    async def delete(self, namespace: str, key: bytes) -> bool:
+        """Forget a key and mark its record deleted on disk (no resurrection on restart)."""
+        record = self.index.get((namespace, key))
+        if record is None:
+            return False
+        await self.delete_record(record)
+        return True
+
+    async def delete_record(self, record: L2Record) -> None:
+        """Forget one record (if still indexed) and write its tombstone."""
+        self._forget(record)
+        segment = self.segments[record.segment]
+        generation = segment.generation
+        tomb = RecordHeader(record.namespace, record.key, record.parent, record.meta, generation,
+                            record.seq, record.size, record.checksum, FLAG_TOMBSTONE)  # fmt: skip
+        buffer = self._header_buffer()
+        encoded = tomb.encode()
+        buffer.view[: len(encoded)] = encoded
+        segment.io_inflight += 1
+        try:
+            if segment.generation == generation:  # reclaim waits for io_inflight == 0
+                await self._write(record.segment, record.offset, [buffer.view[: len(encoded)]])
+                self.counters.tombstones += 1
+        finally:
+            segment.io_inflight -= 1
+            self._buffers.append(buffer)
+            self._io_done.set()
+
+    async def sync(self) -> None:
+        """Make every completed write durable (fdatasync on each path)."""
+        await asyncio.gather(*(self.io.fsync(fd, data_only=True) for fd in self.devices.fds()))
+        self.counters.syncs += 1
+
+    # ---- recovery --------------------------------------------------------------
+    async def recover(self) -> int:
+        """Rebuild the index from the segments on disk; the number of records found."""
+        found: list[tuple[Segment, list[RecordHeader], list[int]]] = []
+        semaphore = asyncio.Semaphore(RECOVERY_PARALLEL_SEGMENTS)
+
+        async def one(segment: Segment) -> None:
+            async with semaphore:
+                headers, offsets = await self._scan(segment)
+                found.append((segment, headers, offsets))
+
+        await asyncio.gather(*(one(s) for s in self.segments))
+        used = sorted((s for s, _, _ in found if s.state is SegmentState.SEALED),
+                      key=lambda s: s.first_seq)  # fmt: skip
+        self._sealed = [s.index for s in used]
+        self._free = sorted(s.index for s in self.segments if s.state is SegmentState.FREE)
+        tombstones: dict[Key, int] = {}
+        for segment, headers, offsets in found:
+            for header, offset in zip(headers, offsets, strict=True):
+                self._seq = max(self._seq, header.seq)
+                key = (header.namespace, header.key)
+                if header.flags & FLAG_TOMBSTONE:
+                    # A tombstone carries the seq of the record it deletes.
+                    tombstones[key] = max(tombstones.get(key, 0), header.seq)
+                    continue
+                record = L2Record(
+                    header.namespace, header.key, header.parent, header.meta, header.payload_bytes,
+                    header.payload_checksum, header.seq, segment.index, offset, header.header_bytes,
+                )  # fmt: skip
+                self._publish(segment, record, header.record_bytes)
+        for key, seq in tombstones.items():
+            stored = self.index.get(key)
+            if stored is not None and stored.seq <= seq:
+                self._forget(stored)
+        self.counters.recovered_records = len(self.index)
+        return len(self.index)
+
+    async def _read_header(self, segment: int, offset: int) -> RecordHeader | None:
+        buffer = self._header_buffer()
+        try:
+            view = buffer.view[:BLOCK_BYTES]
+            ops = self.devices.ops(OpKind.READ, segment, offset, [view])
+            if (await self.io.submit_many(ops)) != [BLOCK_BYTES] * len(ops):
+                return None
+            size = header_bytes_at(view)
+            if size > BLOCK_BYTES:
+                rest = buffer.view[BLOCK_BYTES:size]
+                ops = self.devices.ops(OpKind.READ, segment, offset + BLOCK_BYTES, [rest])
+                if sum(await self.io.submit_many(ops)) != size - BLOCK_BYTES:
+                    return None
+            if not size:
+                return None
+            return decode(buffer.view[:size])
+        except HeaderError:
+            return None
+        finally:
+            self._buffers.append(buffer)
+
+    async def _scan(self, segment: Segment) -> tuple[list[RecordHeader], list[int]]:
+        first = await self._read_header(segment.index, 0)
+        if first is None or not first.flags & FLAG_SEGMENT:
+            segment.state = SegmentState.FREE
+            return [], []
+        segment.state = SegmentState.SEALED
+        segment.generation = first.generation
+        segment.first_seq = first.seq
+        headers: list[RecordHeader] = []
+        offsets: list[int] = []
+        offset = RECORD_ALIGN_BYTES
+        end = self.devices.logical_segment_bytes
+        while offset + BLOCK_BYTES <= end:
+            header = await self._read_header(segment.index, offset)
+            if (
+                header is None
+                or header.generation != first.generation
+                or header.flags & FLAG_SEGMENT
+            ):
+                offset += RECORD_ALIGN_BYTES
+                continue
+            if offset + header.record_bytes > end:
+                break
+            headers.append(header)
+            offsets.append(offset)
+            offset += header.record_bytes
+        segment.write_pos = end
+        return headers, offsets
+
+    def close(self) -> None:
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
+
+
+def _trim(views: Sequence[memoryview], nbytes: int) -> list[memoryview]:
+    out = []
+    for view in views:
+        if nbytes <= 0:
+            break
+        out.append(view[:nbytes])
+        nbytes -= len(view)
+    return out
