@@ -4,7 +4,8 @@ Semantics, per request of a trace, at a capacity in blocks:
 
 1. look up the chain: the hits are the longest prefix of resident blocks
    (a lookup stops at the first miss, as the daemon's ``Lookup`` does);
-2. touch the hits, head first;
+2. touch the hits, head first, then tell the policy the lookup's outcome
+   (``on_lookup(chain, hits)``, as the store does after a ``Lookup``);
 3. store the rest of the chain in order, each block with its parent: a block
    that is still resident past the first miss is touched, a missing one is
    inserted, evicting ``victim()``s first while the cache is full. The
@@ -105,6 +106,7 @@ def simulate(trace: Trace, policy_name: str, capacity_blocks: int) -> SimResult:
     pinned: set[int] = set()
     skip: Callable[[int], bool] = pinned.__contains__
     insert, touch, remove, victim = policy.insert, policy.touch, policy.remove, policy.victim
+    on_lookup = policy.on_lookup
     block_tokens = trace.block_tokens
     stored = block_hits = token_hits = evictions = ops = 0
     started = time.perf_counter()
@@ -118,7 +120,8 @@ def simulate(trace: Trace, policy_name: str, capacity_blocks: int) -> SimResult:
         token_hits += _token_hits(hits, n, inputs[request], block_tokens)
         for key in chain[:hits]:
             touch(key)
-        ops += hits
+        on_lookup(chain, hits)
+        ops += hits + 1
         if hits == n:
             continue
         pinned.clear()
