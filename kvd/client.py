@@ -8,16 +8,27 @@ Values are checked against their xxh3 checksum on the way out and on the
 way back; a mismatch raises ``DataLoss`` and is never returned.
 
 Targets are ``host:port`` or ``unix:///path``.
+
+Fast paths (``Client`` only): on a Unix-socket target the client moves values
+through shared-memory regions (``shm=True`` is then the default), and on a
+TCP target it sends values of ``bulk_threshold_bytes`` or more, and all gets,
+over the daemon's bulk TCP port. Both are found with one DescribePaths call
+on first use; a daemon without them (or a shm directory this process cannot
+reach) leaves the client on gRPC, the universal fallback. ``buffer(nbytes)``
+hands out memory inside a region: a put from it or a get into it is the
+daemon's only copy.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
+from kvd.bulk_client import DEFAULT_CONNECTIONS, BulkClient, BulkPut
 from kvd.checksum import checksum
 from kvd.errors import (
     BY_CODE_NAME,
@@ -33,6 +44,7 @@ from kvd.errors import (
     Unavailable,
 )
 from kvd.keys import chain_keys
+from kvd.shm_client import ShmPath
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -64,6 +76,9 @@ BATCH_VALUE_BYTES_MAX = 1 << 20
 # ~0.08 GB/s here), while above 1 MiB streamed messages win.
 INLINE_GET_BYTES_MAX = 1 << 20
 BATCH_BYTES_MAX = 8 << 20
+# Values this large go over the bulk TCP port when the daemon has one: one
+# raw round trip beats a gRPC call from 64 KiB up (see `kvd bench paths`).
+BULK_THRESHOLD_BYTES = 64 << 10
 BATCH_ITEMS_MAX = 256
 _MESSAGE_BYTES_MAX = 1 << 30
 _CHANNEL_OPTIONS = [
@@ -301,13 +316,74 @@ class Client:
     """Blocking client. Thread-safe: one channel, many concurrent calls."""
 
     def __init__(
-        self, target: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        shm: bool | None = None,
+        bulk: bool | None = None,
+        bulk_threshold_bytes: int = BULK_THRESHOLD_BYTES,
+        bulk_connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self._metadata = _metadata(token)
+        self._token = token
         self._channel = grpc.insecure_channel(grpc_target(target), options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        unix = grpc_target(target).startswith("unix:")
+        self._want_shm = unix if shm is None else shm
+        self._want_bulk = (not unix) if bulk is None else bulk
+        self.bulk_threshold_bytes = bulk_threshold_bytes
+        self._bulk_connections = bulk_connections
+        self._paths_lock = threading.Lock()
+        self._paths_known = False
+        self._shm: ShmPath | None = None
+        self._bulk: BulkClient | None = None
+
+    def _fast_paths(self) -> tuple[ShmPath | None, BulkClient | None]:
+        """The daemon's fast paths this client uses, found once (DescribePaths)."""
+        if self._paths_known or not (self._want_shm or self._want_bulk):
+            return self._shm, self._bulk
+        with self._paths_lock:
+            if not self._paths_known:
+                try:
+                    self._open_fast_paths()
+                finally:
+                    self._paths_known = True
+        return self._shm, self._bulk
+
+    def _open_fast_paths(self) -> None:
+        try:
+            paths = self._call(self._stub.DescribePaths, pb.DescribePathsRequest())
+        except KvdError:
+            return  # an older daemon: gRPC only
+        if self._want_shm and paths.shm_dir:
+            shm = ShmPath(
+                paths.shm_dir,
+                paths.max_region_bytes,
+                lambda name, request: self._call(getattr(self._stub, name), request),
+            )
+            try:
+                shm.open()  # the staging region proves the directory is shared with the daemon
+                self._shm = shm
+            except (OSError, KvdError):
+                shm.close()
+        if self._want_bulk and paths.bulk_port and not grpc_target(self.target).startswith("unix:"):
+            host = grpc_target(self.target).rpartition(":")[0].strip("[]")
+            self._bulk = BulkClient(
+                host,
+                paths.bulk_port,
+                token=self._token,
+                connections=self._bulk_connections,
+                timeout_s=self.timeout_s,
+            )
+
+    def buffer(self, nbytes: int) -> memoryview:
+        """Writable memory for values: inside a shared region when the shm path is on."""
+        shm, _ = self._fast_paths()
+        return shm.buffer(nbytes) if shm is not None else memoryview(bytearray(nbytes))
 
     def __enter__(self) -> Client:
         return self
@@ -316,6 +392,10 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+        if self._bulk is not None:
+            self._bulk.close()
         self._channel.close()
 
     def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
@@ -335,6 +415,14 @@ class Client:
         durable: bool = False,
     ) -> bool:
         """Store a value; True when the key already held these bytes."""
+        shm, bulk = self._fast_paths()
+        view = memoryview(value).cast("B")
+        if shm is not None:
+            stored = shm.put_many(ns, [(key, view, meta)], parent, chained=True, durable=durable)
+            if stored[0] is not None:
+                return stored[0]
+        if bulk is not None and len(view) >= self.bulk_threshold_bytes:
+            return bulk.put(ns, key, view, meta, parent, durable=durable)
         small = _small_put_request(ns, key, value, meta, parent, durable)
         if small is not None:
             return _batch_put_result(self._call(self._stub.BatchPut, small), 0)[0]
@@ -356,6 +444,11 @@ class Client:
             raise
 
     def get(self, ns: str, key: bytes) -> bytes | None:
+        shm, bulk = self._fast_paths()
+        if shm is not None:
+            return shm.get(ns, key)
+        if bulk is not None:
+            return bulk.get(ns, key)
         item = self._call(self._stub.BatchGet, _single_get_request(ns, key)).items[0]
         value = _batch_get_item(item)
         if value is not ResourceExhausted:
@@ -366,6 +459,12 @@ class Client:
 
     def get_into(self, ns: str, key: bytes, buffer: Buffer) -> int | None:
         """Read a value into ``buffer``; its size, or None on a miss."""
+        shm, bulk = self._fast_paths()
+        view = memoryview(buffer).cast("B")
+        if shm is not None:
+            return shm.get_into(ns, key, view)
+        if bulk is not None and len(view) >= self.bulk_threshold_bytes:
+            return bulk.get_into(ns, key, view)
         item = self._call(self._stub.BatchGet, _single_get_request(ns, key)).items[0]
         value = _batch_get_item(item)
         if value is not ResourceExhausted:
@@ -384,6 +483,28 @@ class Client:
     ) -> list[bool]:
         """Store many values; ``chained`` links each to the previous one (one chain in order)."""
         listed = _put_items(items)
+        shm, bulk = self._fast_paths()
+        if shm is not None:
+            stored = shm.put_many(ns, listed, parent, chained)
+            return [
+                self.put(
+                    ns, key, value, meta, (listed[i - 1][0] if i else parent) if chained else None
+                )
+                if done is None
+                else done
+                for i, ((key, value, meta), done) in enumerate(zip(listed, stored, strict=True))
+            ]
+        if bulk is not None and any(len(v) >= self.bulk_threshold_bytes for _, v, _ in listed):
+            puts = [
+                BulkPut(
+                    key,
+                    value,
+                    meta,
+                    ((listed[i - 1][0] if i else parent) or b"") if chained else b"",
+                )
+                for i, (key, value, meta) in enumerate(listed)
+            ]
+            return bulk.put_many(ns, puts)
         existed: list[bool] = []
         for first, group in _batches(listed):
             group_parent = listed[first - 1][0] if first else parent
@@ -398,6 +519,11 @@ class Client:
         return existed
 
     def get_many(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        shm, bulk = self._fast_paths()
+        if shm is not None:
+            return [shm.get(ns, key) for key in keys]
+        if bulk is not None:
+            return bulk.get_many(ns, keys)
         out: list[bytes | None] = []
         for start in range(0, len(keys), BATCH_ITEMS_MAX):
             group = list(keys[start : start + BATCH_ITEMS_MAX])

@@ -1,0 +1,343 @@
+"""Client side of the shared-memory path: regions, their allocator, the batch calls.
+
+A region is a file the client creates in the daemon's shm directory, sizes,
+maps, locks with a shared ``flock`` (the daemon frees the region once that
+lock is gone, i.e. once this process exits), attaches with one RPC and then
+unlinks, so a crash leaves no file behind. ``buffer(nbytes)`` hands out a
+region of its own, so a put from it or a get into it is the daemon's single
+copy. Other buffers go through a staging region: one more copy, by numpy.
+
+The daemon checks each value it copies into a region against the stored
+checksum while the bytes are in cache, and stores the checksum of what it
+copied out of one; bytes never cross a socket, so the client does not hash.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvd.errors import BY_CODE_NAME, InvalidArgument, KvdError, ResourceExhausted
+from kvd.v1 import kvd_pb2 as pb
+
+# Staging for buffers outside any region: 64 MiB holds a batch of sixteen
+# 4 MiB chunks; tmpfs pages exist only once touched.
+STAGING_BYTES = 64 << 20
+# Room first offered for a value of unknown size; a larger one comes back
+# with its size and is fetched again with exact room.
+GET_ROOM_BYTES = 4 << 20
+ALIGN_BYTES = 4096
+BATCH_ITEMS_MAX = 256
+
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+_NAMES = {int(code.value[0]): code.name for code in grpc.StatusCode}
+
+Call = Callable[[Any, Any], Any]
+
+
+def _error(result: pb.RegionItemResult) -> KvdError:
+    name = _NAMES.get(result.code, "UNKNOWN")
+    return BY_CODE_NAME.get(name, KvdError)(f"{name}: {result.message}")
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+class _Spans:
+    """First-fit allocator of byte ranges in a region; thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self._free: list[tuple[int, int]] = [(0, size)]
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int | None:
+        need = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        with self._lock:
+            for i, (start, size) in enumerate(self._free):
+                if size >= need:
+                    if size == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (start + need, size - need)
+                    return start
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        need = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
+        with self._lock:
+            self._free.append((offset, need))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for start, size in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((start, size))
+            self._free = merged
+
+
+@dataclass(eq=False)
+class ClientRegion:
+    region_id: int
+    token: bytes
+    size: int
+    fd: int
+    mapping: mmap.mmap
+    view: memoryview
+    address: int
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        return self.address <= address and address + nbytes <= self.address + self.size
+
+
+def create_region(shm_dir: str, size: int, attach: Call) -> ClientRegion:
+    """Create, lock, map and attach a region file, then unlink it."""
+    name = f"kvd-{os.getpid()}-{secrets.token_hex(8)}"
+    path = os.path.join(shm_dir, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.ftruncate(fd, size)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            response = attach(pb.AttachRegionRequest(name=name, size=size), None)
+        finally:
+            os.unlink(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    view = memoryview(mapping)
+    return ClientRegion(response.region_id, response.token, size, fd, mapping, view, _address(view))
+
+
+def close_region(region: ClientRegion, detach: Call | None) -> None:
+    if detach is not None:
+        try:
+            detach(pb.DetachRegionRequest(region_id=region.region_id, token=region.token), None)
+        except KvdError:
+            pass  # the daemon is gone or already freed it; closing the fd frees it too
+    region.view.release()
+    try:
+        region.mapping.close()
+    except BufferError:
+        pass  # a buffer() the caller still holds keeps the mapping; GC unmaps it
+    os.close(region.fd)
+
+
+class ShmPath:
+    """Puts and gets through regions; ``call(method_name, request)`` is the client's RPC."""
+
+    def __init__(self, shm_dir: str, max_region_bytes: int, call: Callable[[str, Any], Any]):
+        self.shm_dir = shm_dir
+        self.max_region_bytes = max_region_bytes
+        self._call = call
+        self._regions: list[ClientRegion] = []
+        self._lock = threading.Lock()
+        self._staging: ClientRegion | None = None
+        self._spans: _Spans | None = None
+
+    def _rpc(self, name: str) -> Call:
+        return lambda request, _: self._call(name, request)
+
+    def open(self) -> None:
+        """Create the staging region now (it fails here if the daemon's shm_dir is not ours)."""
+        self._staging_spans()
+
+    def close(self) -> None:
+        with self._lock:
+            regions, self._regions = self._regions, []
+            self._staging = None
+        for region in regions:
+            close_region(region, self._rpc("DetachRegion"))
+
+    def buffer(self, nbytes: int) -> memoryview:
+        if not 0 < nbytes <= self.max_region_bytes:
+            raise InvalidArgument(f"buffer of {nbytes} bytes; 1..{self.max_region_bytes}")
+        size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        region = create_region(self.shm_dir, size, self._rpc("AttachRegion"))
+        with self._lock:
+            self._regions.append(region)
+        return region.view[:nbytes]
+
+    def locate(self, view: memoryview) -> tuple[ClientRegion, int] | None:
+        address = _address(view)
+        with self._lock:
+            for region in self._regions:
+                if region.contains(address, len(view)):
+                    return region, address - region.address
+        return None
+
+    def _staging_spans(self) -> tuple[ClientRegion, _Spans]:
+        with self._lock:
+            if self._staging is not None and self._spans is not None:
+                return self._staging, self._spans
+        size = min(STAGING_BYTES, self.max_region_bytes)
+        region = create_region(self.shm_dir, size, self._rpc("AttachRegion"))
+        with self._lock:
+            if self._staging is None:
+                self._staging, self._spans = region, _Spans(size)
+                self._regions.append(region)
+                region = None  # type: ignore[assignment]
+            staged = self._staging, self._spans
+        if region is not None:  # another thread won the race
+            close_region(region, self._rpc("DetachRegion"))
+        assert staged[1] is not None
+        return staged[0], staged[1]
+
+    # ---- puts ------------------------------------------------------------------------
+    def put_many(
+        self,
+        ns: str,
+        items: Sequence[tuple[bytes, memoryview, bytes]],
+        parent: bytes | None,
+        chained: bool,
+        durable: bool = False,
+    ) -> list[bool | None]:
+        """Store values; None for an item that found no room (the caller uses another path)."""
+        existed: list[bool | None] = []
+        start = 0
+        while start < len(items):
+            end, region, offsets, staged = self._place(items, start)
+            if end == start:
+                existed.append(None)
+                start += 1
+                continue
+            try:
+                first_parent = (items[start - 1][0] if start else parent) if chained else None
+                request = pb.PutFromRegionRequest(
+                    region_id=region.region_id,
+                    token=region.token,
+                    namespace=ns,
+                    chained=chained,
+                    durable=durable,
+                    items=[
+                        pb.RegionItem(
+                            key=key,
+                            offset=offset,
+                            length=len(value),
+                            meta=meta,
+                            parent=(first_parent or b"") if i == 0 else b"",
+                        )
+                        for i, ((key, value, meta), offset) in enumerate(
+                            zip(items[start:end], offsets, strict=True)
+                        )
+                    ],
+                )
+                response = self._call("PutFromRegion", request)
+            finally:
+                self._unstage(staged)
+            for i, result in enumerate(response.results):
+                if result.code:
+                    error = _error(result)
+                    raise type(error)(f"item {start + i}: {error}")
+                existed.append(result.existed)
+            start = end
+        return existed
+
+    def _place(
+        self, items: Sequence[tuple[bytes, memoryview, bytes]], start: int
+    ) -> tuple[int, ClientRegion, list[int], list[tuple[_Spans, int, int]]]:
+        """Items from ``start`` sharing one region: in a buffer(), or copied to staging."""
+        first = self.locate(items[start][1])
+        offsets: list[int] = []
+        staged: list[tuple[_Spans, int, int]] = []
+        if first is not None:
+            region = first[0]
+            for _, value, _ in items[start : start + BATCH_ITEMS_MAX]:
+                where = self.locate(value)
+                if where is None or where[0] is not region:
+                    break
+                offsets.append(where[1])
+            return start + len(offsets), region, offsets, staged
+        region, spans = self._staging_spans()
+        for _, value, _ in items[start : start + BATCH_ITEMS_MAX]:
+            if self.locate(value) is not None:
+                break
+            offset = spans.alloc(len(value))
+            if offset is None:
+                break
+            staged.append((spans, offset, len(value)))
+            dst = np.frombuffer(region.view, dtype=np.uint8)[offset : offset + len(value)]
+            np.copyto(dst, np.frombuffer(value, dtype=np.uint8))
+            offsets.append(offset)
+        return start + len(offsets), region, offsets, staged
+
+    @staticmethod
+    def _unstage(staged: list[tuple[_Spans, int, int]]) -> None:
+        for spans, offset, nbytes in staged:
+            spans.free(offset, nbytes)
+
+    # ---- gets ------------------------------------------------------------------------
+    def get_into(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
+        where = self.locate(buffer)
+        if where is not None:
+            result = self._get_one(ns, key, where[0], where[1], len(buffer))
+            return None if result is None else result.size
+        region, spans = self._staging_spans()
+        offset = spans.alloc(len(buffer))
+        if offset is None:
+            raise ResourceExhausted("staging region full")
+        try:
+            result = self._get_one(ns, key, region, offset, len(buffer))
+            if result is None:
+                return None
+            src = np.frombuffer(region.view, dtype=np.uint8)[offset : offset + result.size]
+            np.copyto(np.frombuffer(buffer, dtype=np.uint8)[: result.size], src)
+            return int(result.size)
+        finally:
+            spans.free(offset, len(buffer))
+
+    def get(self, ns: str, key: bytes) -> bytes | None:
+        region, spans = self._staging_spans()
+        room = GET_ROOM_BYTES
+        for _ in range(2):  # once with a guess, once with the exact size
+            offset = spans.alloc(room)
+            if offset is None:
+                raise ResourceExhausted(f"staging region has no {room} bytes free")
+            try:
+                result = self._get_one(ns, key, region, offset, room, want_size=True)
+                if result is None:
+                    return None
+                if result.code == 0:
+                    return bytes(region.view[offset : offset + result.size])
+            finally:
+                spans.free(offset, room)
+            room = result.size
+        raise ResourceExhausted("value changed size between two reads")  # pragma: no cover
+
+    def _get_one(
+        self,
+        ns: str,
+        key: bytes,
+        region: ClientRegion,
+        offset: int,
+        room: int,
+        want_size: bool = False,
+    ) -> pb.RegionItemResult | None:
+        request = pb.GetIntoRegionRequest(
+            region_id=region.region_id,
+            token=region.token,
+            namespace=ns,
+            items=[pb.RegionItem(key=key, offset=offset, length=room)],
+        )
+        result = self._call("GetIntoRegion", request).results[0]
+        if result.code == _NOT_FOUND:
+            return None
+        if result.code == _RESOURCE_EXHAUSTED and want_size and result.size > room:
+            return result  # type: ignore[no-any-return]
+        if result.code:
+            if result.code == _RESOURCE_EXHAUSTED and result.size > room:
+                raise InvalidArgument(f"buffer of {room} bytes is too small for {result.size}")
+            raise _error(result)
+        return result  # type: ignore[no-any-return]
