@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -187,5 +188,37 @@ class AlignedBuffer:
         self.view = memoryview(self._map)
 
     def close(self) -> None:
-        self.view.release()
-        self._map.close()
+        # A slice handed to an io op may still be referenced (by a finished
+        # op's bookkeeping); then the mapping is freed with its last view.
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self._map.close()
+
+
+def lock_paths(paths: Sequence[str]) -> list[int]:
+    """Take an exclusive ``flock`` on every path; the fds hold the locks until closed.
+
+    The daemon (at start) and ``kvd fsck`` both call this, so neither runs on
+    files the other is using. A lock held elsewhere raises DeviceError(EBUSY)
+    at once (no waiting) after releasing the locks already taken; a missing
+    path raises DeviceError(ENOENT), since locking must not create files.
+    """
+    fds: list[int] = []
+    try:
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise DeviceError(exc.errno, f"cannot lock SSD path {path}: {exc.strerror}") from exc
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DeviceError(
+                    errno.EBUSY, f"SSD path {path} is in use (another kvd holds its lock)"
+                ) from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds

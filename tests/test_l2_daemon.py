@@ -1,0 +1,232 @@
+"""The L2 tier through a real daemon: larger-than-L1 round trips, restarts
+(SIGTERM and kill -9 during a put storm, oracle-checked), on-disk corruption.
+
+Values are derived from their keys, so any value read back can be checked
+without keeping it: a wrong byte anywhere fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvd.bench.daemon import SpawnedDaemon
+from kvd.client import Client, KvdError
+from kvd.iobackend import native_available, open_backend
+from kvd.l2 import DeviceSet, L2Tier
+
+MiB = 1 << 20
+BACKENDS = ["threads", "uring"]
+# Puts per storm thread per crash loop: bounds the L2 space the test needs, so
+# no segment is ever reclaimed and every durable put must come back.
+STORM_PUTS_MAX = 60
+
+
+def value_for(key: bytes, size: int) -> bytes:
+    seed = int.from_bytes(key[-8:].rjust(8, b"\0"), "little")
+    return random.Random(seed).randbytes(size)
+
+
+def start(
+    workdir: Path, *args: str, paths: int = 1, backend: str = "threads", ssd: str = "64MiB"
+) -> SpawnedDaemon:
+    extra = []
+    for i in range(1, paths):
+        extra += ["--ssd-path", str(workdir / f"ssd-{i}.dat")]
+    return SpawnedDaemon(
+        workdir, [*extra, "--io-backend", backend, *args], dram="16MiB", max_value="4MiB",
+        ssd=ssd, segment="8MiB",
+    )  # fmt: skip
+
+
+def skip_without(backend: str) -> None:
+    if backend == "uring" and not native_available()[0]:
+        pytest.skip(native_available()[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paths", [1, 3])
+def test_round_trip_four_times_l1(tmp_path: Path, backend: str, paths: int) -> None:
+    skip_without(backend)
+    daemon = start(tmp_path, paths=paths, backend=backend, ssd="160MiB")
+    sizes = [1, 4096, 65536, 300_000, MiB + 7, 3 * MiB]
+    keys = [b"rt%04d" % i for i in range(80)]  # ~80 MiB over a 16 MiB pool
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            for i, key in enumerate(keys):
+                client.put("l2", key, value_for(key, sizes[i % len(sizes)]))
+            for i, key in enumerate(reversed(keys)):
+                size = sizes[(len(keys) - 1 - i) % len(sizes)]
+                assert client.get("l2", key) == value_for(key, size)
+            stats = client.stats()
+        assert stats["l2_hits"] > 0 and stats["evictions"] > 0
+        assert stats["checksum_failures"] == 0
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_durable_puts_survive_sigterm_restart(tmp_path: Path) -> None:
+    daemon = start(tmp_path)
+    keys = [b"d%03d" % i for i in range(40)]
+    with Client(daemon.target, timeout_s=30) as client:
+        for key in keys:
+            client.put("dur", key, value_for(key, 200_000), meta=b"m" + key, durable=True)
+        client.put("dur", b"gone", b"deleted before the restart", durable=True)
+        assert client.delete("dur", [b"gone"]) == 1
+    assert daemon.stop() == 0
+    daemon = start(tmp_path)
+    try:
+        assert any("l2_recovered=40" in line for line in daemon.log), daemon.log[-3:]
+        with Client(daemon.target, timeout_s=30) as client:
+            assert client.lookup_ex("dur", keys).l2_hits == 40
+            for key in keys:
+                assert client.get("dur", key) == value_for(key, 200_000)
+            assert client.get("dur", b"gone") is None
+            assert client.exists("dur", [b"gone"]) == [False]
+    finally:
+        daemon.stop()
+
+
+def storm(target: str, stop: threading.Event, oracle: dict[str, set[bytes]], seed: int) -> None:
+    """Puts (half durable) and deletes until the daemon dies; records what was acknowledged."""
+    rng = random.Random(seed)
+    try:
+        with Client(target, timeout_s=5) as client:
+            n = 0
+            while not stop.is_set() and n < STORM_PUTS_MAX:
+                key = b"s%d-%06d" % (seed, n)
+                n += 1
+                durable = rng.random() < 0.5
+                oracle["attempted"].add(key)
+                client.put("storm", key, value_for(key, rng.choice(SIZES)),
+                           durable=durable)  # fmt: skip
+                oracle["durable" if durable else "acked"].add(key)
+                if durable and rng.random() < 0.1:
+                    oracle["deleting"].add(key)
+                    client.delete("storm", [key])
+                    oracle["deleted"].add(key)
+    except KvdError:
+        pass  # the daemon was killed under us
+
+
+SIZES = (4096, 70_000, 300_000)
+
+
+def check_after_crash(client: Client, oracle: dict[str, set[bytes]]) -> tuple[int, int]:
+    keys = sorted(oracle["attempted"])
+    found = 0
+    for key in keys:
+        got = client.get("storm", key)
+        if got is None:
+            assert key not in oracle["durable"] or key in oracle["deleting"], (
+                f"acknowledged durable put {key!r} lost"
+            )
+            continue
+        assert key not in oracle["deleted"], f"deleted key {key!r} came back"
+        assert any(got == value_for(key, s) for s in SIZES), f"wrong bytes for {key!r}"
+        found += 1
+    never = [b"never-%d" % i for i in range(20)]
+    assert client.exists("storm", never) == [False] * 20  # no phantom
+    return found, len(keys)
+
+
+@pytest.mark.parametrize("loops", [int(os.environ.get("KVD_TEST_CRASH_LOOPS", "20"))])
+def test_kill_9_during_put_storm(tmp_path: Path, loops: int) -> None:
+    oracle: dict[str, set[bytes]] = {
+        name: set() for name in ("attempted", "acked", "durable", "deleting", "deleted")
+    }
+    rng = random.Random(1)
+    for loop in range(loops):
+        daemon = start(tmp_path, ssd="1GiB")
+        with Client(daemon.target, timeout_s=30) as client:
+            check_after_crash(client, oracle)
+            assert client.stats()["l2_reclaims"] == 0
+        stop = threading.Event()
+        threads = [
+            threading.Thread(target=storm, args=(daemon.target, stop, oracle, loop * 10 + i))
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(rng.uniform(0.05, 0.6))
+        daemon.kill()  # SIGKILL, mid-storm
+        stop.set()
+        for t in threads:
+            t.join(10)
+    daemon = start(tmp_path, ssd="1GiB")
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            found, attempted = check_after_crash(client, oracle)
+            assert client.stats()["l2_reclaims"] == 0
+        assert oracle["durable"] and found >= len(oracle["durable"] - oracle["deleting"])
+        assert attempted > 0
+    finally:
+        daemon.stop()
+
+
+def record_offsets(workdir: Path) -> dict[bytes, tuple[int, int, int]]:
+    """key -> (physical offset of the record, header bytes, payload bytes), single path."""
+
+    async def scan() -> dict[bytes, tuple[int, int, int]]:
+        devices = DeviceSet([str(workdir / "ssd-0.dat")], 64 * MiB, 8 * MiB, 256 << 10)
+        io = open_backend("threads")
+        try:
+            tier = L2Tier(devices, io)
+            await tier.recover()
+            out = {
+                key: (rec.segment * 8 * MiB + rec.offset, rec.header_bytes, rec.size)
+                for (_, key), rec in tier.index.items()
+            }
+            tier.close()
+            return out
+        finally:
+            io.close()
+            devices.close()
+
+    return asyncio.run(scan())
+
+
+def test_corrupt_payloads_and_headers_miss_others_hit(tmp_path: Path) -> None:
+    daemon = start(tmp_path)
+    keys = [b"c%03d" % i for i in range(150)]
+    with Client(daemon.target, timeout_s=30) as client:
+        for key in keys:
+            client.put("cor", key, value_for(key, 40_000), durable=True)
+    daemon.stop()
+    offsets = record_offsets(tmp_path)
+    assert len(offsets) == 150
+    rng = random.Random(5)
+    bad_payload = set(rng.sample(keys, 100))
+    bad_header = set(rng.sample(sorted(set(keys) - bad_payload), 10))
+    with open(tmp_path / "ssd-0.dat", "r+b") as f:
+        for key in bad_payload:
+            where, header, size = offsets[key]
+            f.seek(where + header + rng.randrange(size))
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x5A]))
+        for key in bad_header:
+            where, _, _ = offsets[key]
+            f.seek(where + 80)
+            f.write(b"\xff\xfe")
+    daemon = start(tmp_path)
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            for key in keys:
+                got = client.get("cor", key)
+                if key in bad_payload or key in bad_header:
+                    assert got is None, key
+                else:
+                    assert got == value_for(key, 40_000), key
+            assert client.exists("cor", sorted(bad_header)) == [False] * 10
+            stats = client.stats()
+        assert stats["checksum_failures"] == 100
+        assert daemon.alive()
+    finally:
+        daemon.stop()
