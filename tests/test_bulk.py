@@ -1,0 +1,166 @@
+"""Bulk TCP port against a real daemon: round trips through BulkClient and
+Client, and bad input on a raw socket (wrong magic, truncated frame, length
+over the limit, a slow-loris sender, a wrong checksum): the connection is
+closed with a logged reason, nothing partial is visible, others are served."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from kvd.bulk import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
+from kvd.bulk_client import BulkClient, BulkPut
+from kvd.client import AlreadyExists, Client, InvalidArgument, ResourceExhausted
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+
+NS = "bulk-test"
+
+
+@pytest.fixture
+def bulk_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
+    return daemon_factory("--bulk-frame-timeout-ms", "300")
+
+
+def _raw(daemon: DaemonProcess) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", daemon.bulk_port), timeout=5)
+    sock.sendall(encode_request(OP_HELLO, 0))
+    assert len(_recv_exact(sock, RESPONSE.size)) == RESPONSE.size
+    return sock
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _closed_by_daemon(sock: socket.socket) -> bool:
+    """True when the daemon closed the connection (EOF or reset) within the timeout."""
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+def _still_serving(daemon: DaemonProcess) -> None:
+    with BulkClient("127.0.0.1", daemon.bulk_port) as client:
+        client.put(NS, b"canary", b"alive")
+        assert client.get(NS, b"canary") == b"alive"
+
+
+def _logged(daemon: DaemonProcess, reason: str) -> bool:
+    return wait_until(
+        lambda: any("bulk connection closed" in line and reason in line for line in daemon.log),
+        timeout_s=5,
+    )
+
+
+def test_round_trips_and_codes(bulk_daemon: DaemonProcess) -> None:
+    value = os.urandom((2 << 20) + 123)
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port, connections=3) as client:
+        assert client.put(NS, b"k", value, b"meta") is False
+        assert client.put(NS, b"k", value) is True
+        with pytest.raises(AlreadyExists):
+            client.put(NS, b"k", b"other bytes")
+        assert client.get(NS, b"k") == value
+        assert client.get(NS, b"nope") is None
+        buffer = bytearray(len(value) + 10)
+        assert client.get_into(NS, b"k", buffer) == len(value) and buffer[: len(value)] == value
+        with pytest.raises(ResourceExhausted):
+            client.get_into(NS, b"k", bytearray(100))
+        with pytest.raises(InvalidArgument):
+            client.put("", b"k", b"x")  # answered with a code; the connection stays
+        values = [os.urandom(1000 + i) for i in range(150)]  # more than one pipeline window
+        items = [BulkPut(b"m%d" % i, memoryview(v)) for i, v in enumerate(values)]
+        assert client.put_many(NS, items) == [False] * 150
+        keys = [b"m%d" % i for i in range(150)] + [b"absent"]
+        assert client.get_many(NS, keys) == [*values, None]
+
+
+def test_client_uses_bulk_for_large_values_over_tcp(bulk_daemon: DaemonProcess) -> None:
+    value = os.urandom(1 << 20)
+    with Client(bulk_daemon.target, shm=False) as client:
+        client.put(NS, b"big", value)
+        client.put_many(NS, [(b"c1", value), (b"c2", b"small")], chained=True)
+        assert client.get(NS, b"big") == value
+        assert client.get_many(NS, [b"c1", b"c2"]) == [value, b"small"]
+    url = f"http://127.0.0.1:{bulk_daemon.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        metrics = response.read().decode()
+    assert 'kvd_bytes_total{direction="in",op="bulk_put"}' in metrics
+    assert 'kvd_bytes_total{direction="out",op="bulk_get"}' in metrics
+
+
+def test_wrong_magic_closes_the_connection(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    sock.sendall(b"XXXX" + encode_request(OP_GET, 1, NS.encode(), b"k")[4:])
+    assert _closed_by_daemon(sock)
+    assert _logged(bulk_daemon, "bad magic")
+    _still_serving(bulk_daemon)
+
+
+def test_first_frame_must_be_hello(bulk_daemon: DaemonProcess) -> None:
+    sock = socket.create_connection(("127.0.0.1", bulk_daemon.bulk_port), timeout=5)
+    sock.sendall(encode_request(OP_GET, 1, NS.encode(), b"k"))
+    assert _closed_by_daemon(sock)
+    assert _logged(bulk_daemon, "HELLO")
+
+
+def test_truncated_put_leaves_nothing(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    header = encode_request(OP_PUT, 1, NS.encode(), b"half", length=1 << 20)
+    sock.sendall(header + b"x" * (1 << 19))
+    sock.close()
+    assert _logged(bulk_daemon, "ended inside a frame")
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        assert client.get(NS, b"half") is None
+    _still_serving(bulk_daemon)
+
+
+def test_length_over_the_limit_closes(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    sock.sendall(encode_request(OP_PUT, 1, NS.encode(), b"huge", length=1 << 40))
+    assert _closed_by_daemon(sock)
+    assert _logged(bulk_daemon, "max_value_bytes")
+    _still_serving(bulk_daemon)
+
+
+def test_slow_loris_is_cut_off(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    frame = encode_request(OP_PUT, 1, NS.encode(), b"slow", length=4096) + b"y" * 4096
+    sock.sendall(frame[:20])  # half a header, then silence
+    start = time.monotonic()
+    assert _closed_by_daemon(sock)
+    assert time.monotonic() - start < 4  # frame timeout is 300 ms
+    assert _logged(bulk_daemon, "TimeoutError")
+    sock = _raw(bulk_daemon)
+    sock.sendall(frame[:1000])  # a whole header, then part of the payload
+    assert _closed_by_daemon(sock)
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        assert client.get(NS, b"slow") is None
+    _still_serving(bulk_daemon)
+
+
+def test_wrong_checksum_is_refused(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    sock.sendall(encode_request(OP_PUT, 7, NS.encode(), b"bad", length=5, checksum=1) + b"hello")
+    answer = RESPONSE.unpack(_recv_exact(sock, RESPONSE.size))
+    assert answer[4] == 7 and answer[5] == 15  # request id, DATA_LOSS
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        assert client.get(NS, b"bad") is None
+        client.put(NS, b"good", b"hello")
+    sock.close()
