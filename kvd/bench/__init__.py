@@ -78,9 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     grpc_cmd = sub.add_parser("grpc", help="gRPC Put/Get next to a plain echo and memcpy")
     grpc_cmd.add_argument("--target", default="", help="a running daemon (default: start one)")
     grpc_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
+    from kvd.replay import report as replay_report
+
+    replay_report.add_arguments(sub.add_parser("replay", help="replay a request trace"))
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.suite in (None, "grpc"):
         if args.suite is None:
             args.target, args.sizes = "", None
         return _grpc(args)
+    if args.suite == "replay":
+        return replay_report.main(args, Path(args.out), _progress)
     parser.error(f"unknown suite {args.suite}")

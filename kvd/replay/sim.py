@@ -93,8 +93,12 @@ def _token_hits(hit_blocks: int, chain_blocks: int, input_tokens: int, block_tok
     return hit_blocks * block_tokens
 
 
-def simulate(trace: Trace, policy_name: str, capacity_blocks: int) -> SimResult:
-    """Replay ``trace`` through a fresh ``policy_name`` policy (see module doc)."""
+def simulate(
+    trace: Trace, policy_name: str, capacity_blocks: int, *, lookup_hook: bool = True
+) -> SimResult:
+    """Replay ``trace`` through a fresh ``policy_name`` policy (see module doc);
+    without ``lookup_hook`` the policy never hears of lookups, as in a store
+    that does not call ``on_lookup``."""
     _check_capacity(capacity_blocks)
     if policy_name not in POLICIES:
         raise SimError(f"unknown policy {policy_name!r}; expected one of {POLICIES}")
@@ -120,7 +124,8 @@ def simulate(trace: Trace, policy_name: str, capacity_blocks: int) -> SimResult:
         token_hits += _token_hits(hits, n, inputs[request], block_tokens)
         for key in chain[:hits]:
             touch(key)
-        on_lookup(chain, hits)
+        if lookup_hook:
+            on_lookup(chain, hits)
         ops += hits + 1
         if hits == n:
             continue
