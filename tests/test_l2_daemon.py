@@ -230,3 +230,18 @@ def test_corrupt_payloads_and_headers_miss_others_hit(tmp_path: Path) -> None:
         assert daemon.alive()
     finally:
         daemon.stop()
+
+
+def test_second_daemon_on_the_same_ssd_path_is_refused(tmp_path: Path) -> None:
+    daemon = start(tmp_path)
+    try:
+        other = tmp_path / "other"
+        other.mkdir()
+        with pytest.raises(RuntimeError, match="in use"):
+            SpawnedDaemon(
+                other, ["--ssd-path", str(tmp_path / "ssd-0.dat")],
+                ssd="64MiB", max_value="4MiB", segment="8MiB",
+            )  # fmt: skip
+        assert daemon.alive()
+    finally:
+        daemon.stop()

@@ -66,10 +66,11 @@ class SpawnedDaemon:
         )
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
-        if not self._started.wait(START_TIMEOUT_S) or self.proc.poll() is not None:
+        self._started.wait(START_TIMEOUT_S)
+        line = next((line for line in self.log if "kvd started" in line), None)
+        if line is None or self.proc.poll() is not None:
             self.kill()
             raise RuntimeError("kvd did not start:\n" + "\n".join(self.log))
-        line = next(line for line in self.log if "kvd started" in line)
         listen = re.search(r"listen=[^ ]*:(\d+)", line)
         metrics = re.search(r"metrics=[^ ]*:(\d+)", line)
         bulk = re.search(r"bulk=[^ ]*:(\d+)", line)

@@ -93,9 +93,13 @@ class DeviceSet:
         if segment_bytes % stripe_bytes:
             raise DeviceError(errno.EINVAL, "segment_bytes is not a multiple of stripe_bytes")
         self.devices: list[Device] = []
+        self._locks: list[int] = []
         try:
             for path in paths:
                 self.devices.append(_open(path, bytes_per_path))
+            # Two daemons (or a daemon and `kvd fsck --repair`) on one path
+            # would overwrite each other's records.
+            self._locks = lock_paths(paths)
         except BaseException:
             self.close()
             raise
@@ -152,10 +156,11 @@ class DeviceSet:
         return [d.fd for d in self.devices]
 
     def close(self) -> None:
-        for device in self.devices:
+        for fd in [d.fd for d in self.devices] + self._locks:
             with contextlib.suppress(OSError):
-                os.close(device.fd)
+                os.close(fd)
         self.devices = []
+        self._locks = []
 
 
 class _Cursor:
@@ -209,7 +214,8 @@ def lock_paths(paths: Sequence[str]) -> list[int]:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
-                raise DeviceError(exc.errno, f"cannot lock SSD path {path}: {exc.strerror}") from exc
+                what = f"cannot lock SSD path {path}: {exc.strerror}"
+                raise DeviceError(exc.errno, what) from exc
             fds.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
