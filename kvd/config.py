@@ -223,7 +223,7 @@ class Config:
     )
     max_leases: int = _setting(65536, help="leases held at once", min=1, max=1 << 24)
     eviction_policy: str = _setting(
-        "lru", help="L1 replacement policy", choices=_eviction_policies()
+        "pred", help="L1 replacement policy", choices=_eviction_policies()
     )
     shutdown_grace_ms: int = _setting(
         10_000, help="time to drain and flush on SIGTERM before exit", min=0, max=600_000
