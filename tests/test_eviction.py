@@ -12,6 +12,7 @@ from kvd.eviction import (
     EvictionPolicy,
     GdfPolicy,
     LruPolicy,
+    PredPolicy,
     UnknownPolicyError,
     make_policy,
 )
@@ -200,3 +201,95 @@ def test_lru_heaps_stay_bounded_under_touches() -> None:
         policy.touch(step % 100)
     assert len(policy._leaf_heap) + len(policy._inner_heap) <= 2 * 100 + 1025
     assert drain(policy)[:3] == [0, 1, 2]
+
+
+def _reread_hits(name: str) -> int:
+    """Chains of 4 blocks, each re-read (all but its partial last block) 15
+    chains later, in a cache of 100 blocks: the hits of the re-reads."""
+    policy = make_policy(name)
+    hits_total = 0
+
+    def put(chain: list[tuple[int, int]], hits: int) -> None:
+        parent = chain[hits - 1] if hits else None
+        for key in chain[hits:]:
+            while len(policy) >= 100:
+                victim = policy.victim(lambda k: k in chain)
+                assert victim is not None
+                policy.remove(victim)
+            policy.insert(key, parent)
+            parent = key
+
+    for conversation in range(400):
+        chain = [(conversation, i) for i in range(4)]
+        policy.on_lookup(chain, 0)
+        put(chain, 0)
+        if conversation >= 15:
+            old = [(conversation - 15, i) for i in range(3)] + [(conversation - 15, 9)]
+            resident = set(tracked(policy))
+            hits = 0
+            while hits < 4 and old[hits] in resident:
+                policy.touch(old[hits])
+                hits += 1
+            policy.on_lookup(old, hits)
+            put(old, hits)
+            hits_total += hits
+    return hits_total
+
+
+def tracked(policy: EvictionPolicy[Any]) -> list[Any]:
+    return list(getattr(policy, "_nodes"))
+
+
+def test_pred_learns_that_last_keys_are_never_reread() -> None:
+    # A step puts 8 blocks (4 new, 4 re-put), 6 of them full: LRU holds 12.5
+    # steps, so it misses nearly every re-read 15 steps back; pred learns that
+    # last keys are never re-read, evicts them first and holds 16.6 steps.
+    lru_hits, pred_hits = _reread_hits("lru"), _reread_hits("pred")
+    assert lru_hits < 100
+    assert pred_hits > 600
+
+
+def test_pred_protects_a_chain_being_put_until_its_child_arrives() -> None:
+    policy = make_policy("pred")
+    policy.insert("other", None)
+    chain = ["a", "b", "c"]
+    policy.on_lookup(chain, 0)
+    policy.insert("a", None)
+    # "a" is a leaf whose child is announced: "other" goes first even though
+    # it would otherwise be evicted after "a" (inserted earlier, same class).
+    assert policy.victim(never) == "other"
+    policy.remove("other")
+    # With nothing else left, a protected leaf still gives way.
+    assert policy.victim(never) == "a"
+
+
+def test_pred_learns_reuse_per_class_and_credits_returning_chains() -> None:
+    policy = PredPolicy[tuple[str, int]]()
+    for conversation in range(50):
+        chain = [("c", conversation * 10 + i) for i in range(4)]
+        policy.on_lookup(chain, 0)
+        parent = None
+        for key in chain:
+            policy.insert(key, parent)
+            parent = key
+        policy.on_lookup(chain[:3], 3)  # the next turn re-reads all but the last
+    fresh = policy._pending  # nothing announced stays pending once put
+    assert not fresh
+    rates = [policy.reuse_rate(k) for k in range(65)]
+    assert rates[64] < 0.3 < max(rates)  # last keys: never re-read; the rest: always
+    while len(policy):
+        victim = policy.victim(never)
+        assert victim is not None
+        policy.remove(victim)
+    assert policy.ghost_len <= 2 * len(policy) + 1024
+
+
+def test_pred_pending_and_filling_stay_bounded() -> None:
+    policy = PredPolicy[int]()
+    for start in range(0, 200_000, 100):
+        policy.on_lookup(list(range(start, start + 100)), 0)  # announced, never put
+    assert len(policy._pending) <= 1 << 16
+    for key in range(3000):
+        policy.on_lookup([key, key + 1_000_000], 0)
+        policy.insert(key, None)  # the chain never goes on
+    assert len(policy._filling) <= 1024
