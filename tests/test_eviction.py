@@ -237,7 +237,7 @@ def _reread_hits(name: str) -> int:
 
 
 def tracked(policy: EvictionPolicy[Any]) -> list[Any]:
-    return list(getattr(policy, "_nodes"))
+    return list(policy._nodes)
 
 
 def test_pred_learns_that_last_keys_are_never_reread() -> None:
