@@ -71,6 +71,56 @@ def _grpc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _l2(args: argparse.Namespace) -> int:
+    from kvd.bench import l2_read
+
+    rows = l2_read.run(Path(args.dir), _progress)
+    table = l2_read.markdown(rows)
+    data = {"suite": "l2", "machine": machine(), "rows": [r.as_dict() for r in rows]}
+    path = write_results("l2", data, table, Path(args.out))
+    print(table)
+    print(f"\nraw: {path}")
+    return 0
+
+
+def _paths(args: argparse.Namespace) -> int:
+    import shutil
+
+    from kvd.bench import paths
+    from kvd.bench.daemon import SpawnedDaemon
+
+    sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
+    daemon = None
+    shm_dir = paths.temp_shm_dir()
+    tcp_target, unix_target = args.target, args.socket_target
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
+        if not tcp_target:
+            daemon = SpawnedDaemon(
+                Path(tmp), paths.bench_daemon_args(shm_dir), dram="2GiB", max_value="32MiB"
+            )
+            tcp_target, unix_target = daemon.target, daemon.socket_target
+        try:
+            rows = paths.run(tcp_target, unix_target, sizes, _progress, peers=not args.no_peers)
+        finally:
+            if daemon is not None:
+                daemon.stop()
+            shutil.rmtree(shm_dir, ignore_errors=True)
+    table = paths.markdown(rows)
+    data = {
+        "suite": "paths",
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": [r.as_dict() for r in rows],
+        "targets": paths.ratios(rows),
+    }
+    path = write_results("paths", data, table, Path(args.out))
+    drawn = paths.chart(rows, path.with_suffix(".png"))
+    print(table)
+    print(f"\nraw: {path}" + (f"\nchart: {path.with_suffix('.png')}" if drawn else ""))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd bench", description=__doc__)
     parser.add_argument("--out", default=str(RESULTS_DIR), help="results directory")
@@ -78,14 +128,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     grpc_cmd = sub.add_parser("grpc", help="gRPC Put/Get next to a plain echo and memcpy")
     grpc_cmd.add_argument("--target", default="", help="a running daemon (default: start one)")
     grpc_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
+    l2_cmd = sub.add_parser("l2", help="L2 cold reads next to fio on the same file")
+    l2_cmd.add_argument("--dir", default="kvd-bench-data", help="work directory on the SSD")
     from kvd.replay import report as replay_report
 
     replay_report.add_arguments(sub.add_parser("replay", help="replay a request trace"))
+    paths_cmd = sub.add_parser(
+        "paths", help="shm, bulk TCP and gRPC next to memcpy, loopback TCP, Redis, Mooncake"
+    )
+    paths_cmd.add_argument("--target", default="", help="a running daemon's gRPC host:port")
+    paths_cmd.add_argument("--socket-target", default="", help="its unix:///path (shm path)")
+    paths_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
+    paths_cmd.add_argument("--no-peers", action="store_true", help="skip Redis and Mooncake")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.suite == "paths":
+        return _paths(args)
     if args.suite in (None, "grpc"):
         if args.suite is None:
             args.target, args.sizes = "", None
         return _grpc(args)
+    if args.suite == "l2":
+        return _l2(args)
     if args.suite == "replay":
         return replay_report.main(args, Path(args.out), _progress)
     parser.error(f"unknown suite {args.suite}")

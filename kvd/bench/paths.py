@@ -1,0 +1,581 @@
+"""Data-path throughput: kvd over shared memory, bulk TCP and gRPC, next to
+the ceilings (numpy memcpy into pre-allocated memory, loopback TCP with
+recv_into) and peers (Redis with the hiredis parser, Mooncake Store in TCP
+mode) measured in the same run.
+
+Every case runs ``clients`` threads, each with its own client and its own
+pre-allocated buffer, for ``CASE_SECONDS`` and reports aggregate GB/s. Gets
+read values that are resident in L1 (written just before); puts write new
+keys, so they include the daemon's write-back to L2 behind them. A peer that
+cannot start is reported as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.client import Client
+
+SIZES_BYTES = (64 << 10, 1 << 20, 4 << 20, 32 << 20)
+CLIENTS = (1, 16)
+# Long enough to average a few hundred 64 KiB ops or a dozen 32 MiB ones on
+# 2 cores; 100+ cases at this length keep a full run near 90 s.
+CASE_SECONDS = 0.5
+# Values written per size before the gets: enough distinct keys that a get
+# does not hit one cache-hot value, few enough to stay far inside L1.
+FILL_BYTES = 128 << 20
+START_TIMEOUT_S = 15.0
+
+Progress = Callable[[str], None]
+Op = Callable[[int], None]
+
+
+@dataclass
+class Row:
+    path: str  # shm, bulk, grpc, memcpy, tcp, redis, mooncake
+    op: str  # put, get, copy
+    size_bytes: int
+    clients: int
+    gbps: float | None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure(size: int, workers: list[Op]) -> float:
+    """Aggregate GB/s of ``workers`` (one thread each) calling their op for CASE_SECONDS."""
+    counts = [0] * len(workers)
+    errors: list[BaseException] = []
+    warmed = threading.Barrier(len(workers) + 1)
+    go = threading.Event()
+    stop_at = [0.0]
+
+    def loop(index: int, op: Op) -> None:
+        try:
+            op(0)  # warm-up: connections, first touches
+            warmed.wait()
+            go.wait()
+            i = 1
+            while time.perf_counter() < stop_at[0]:
+                op(i)
+                i += 1
+            counts[index] = i - 1
+        except BaseException as exc:  # reported to the caller below
+            errors.append(exc)
+            warmed.abort()
+
+    threads = [threading.Thread(target=loop, args=(i, op)) for i, op in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    try:
+        warmed.wait(timeout=60)
+    except threading.BrokenBarrierError:
+        pass
+    start = time.perf_counter()
+    stop_at[0] = start + CASE_SECONDS
+    go.set()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+    return size * sum(counts) / (time.perf_counter() - start) / 1e9
+
+
+# ---- ceilings -------------------------------------------------------------------------
+def memcpy_gbps(size: int) -> float:
+    """Copies from as many distinct sources as the kvd gets read: caches do not help either."""
+    count = _fill_count(size)
+    src = np.ones(size * count, dtype=np.uint8)
+    dst = np.empty(size, dtype=np.uint8)
+    return measure(
+        size, [lambda i: np.copyto(dst, src[(i % count) * size : (i % count + 1) * size])]
+    )
+
+
+def _fill_count(size: int) -> int:
+    return max(2, min(32, FILL_BYTES // size))
+
+
+class LoopbackServer:
+    """Sends N bytes from one pre-allocated buffer per 8-byte request."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.data = memoryview(bytearray(b"\x01" * max(SIZES_BYTES)))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while request := conn.recv(8):
+                conn.sendall(self.data[: struct.unpack("<Q", request)[0]])
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def tcp_gbps(server: LoopbackServer, size: int, clients: int) -> float:
+    socks: list[socket.socket] = []
+
+    def worker() -> Op:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        socks.append(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buffer = memoryview(bytearray(size))
+        request = struct.pack("<Q", size)
+
+        def op(_: int) -> None:
+            sock.sendall(request)
+            pos = 0
+            while pos < size:
+                pos += sock.recv_into(buffer[pos:])
+
+        return op
+
+    try:
+        return measure(size, [worker() for _ in range(clients)])
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# ---- kvd ------------------------------------------------------------------------------
+def _client(path: str, tcp_target: str, unix_target: str) -> Client:
+    if path == "shm":
+        return Client(unix_target, timeout_s=60)
+    if path == "bulk":
+        return Client(tcp_target, timeout_s=60, shm=False, bulk=True)
+    return Client(tcp_target, timeout_s=60, shm=False, bulk=False)
+
+
+def kvd_rows(
+    path: str, tcp_target: str, unix_target: str, size: int, progress: Progress
+) -> list[Row]:
+    ns = f"bench-{path}-{size}"
+    keys = [b"v%d" % i for i in range(_fill_count(size))]
+    value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    rows = []
+    clients_made: list[Client] = []
+    try:
+        filler = _client(path, tcp_target, unix_target)
+        clients_made.append(filler)
+        for key in keys:
+            filler.put(ns, key, value.data)
+        for clients in CLIENTS:
+            made = [_client(path, tcp_target, unix_target) for _ in range(clients)]
+            clients_made += made
+            buffers = [c.buffer(size) for c in made]
+            for b in buffers:
+                b[:] = value.data
+            progress(f"paths: {path} {_size(size)} x{clients}")
+
+            def getter(c: Client, b: memoryview) -> Op:
+                return lambda i: _expect(c.get_into(ns, keys[i % len(keys)], b), size)
+
+            def putter(c: Client, b: memoryview, t: int, clients: int = clients) -> Op:
+                def op(i: int) -> None:
+                    c.put(ns, b"p%d-%d-%d" % (clients, t, i), b)
+
+                return op
+
+            get = measure(size, [getter(c, b) for c, b in zip(made, buffers, strict=True)])
+            put = measure(
+                size, [putter(c, b, t) for t, (c, b) in enumerate(zip(made, buffers, strict=True))]
+            )
+            rows += [Row(path, "get", size, clients, get), Row(path, "put", size, clients, put)]
+            del buffers
+        filler.delete_namespace(ns)
+    finally:
+        for c in clients_made:
+            c.close()
+    return rows
+
+
+def _expect(got: object, size: int) -> None:
+    assert got == size, f"get returned {got}, expected {size}"
+
+
+# ---- peers ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on port {port}")
+
+
+def redis_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
+    server = shutil.which("redis-server")
+    try:
+        import redis
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:
+        return _skipped("redis", sizes, "redis-py not installed (pip install 'kvd[bench]')")
+    if server is None:
+        return _skipped("redis", sizes, "redis-server not installed (apt install redis-server)")
+    if not HIREDIS_AVAILABLE:
+        return _skipped("redis", sizes, "hiredis parser not installed: not redis' best setup")
+    port = _free_port()
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(
+        [server, *args, "--proto-max-bulk-len", "1gb"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    rows: list[Row] = []
+    try:
+        _wait_port(port, proc)
+        for size in sizes:
+            value = os.urandom(size)
+            keys = [b"v%d" % i for i in range(_fill_count(size))]
+            filler = redis.Redis(port=port)
+            for key in keys:
+                filler.set(key, value)
+            for clients in CLIENTS:
+                progress(f"paths: redis {_size(size)} x{clients}")
+                conns = [redis.Redis(port=port) for _ in range(clients)]
+
+                def getter(r: Any, keys: list[bytes] = keys, size: int = size) -> Op:
+                    return lambda n: _expect(len(r.get(keys[n % len(keys)])), size)
+
+                def putter(r: Any, t: int, value: bytes = value) -> Op:
+                    return lambda n: r.set(b"p%d-%d" % (t, n % 8), value)
+
+                get = measure(size, [getter(r) for r in conns])
+                put = measure(size, [putter(r, t) for t, r in enumerate(conns)])
+                rows += [
+                    Row("redis", "get", size, clients, get),
+                    Row("redis", "put", size, clients, put),
+                ]
+                for r in conns:
+                    r.close()
+            filler.flushall()
+            filler.close()
+    except (OSError, RuntimeError) as exc:
+        return _skipped("redis", sizes, f"could not run: {exc}")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return rows
+
+
+_MOONCAKE_HOLDER = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup(sys.argv[1], sys.argv[2], 1 << 30, 16 << 20, "tcp", "", sys.argv[3])
+print("ready", rc, flush=True)
+time.sleep(600)
+"""
+
+
+def mooncake_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
+    """Mooncake Store, TCP transport: values live in another process's segment."""
+    master = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    try:
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+    except ImportError:
+        return _skipped(
+            "mooncake", sizes, "mooncake-transfer-engine-non-cuda not installed (kvd[bench])"
+        )
+    if not os.path.exists(master):
+        return _skipped("mooncake", sizes, "mooncake_master not found")
+    rpc_port, http_port = _free_port(), _free_port()
+    metadata = f"http://127.0.0.1:{http_port}/metadata"
+    master_addr = f"127.0.0.1:{rpc_port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    rows: list[Row] = []
+    try:
+        procs.append(
+            subprocess.Popen(
+                [
+                    master,
+                    "--rpc_address=127.0.0.1",
+                    f"--rpc_port={rpc_port}",
+                    "--enable_http_metadata_server=true",
+                    "--http_metadata_server_host=127.0.0.1",
+                    f"--http_metadata_server_port={http_port}",
+                    f"--metrics_port={_free_port()}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        _wait_port(rpc_port, procs[0])
+        _wait_port(http_port, procs[0])
+        holder = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _MOONCAKE_HOLDER,
+                f"127.0.0.1:{_free_port()}",
+                metadata,
+                master_addr,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(holder)
+        assert holder.stdout is not None
+        if holder.stdout.readline().split() != [b"ready", b"0"]:
+            return _skipped("mooncake", sizes, "the segment holder did not start")
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            f"127.0.0.1:{_free_port()}", metadata, 0, 256 << 20, "tcp", "", master_addr
+        )
+        if rc != 0:
+            return _skipped("mooncake", sizes, f"setup returned {rc}")
+        try:
+            for size in sizes:
+                progress(f"paths: mooncake {_size(size)} x1")
+                src = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+                dst = np.empty_like(src)
+                for array in (src, dst):
+                    store.register_buffer(array.ctypes.data, size)
+                keys = [f"v{size}-{i}" for i in range(max(2, min(8, FILL_BYTES // size)))]
+                for key in keys:
+                    store.put_from(key, src.ctypes.data, size)
+
+                def get(i: int, keys: list[str] = keys, dst: Any = dst, size: int = size) -> None:
+                    _expect(store.get_into(keys[i % len(keys)], dst.ctypes.data, size), size)
+
+                def put(i: int, src: Any = src, size: int = size) -> None:
+                    store.put_from(f"p{size}-{i}", src.ctypes.data, size)
+
+                rows.append(Row("mooncake", "get", size, 1, measure(size, [get])))
+                rows.append(Row("mooncake", "put", size, 1, measure(size, [put])))
+                for array in (src, dst):
+                    store.unregister_buffer(array.ctypes.data)
+        finally:
+            store.close()
+    except (OSError, RuntimeError) as exc:
+        return _skipped("mooncake", sizes, f"could not run: {exc}")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+    return rows
+
+
+def _skipped(path: str, sizes: tuple[int, ...], reason: str) -> list[Row]:
+    return [
+        Row(path, op, size, 1, None, f"skipped: {reason}")
+        for size in sizes
+        for op in ("get", "put")
+    ]
+
+
+# ---- the run --------------------------------------------------------------------------
+def run(
+    tcp_target: str,
+    unix_target: str,
+    sizes: tuple[int, ...] = SIZES_BYTES,
+    progress: Progress = print,
+    peers: bool = True,
+) -> list[Row]:
+    rows: list[Row] = []
+    loopback = LoopbackServer()
+    try:
+        for size in sizes:
+            progress(f"paths: ceilings {_size(size)}")
+            rows.append(Row("memcpy", "copy", size, 1, memcpy_gbps(size)))
+            for clients in CLIENTS:
+                rows.append(Row("tcp", "get", size, clients, tcp_gbps(loopback, size, clients)))
+    finally:
+        loopback.close()
+    for path in ("shm", "bulk", "grpc"):
+        for size in sizes:
+            rows += kvd_rows(path, tcp_target, unix_target, size, progress)
+    if peers:
+        rows += redis_rows(sizes, progress)
+        rows += mooncake_rows(sizes, progress)
+    return rows
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def _find(rows: list[Row], path: str, op: str, size: int, clients: int = 1) -> float | None:
+    for row in rows:
+        if (row.path, row.op, row.size_bytes, row.clients) == (path, op, size, clients):
+            return row.gbps
+    return None
+
+
+def ratios(rows: list[Row]) -> list[dict[str, Any]]:
+    """The targets, each as measured ratio against its threshold."""
+    mib = 1 << 20
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    out = []
+    for size in (4 * mib, 32 * mib):
+        out.append(
+            {
+                "target": f"shm get {_size(size)} / memcpy",
+                "ratio": ratio(
+                    _find(rows, "shm", "get", size), _find(rows, "memcpy", "copy", size)
+                ),
+                "threshold": 0.8,
+            }
+        )
+    bulk4 = _find(rows, "bulk", "get", 4 * mib)
+    out += [
+        {
+            "target": "bulk get 4 MiB / loopback TCP",
+            "ratio": ratio(bulk4, _find(rows, "tcp", "get", 4 * mib)),
+            "threshold": 0.8,
+        },
+        {
+            "target": "bulk get 4 MiB / redis get",
+            "ratio": ratio(bulk4, _find(rows, "redis", "get", 4 * mib)),
+            "threshold": 3.0,
+        },
+        {
+            "target": "bulk get 4 MiB / mooncake get_into",
+            "ratio": ratio(bulk4, _find(rows, "mooncake", "get", 4 * mib)),
+            "threshold": 1.2,
+        },
+    ]
+    for path in ("shm", "bulk", "grpc"):
+        out.append(
+            {
+                "target": f"{path} get 4 MiB: 16 clients / 1 client",
+                "ratio": ratio(
+                    _find(rows, path, "get", 4 * mib, 16), _find(rows, path, "get", 4 * mib)
+                ),
+                "threshold": 1.0,
+            }
+        )
+    for item in out:
+        r, threshold = item["ratio"], item["threshold"]
+        item["met"] = None if not isinstance(r, float) else r >= float(threshold)  # type: ignore[arg-type]
+    return out
+
+
+def markdown(rows: list[Row]) -> str:
+    sizes = sorted({r.size_bytes for r in rows})
+    head = "| path | op | clients | " + " | ".join(_size(s) for s in sizes) + " | L2-cold |"
+    lines = [head, "|" + "---|" * (len(sizes) + 4)]
+    seen: list[tuple[str, str, int]] = []
+    for r in rows:
+        if (r.path, r.op, r.clients) not in seen:
+            seen.append((r.path, r.op, r.clients))
+    for path, op, clients in seen:
+        cells = []
+        for size in sizes:
+            match = [
+                r
+                for r in rows
+                if (r.path, r.op, r.clients, r.size_bytes) == (path, op, clients, size)
+            ]
+            if not match:
+                cells.append("")
+            elif match[0].gbps is None:
+                cells.append(match[0].note)
+            else:
+                cells.append(f"{match[0].gbps:.2f}")
+        cold = (
+            "not measured: needs an L1 flush"
+            if path in ("shm", "bulk", "grpc") and op == "get"
+            else ""
+        )
+        lines.append(f"| {path} | {op} | {clients} | " + " | ".join(cells) + f" | {cold} |")
+    lines += [
+        "",
+        "GB/s, aggregate over the clients. Targets:",
+        "",
+        "| target | ratio | needs | met |",
+        "|---|---|---|---|",
+    ]
+    for item in ratios(rows):
+        r = item["ratio"]
+        shown = "n/a" if r is None else f"{r:.2f}"
+        lines.append(f"| {item['target']} | {shown} | >= {item['threshold']} | {item['met']} |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[Row], path: Path) -> bool:
+    """GB/s per size per path (gets, one client), ceilings dashed; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sizes = sorted({r.size_bytes for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, op, style in (
+        ("memcpy", "copy", "k--"),
+        ("tcp", "get", "k:"),
+        ("shm", "get", "o-"),
+        ("bulk", "get", "s-"),
+        ("grpc", "get", "^-"),
+        ("redis", "get", "x-"),
+        ("mooncake", "get", "d-"),
+    ):
+        points = [(s, _find(rows, name, op, s)) for s in sizes]
+        xs = [s / (1 << 20) for s, g in points if g is not None]
+        ys = [g for _, g in points if g is not None]
+        if xs:
+            label = {"memcpy": "memcpy ceiling", "tcp": "loopback TCP ceiling"}.get(
+                name, f"{name} get"
+            )
+            ax.plot(xs, ys, style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("value size (MiB)")
+    ax.set_ylabel("GB/s (one client)")
+    ax.set_title("kvd data paths, L1-resident gets")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def bench_daemon_args(shm_dir: str) -> list[str]:
+    # 16 clients each attach a staging region and a buffer region.
+    return ["--shm-dir", shm_dir, "--max-regions-per-client", "64", "--max-regions", "256"]
+
+
+def temp_shm_dir() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="kvd-bench-", dir=base)
