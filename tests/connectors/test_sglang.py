@@ -78,8 +78,13 @@ class HostPool:
 
 
 def backend(target: str, **config: Any) -> KvdHiCacheStorage:
-    extra = {"backend_name": "kvd", "module_path": "kvd.connectors.sglang",
-             "class_name": "KvdHiCacheStorage", "url": f"kvd://{target}", "timeout_s": 2}  # fmt: skip
+    extra = {
+        "backend_name": "kvd",
+        "module_path": "kvd.connectors.sglang",
+        "class_name": "KvdHiCacheStorage",
+        "url": f"kvd://{target}",
+        "timeout_s": 2,
+    }
     return KvdHiCacheStorage(StorageConfig(extra_config=extra, **config), {})
 
 

@@ -1,0 +1,388 @@
+"""kvd as a vLLM V1 KV connector (``KVConnectorBase_V1``).
+
+Matched against vLLM ``main`` at commit 003df2961dd8830c317a61f9745ccd557da9fa06:
+``vllm/distributed/kv_transfer/kv_connector/v1/base.py`` (the abstract
+methods and their arguments) and ``example_connector.py`` (how the paged
+KV and the scheduler output are read).
+
+Launch::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvdConnector",
+      "kv_connector_module_path": "kvd.connectors.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"url": "kvd://127.0.0.1:7070"}}'
+
+Scheduler side: ``get_num_new_matched_tokens`` asks the daemon, in one
+Lookup with a lease, for the longest stored prefix of the prompt's block
+keys (leaving at least one token to compute) and plans loads into the
+blocks vLLM allocates. Worker side: ``start_load_kv`` copies those blocks
+into the paged KV of every layer; ``wait_for_save`` stores the full prompt
+blocks a step computed. A block that fails to load is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it.
+
+Block keys follow vLLM's scheme: one key per ``block_size`` tokens, each
+chained over its parent, with the LoRA name and ``cache_salt`` as extra
+keys, so key *i* names exactly vLLM's block *i*. They are computed with
+``kvd.keys.chain_keys`` (SHA-256) rather than taken from
+``request.block_hashes``: vLLM seeds those with ``os.urandom`` unless
+``PYTHONHASHSEED`` is set, which would make every restart a miss.
+
+One value per block holds the block of every layer, layers in name order;
+its ``meta`` has the per-layer shape and dtype. The namespace has the
+model, KV dtype, block size and the TP rank and size; the scheduler looks
+up in rank 0's namespace (a rank that then misses reports load errors).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.client import Client
+from kvd.connectors.common import (
+    DEFAULT_LEASE_MS,
+    DEFAULT_TIMEOUT_S,
+    Guard,
+    config_value,
+    encode_meta,
+    namespace,
+    parse_target,
+)
+from kvd.keys import chain_keys
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+    )
+
+    HAVE_VLLM = True
+except ImportError:  # the connector's logic runs without vLLM, for tests and tools
+    HAVE_VLLM = False
+    KVConnectorBase_V1 = object
+    KVConnectorMetadata = object
+
+ENGINE = "vllm"
+# Leases and plans of requests not yet scheduled: bounded, oldest dropped
+# (its lease then simply expires on the daemon).
+PENDING_REQUESTS_MAX = 4096
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, lora_name: str = "", cache_salt: str = ""
+) -> list[bytes]:
+    """One chained key per full block of ``token_ids``, with vLLM's extra keys."""
+    extra = b""
+    if lora_name or cache_salt:
+        extra = f"lora={lora_name}\0salt={cache_salt}".encode()
+    return chain_keys(list(token_ids), block_size, extra=extra)
+
+
+def _request_extras(request: Any) -> tuple[str, str]:
+    lora = getattr(request, "lora_request", None)
+    lora_name = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+    return lora_name, str(getattr(request, "cache_salt", "") or "")
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request to move: keys[i] <-> block_ids[i]."""
+
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    parent: bytes | None = None
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one request."""
+
+    keys: list[bytes]
+    hit_blocks: int = 0  # leading blocks kvd holds
+    local_blocks: int = 0  # leading blocks vLLM's own prefix cache holds
+    load: bool = False
+    lease: tuple[str, int] | None = None
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0
+
+
+def _role_name(role: Any) -> str:
+    return str(getattr(role, "name", role)).upper()
+
+
+class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM V1 connector over a kvd daemon."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if HAVE_VLLM:
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.kvd_role = _role_name(role)
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        self.lease_ms = config_value(extra, "lease_ms", DEFAULT_LEASE_MS)
+        self.client = Client(
+            parse_target(config_value(extra, "url", "") or None),
+            token=config_value(extra, "token", "") or None,
+            timeout_s=config_value(extra, "timeout_s", DEFAULT_TIMEOUT_S),
+        )
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        self.tp_rank = int(config_value(extra, "tp_rank", -1))
+        if self.tp_rank < 0:
+            self.tp_rank = _tensor_parallel_rank() if self.kvd_role == "WORKER" else 0
+        model = vllm_config.model_config
+        self.ns_fields: dict[str, object] = {
+            "model": getattr(model, "model", ""),
+            "revision": getattr(model, "revision", None) or "",
+            "dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")) + "/"
+            + str(getattr(model, "dtype", "")).removeprefix("torch."),
+            "block": self.block_size,
+            "salt": config_value(extra, "namespace_salt", ""),
+        }
+        self.namespace = self._namespace(self.tp_rank)
+        self.guard = Guard(f"vllm[{self.kvd_role.lower()}]")
+        self._tracked: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()
+        self._kv_caches: dict[str, Any] = {}
+        self._layer_names: list[str] = []
+        self._block_dims: dict[str, int] = {}
+        self._load_errors: set[int] = set()
+
+    def _namespace(self, tp_rank: int) -> str:
+        return namespace(ENGINE, {**self.ns_fields, "tp": f"{tp_rank}of{self.tp_size}"})
+
+    # ==============================================================
+    # Scheduler side
+    # ==============================================================
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvd holds (whole blocks)."""
+        prompt = list(getattr(request, "prompt_token_ids", None) or [])
+        if len(prompt) <= self.block_size:
+            return 0, False
+        lora_name, salt = _request_extras(request)
+        # One token is always left to compute: vLLM needs logits for it.
+        keys = block_keys(prompt[:-1], self.block_size, lora_name, salt)
+        lookup_ns = self._namespace(0)
+        previous = self._tracked.get(request.request_id)
+        if previous is not None and previous.lease is not None:
+            lease_ns, lease_id = previous.lease
+            self.guard.call("release", False, lambda: self.client.release(lease_ns, lease_id))
+        found = self.guard.call(
+            "lookup", None, lambda: self.client.lookup_ex(lookup_ns, keys, self.lease_ms)
+        )
+        hit_blocks = found.prefix_len if found is not None else 0
+        tracked = _Tracked(
+            block_keys(prompt, self.block_size, lora_name, salt),
+            hit_blocks,
+            num_computed_tokens // self.block_size,
+        )
+        if found is not None and found.lease_id:
+            tracked.lease = (lookup_ns, found.lease_id)
+        with self._lock:
+            self._tracked[request.request_id] = tracked
+            while len(self._tracked) > PENDING_REQUESTS_MAX:
+                self._tracked.pop(next(iter(self._tracked)))
+        return max(0, hit_blocks * self.block_size - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            return
+        if blocks is not None:
+            tracked.block_ids = list(blocks.get_block_ids()[0])
+        tracked.load = num_external_tokens > 0
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
+        meta = KvdConnectorMetadata()
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            if tracked.load and tracked.hit_blocks > tracked.local_blocks:
+                span = slice(tracked.local_blocks, tracked.hit_blocks)
+                meta.loads.append(
+                    BlockTransfer(new.req_id, tracked.keys[span], tracked.block_ids[span])
+                )
+            tracked.saved_blocks = tracked.hit_blocks  # kvd holds these already
+            computed = int(new.num_computed_tokens) + int(scheduled.get(new.req_id, 0))
+            self._plan_save(meta, new.req_id, tracked, computed)
+        cached: Any = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        for i, req_id in enumerate(getattr(cached, "req_ids", []) or []):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            computed = int(cached.num_computed_tokens[i]) + int(scheduled.get(req_id, 0))
+            self._plan_save(meta, req_id, tracked, computed)
+        return meta
+
+    def _plan_save(
+        self, meta: KvdConnectorMetadata, req_id: str, tracked: _Tracked, tokens: int
+    ) -> None:
+        """Save the full prompt blocks that this step finishes computing."""
+        done = min(tokens // self.block_size, len(tracked.keys), len(tracked.block_ids))
+        if done <= tracked.saved_blocks:
+            return
+        start = tracked.saved_blocks
+        parent = tracked.keys[start - 1] if start else None
+        meta.saves.append(
+            BlockTransfer(req_id, tracked.keys[start:done], tracked.block_ids[start:done], parent)
+        )
+        tracked.saved_blocks = done
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        with self._lock:
+            tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None and tracked.lease is not None:
+            lease_ns, lease_id = tracked.lease
+            self.guard.call("release", False, lambda: self.client.release(lease_ns, lease_id))
+        return False, None
+
+    # ==============================================================
+    # Worker side
+    # ==============================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._layer_names = sorted(kv_caches)
+        for name, tensor in kv_caches.items():
+            self._block_dims[name] = self._block_dim(tensor)
+
+    def _block_dim(self, tensor: Any) -> int:
+        """The block axis: FlashAttention's [2, blocks, ...] -> 1, [blocks, ...] -> 0."""
+        shape = tuple(tensor.shape)
+        if self.num_blocks:
+            for dim in (0, 1):
+                if dim < len(shape) and shape[dim] == self.num_blocks:
+                    return dim
+        return 1 if shape and shape[0] == 2 else 0
+
+    def _block_views(self, block_id: int) -> list[Any]:
+        return [
+            self._kv_caches[name].select(self._block_dims[name], block_id)
+            for name in self._layer_names
+        ]
+
+    def _block_bytes(self, block_id: int) -> bytes:
+        import torch
+
+        parts = [
+            view.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+            for view in self._block_views(block_id)
+        ]
+        return torch.cat(parts).numpy().tobytes()
+
+    def _block_meta(self) -> bytes:
+        first = self._block_views(0)
+        return encode_meta(
+            {
+                "layers": len(first),
+                "shape": list(first[0].shape),
+                "dtype": str(first[0].dtype).removeprefix("torch."),
+            }
+        )
+
+    def _load_block(self, key: bytes, block_id: int) -> bool:
+        import torch
+
+        views = self._block_views(block_id)
+        sizes = [v.numel() * v.element_size() for v in views]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        array: Any = buffer.numpy()
+        got = self.client.get_into(self.namespace, key, memoryview(array))
+        if got != buffer.numel():
+            return False
+        offset = 0
+        for view, size in zip(views, sizes, strict=True):
+            src = buffer[offset : offset + size].view(view.dtype).reshape(view.shape)
+            view.copy_(src.to(view.device))
+            offset += size
+        return True
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Copy the planned blocks into the paged KV; failures become load errors."""
+        meta = self._connector_meta()
+        if meta is None or not self._kv_caches:
+            return
+        for load in meta.loads:
+            for i, (key, block_id) in enumerate(zip(load.keys, load.block_ids, strict=True)):
+
+                def fetch(key: bytes = key, block_id: int = block_id) -> bool:
+                    return self._load_block(key, block_id)
+
+                if not self.guard.call("load", False, fetch):
+                    self._load_errors.update(load.block_ids[i:])
+                    break
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv loads every layer before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # whole blocks are saved in wait_for_save, once all layers hold them
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_meta()
+        if meta is None or not self._kv_caches or not meta.saves:
+            return
+        block_meta = self._block_meta()
+        for save in meta.saves:
+
+            def put(save: BlockTransfer = save) -> None:
+                items = [
+                    (key, self._block_bytes(block_id), block_meta)
+                    for key, block_id in zip(save.keys, save.block_ids, strict=True)
+                ]
+                self.client.put_many(self.namespace, items, chained=True, parent=save.parent)
+
+            self.guard.call("save", None, put)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _connector_meta(self) -> KvdConnectorMetadata | None:
+        meta = getattr(self, "_connector_metadata", None)
+        return meta if isinstance(meta, KvdConnectorMetadata) else None
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+            get_tensor_model_parallel_rank,
+        )
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not inside a vLLM worker: a single rank
+        return 0
