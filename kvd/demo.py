@@ -80,8 +80,8 @@ def load_model() -> tuple[Any, Any]:
     """(model, tokenizer) from the GGUF file, offline, fp32, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # type: ignore[import-not-found,unused-ignore]
 
     where = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=MODEL_FILE)
@@ -133,7 +133,7 @@ def _layer_kv(cache: Any, layer: int) -> tuple[Any, Any]:
 
 def chunk_values(cache: Any, start: int, chunk_tokens: int, count: int) -> list[bytes]:
     """``count`` chunks of the cache from token ``start``: [layers, 2, heads, tokens, dim] fp32."""
-    import torch
+    import torch  # type: ignore[import-not-found,unused-ignore]
 
     layers = len(cache.layers)
     out = []
@@ -180,8 +180,8 @@ def restore_prefix(
     client: Client, ns: str, ids: list[int], chunk_tokens: int, model_config: Any
 ) -> Restored:
     """The longest cached prefix of ``ids`` (leaving one token to compute) as a DynamicCache."""
-    import torch
-    from transformers import DynamicCache
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from transformers import DynamicCache  # type: ignore[import-not-found,unused-ignore]
 
     keys = chain_keys(ids[:-1], chunk_tokens)
     found = client.lookup_ex(ns, keys, LEASE_MS)
@@ -212,8 +212,8 @@ def restore_prefix(
 
 def forward(model: Any, ids: list[int], cache: Any = None) -> tuple[Any, Any]:
     """(logits [tokens, vocab], cache) of ``ids`` after what ``cache`` holds."""
-    import torch
-    from transformers import DynamicCache
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from transformers import DynamicCache  # type: ignore[import-not-found,unused-ignore]
 
     cache = cache if cache is not None else DynamicCache()
     with torch.no_grad():
@@ -232,7 +232,7 @@ def greedy(model: Any, first_logits: Any, cache: Any, steps: int) -> list[int]:
 
 def copy_cache(cache: Any, tokens: int) -> Any:
     """A DynamicCache with the first ``tokens`` of ``cache``."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # type: ignore[import-not-found,unused-ignore]
 
     out = DynamicCache()
     for layer in range(len(cache.layers)):
@@ -316,7 +316,7 @@ def save_reference(where: Path, prefix: int, logits: Any) -> None:
 
 def load_reference(where: Path, prefix: int) -> Any | None:
     import numpy as np
-    import torch
+    import torch  # type: ignore[import-not-found,unused-ignore]
 
     for path in where.glob(f"ref-{prefix}-*.f32"):
         rows, cols = (int(n) for n in path.stem.split("-")[2].split("x"))
@@ -378,8 +378,13 @@ def store_turns(
 
 
 def run_child(
-    target: str, prefixes: list[int], chunk_tokens: int, new_tokens: int, reference_dir: Path,
-    full: bool = True, timeout_s: float = 900.0,
+    target: str,
+    prefixes: list[int],
+    chunk_tokens: int,
+    new_tokens: int,
+    reference_dir: Path,
+    full: bool = True,
+    timeout_s: float = 900.0,
 ) -> list[TurnResult]:
     cmd = [
         sys.executable, "-m", "kvd.demo", "--child", "--target", target,

@@ -57,7 +57,7 @@ from kvd.connectors.common import (
 )
 
 try:
-    import torch
+    import torch  # type: ignore[import-not-found,unused-ignore]
     from lmcache.v1.memory_management import MemoryFormat  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from lmcache.v1.storage_backend.connector import ConnectorAdapter  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector  # type: ignore[import-untyped,import-not-found,unused-ignore]
@@ -192,9 +192,7 @@ class KvdRemoteConnector(RemoteConnector):  # type: ignore[misc]
         self.client = Client(self.target, token=token, timeout_s=timeout_s)
         self.guard = Guard(f"lmcache[{plugin_name}]")
         self._executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvd-lmcache")
-        self._leases: collections.OrderedDict[str, Leases] = (
-            collections.OrderedDict()
-        )
+        self._leases: collections.OrderedDict[str, Leases] = collections.OrderedDict()
         self._leases_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -370,9 +368,7 @@ class KvdRemoteConnector(RemoteConnector):  # type: ignore[misc]
     def support_batched_async_contains(self) -> bool:
         return True
 
-    async def batched_async_contains(
-        self, lookup_id: str, keys: AnyList, pin: bool = False
-    ) -> int:
+    async def batched_async_contains(self, lookup_id: str, keys: AnyList, pin: bool = False) -> int:
         """Longest stored prefix; with ``pin`` the hits are leased until fetched."""
         lease_ms = self.lease_ms if pin else 0
         no_hits: tuple[int, Leases] = (0, [])

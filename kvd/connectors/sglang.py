@@ -94,7 +94,7 @@ def storage_namespace(storage_config: Any, salt: str = "") -> str:
 
 def _byte_view(tensor: Any) -> memoryview:
     """The bytes of a CPU tensor, without a copy when it is contiguous."""
-    import torch
+    import torch  # type: ignore[import-not-found,unused-ignore]
 
     flat = tensor.detach()
     if flat.device.type != "cpu":
@@ -142,7 +142,7 @@ class KvdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 value = self.client.get(self.namespace, text_key(key))
                 if value is None:
                     return None
-                import torch
+                import torch  # type: ignore[import-not-found,unused-ignore]
 
                 return torch.frombuffer(bytearray(value), dtype=torch.uint8)
             return target_location if self._get_into(key, target_location) else None

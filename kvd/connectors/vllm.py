@@ -144,7 +144,8 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.ns_fields: dict[str, object] = {
             "model": getattr(model, "model", ""),
             "revision": getattr(model, "revision", None) or "",
-            "dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")) + "/"
+            "dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+            + "/"
             + str(getattr(model, "dtype", "")).removeprefix("torch."),
             "block": self.block_size,
             "salt": config_value(extra, "namespace_salt", ""),
@@ -197,9 +198,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._tracked.pop(next(iter(self._tracked)))
         return max(0, hit_blocks * self.block_size - num_computed_tokens), False
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             return
@@ -285,7 +284,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ]
 
     def _block_bytes(self, block_id: int) -> bytes:
-        import torch
+        import torch  # type: ignore[import-not-found,unused-ignore]
 
         parts = [
             view.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
@@ -304,7 +303,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def _load_block(self, key: bytes, block_id: int) -> bool:
-        import torch
+        import torch  # type: ignore[import-not-found,unused-ignore]
 
         views = self._block_views(block_id)
         sizes = [v.numel() * v.element_size() for v in views]
