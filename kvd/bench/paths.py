@@ -305,7 +305,7 @@ def mooncake_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
     """Mooncake Store, TCP transport: values live in another process's segment."""
     master = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
     try:
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
         return _skipped(
             "mooncake", sizes, "mooncake-transfer-engine-non-cuda not installed (kvd[bench])"
