@@ -18,6 +18,7 @@ This module imports nothing from the server, grpc or metrics.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Sequence
 
@@ -135,8 +136,11 @@ class Pool:
         return out
 
     def close(self) -> None:
-        self._view.release()
-        self._arena.close()
+        # Views handed out (to readers, io ops) may outlive the pool object in
+        # finished bookkeeping; then the arena is unmapped with the last one.
+        with contextlib.suppress(BufferError):
+            self._view.release()
+            self._arena.close()
 
 
 class ViewWriter:

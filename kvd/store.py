@@ -448,6 +448,15 @@ class Store:
             self.pool.free(entry.runs)
             entry.runs = []
 
+    def evict(self, ns_name: str, key: bytes) -> bool:
+        """Drop a value from L1 now if it is safe on L2 and not pinned (cold reads, tests)."""
+        entry = self._l1(ns_name, key)
+        if entry is None or entry.dirty or entry.l2 is None or entry.readers or entry.leases:
+            return False
+        self._unlink(entry)
+        self.counters.evictions += 1
+        return True
+
     def _on_l2_drop(self, record: L2Record) -> None:
         """L2 forgot a record (reclaim, bad checksum): an L1 copy is written again."""
         entry = self._l1(record.namespace, record.key)
@@ -485,20 +494,20 @@ class Store:
 
         Every transport's get starts here.
         """
-        reader = self.open(ns_name, key)
-        if reader is not None:
-            return reader
-        record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
-        if record is None:
-            self._miss(ns_name)
-            return None
-        pending = self._promotions.get((ns_name, key))
-        if pending is not None:
-            await asyncio.shield(pending)
+        while True:
             reader = self.open(ns_name, key)
-            if reader is None:
+            if reader is not None:
+                return reader
+            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+            if record is None:
                 self._miss(ns_name)
-            return reader
+                return None
+            pending = self._promotions.get((ns_name, key))
+            if pending is None:
+                break
+            # Another get is reading this record: share its read, then look
+            # again (its value may already have left L1 by the time we run).
+            await asyncio.shield(pending)
         entry = await self._promote(record)
         if entry is None:
             self._miss(ns_name)
@@ -568,10 +577,12 @@ class Store:
             )
         pins: list[Entry | L2Record] = []
         l1_hits = 0
+        leading_l1 = 0
         for key in keys:
             entry = self._l1(ns_name, key)
             if entry is not None:
                 l1_hits += 1
+                leading_l1 += leading_l1 == len(pins)
                 self.policy.touch((entry.ns.id, entry.key))
                 pins.append(entry)
                 continue
@@ -579,6 +590,10 @@ class Store:
             if record is None:
                 break
             pins.append(record)
+        ns = self._namespaces.get(ns_name)
+        if ns is not None:
+            # The policy learns from how each chain's lookup went (kvd.eviction).
+            self.policy.on_lookup([(ns.id, key) for key in keys], leading_l1)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         return LookupResult(
             len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0

@@ -129,7 +129,8 @@ class L2Tier:
         self.counters = L2Counters()
         self.index: dict[Key, L2Record] = {}
         self.segments = [Segment(i) for i in range(devices.segment_count)]
-        self._free: list[int] = []
+        # Every segment is free until recover() finds the ones in use.
+        self._free: list[int] = list(range(devices.segment_count))
         self._sealed: list[int] = []  # oldest first
         self._open: Segment | None = None
         self._seq = 0
@@ -315,6 +316,8 @@ class L2Tier:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RECLAIM_WAIT_S
         while True:
+            if not self._sealed:
+                raise L2Full("no sealed L2 segment to reclaim")
             for position, index in enumerate(self._sealed):
                 segment = self.segments[index]
                 if segment.io_inflight == 0 and segment.pinned == 0:
