@@ -193,6 +193,14 @@ class Config:
         min=64 * KiB,
         max=1 * GiB,
     )
+    test_crash_point: str = _setting(
+        "",
+        help="tests only: SIGKILL the daemon at this step of the write path",
+        choices=("", "after_payload_write", "after_sync", "after_publish"),
+    )
+    test_crash_after: int = _setting(
+        1, help="tests only: the Nth time test_crash_point is reached", min=1, max=1 << 30
+    )
     io_depth: int = _setting(
         64, help="L2 I/O ops in flight at once (io_uring depth)", min=1, max=4096
     )

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__, logs
+from kvd import __version__, crashpoints, logs
 from kvd.eviction import make_policy
 from kvd.iobackend import open_backend
 from kvd.l2 import DeviceSet, L2Tier
@@ -110,6 +110,7 @@ class Daemon:
             lease_ms_max=config.lease_ms_max,
             max_leases=config.max_leases,
         )
+        crashpoints.configure(config.test_crash_point, config.test_crash_after)
         self.l2 = open_l2(config)
         self.store = Store(self.pool, limits, make_policy(config.eviction_policy), l2=self.l2)
         self.service = KVStoreService(

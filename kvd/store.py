@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd import crashpoints
 from kvd.errors import (
     AlreadyExists,
     DataLoss,
@@ -349,6 +350,7 @@ class Store:
             raise Unavailable("durable put: this daemon has no L2 tier (ssd_path)")
         result = self.finish_put(ticket, checksum, queue=not durable)
         if not durable:
+            crashpoints.hit("after_publish")
             return result
         assert self.writeback is not None
         entry = self._l1(ticket.ns_name, ticket.key)  # None: the key is only on L2
@@ -358,6 +360,7 @@ class Store:
             if entry is not None and not result.existed and entry.linked and entry.dirty:
                 self._unlink(entry)
             raise
+        crashpoints.hit("after_publish")
         return result
 
     def abort_put(self, ticket: PutTicket) -> None:

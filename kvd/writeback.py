@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvd import crashpoints
 from kvd.errors import ResourceExhausted, Unavailable
 from kvd.iobackend import IoError
 from kvd.l2 import L2Full, L2Tier
@@ -145,6 +146,7 @@ class WriteBack:
             if entry is not None and entry.dirty:
                 await self.write(entry)
             await self.l2.sync()
+            crashpoints.hit("after_sync")
         except L2Full as exc:
             raise ResourceExhausted(f"durable put: {exc}") from exc
         except IoError as exc:

@@ -1,5 +1,5 @@
-"""The L2 tier through a real daemon: larger-than-L1 round trips, restarts
-(SIGTERM and kill -9 during a put storm, oracle-checked), on-disk corruption.
+"""The L2 tier through a real daemon: larger-than-L1 round trips, restarts,
+on-disk corruption (kill -9 torture is in tests/fault/test_crash.py).
 
 Values are derived from their keys, so any value read back can be checked
 without keeping it: a wrong byte anywhere fails the test.
@@ -8,24 +8,18 @@ without keeping it: a wrong byte anywhere fails the test.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from kvd.bench.daemon import SpawnedDaemon
-from kvd.client import Client, KvdError
+from kvd.client import Client
 from kvd.iobackend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
 
 MiB = 1 << 20
 BACKENDS = ["threads", "uring"]
-# Puts per storm thread per crash loop: bounds the L2 space the test needs, so
-# no segment is ever reclaimed and every durable put must come back.
-STORM_PUTS_MAX = 60
 
 
 def value_for(key: bytes, size: int) -> bytes:
@@ -89,83 +83,6 @@ def test_durable_puts_survive_sigterm_restart(tmp_path: Path) -> None:
                 assert client.get("dur", key) == value_for(key, 200_000)
             assert client.get("dur", b"gone") is None
             assert client.exists("dur", [b"gone"]) == [False]
-    finally:
-        daemon.stop()
-
-
-def storm(target: str, stop: threading.Event, oracle: dict[str, set[bytes]], seed: int) -> None:
-    """Puts (half durable) and deletes until the daemon dies; records what was acknowledged."""
-    rng = random.Random(seed)
-    try:
-        with Client(target, timeout_s=5) as client:
-            n = 0
-            while not stop.is_set() and n < STORM_PUTS_MAX:
-                key = b"s%d-%06d" % (seed, n)
-                n += 1
-                durable = rng.random() < 0.5
-                oracle["attempted"].add(key)
-                client.put("storm", key, value_for(key, rng.choice(SIZES)),
-                           durable=durable)  # fmt: skip
-                oracle["durable" if durable else "acked"].add(key)
-                if durable and rng.random() < 0.1:
-                    oracle["deleting"].add(key)
-                    client.delete("storm", [key])
-                    oracle["deleted"].add(key)
-    except KvdError:
-        pass  # the daemon was killed under us
-
-
-SIZES = (4096, 70_000, 300_000)
-
-
-def check_after_crash(client: Client, oracle: dict[str, set[bytes]]) -> tuple[int, int]:
-    keys = sorted(oracle["attempted"])
-    found = 0
-    for key in keys:
-        got = client.get("storm", key)
-        if got is None:
-            assert key not in oracle["durable"] or key in oracle["deleting"], (
-                f"acknowledged durable put {key!r} lost"
-            )
-            continue
-        assert key not in oracle["deleted"], f"deleted key {key!r} came back"
-        assert any(got == value_for(key, s) for s in SIZES), f"wrong bytes for {key!r}"
-        found += 1
-    never = [b"never-%d" % i for i in range(20)]
-    assert client.exists("storm", never) == [False] * 20  # no phantom
-    return found, len(keys)
-
-
-@pytest.mark.parametrize("loops", [int(os.environ.get("KVD_TEST_CRASH_LOOPS", "20"))])
-def test_kill_9_during_put_storm(tmp_path: Path, loops: int) -> None:
-    oracle: dict[str, set[bytes]] = {
-        name: set() for name in ("attempted", "acked", "durable", "deleting", "deleted")
-    }
-    rng = random.Random(1)
-    for loop in range(loops):
-        daemon = start(tmp_path, ssd="1GiB")
-        with Client(daemon.target, timeout_s=30) as client:
-            check_after_crash(client, oracle)
-            assert client.stats()["l2_reclaims"] == 0
-        stop = threading.Event()
-        threads = [
-            threading.Thread(target=storm, args=(daemon.target, stop, oracle, loop * 10 + i))
-            for i in range(3)
-        ]
-        for t in threads:
-            t.start()
-        time.sleep(rng.uniform(0.05, 0.6))
-        daemon.kill()  # SIGKILL, mid-storm
-        stop.set()
-        for t in threads:
-            t.join(10)
-    daemon = start(tmp_path, ssd="1GiB")
-    try:
-        with Client(daemon.target, timeout_s=30) as client:
-            found, attempted = check_after_crash(client, oracle)
-            assert client.stats()["l2_reclaims"] == 0
-        assert oracle["durable"] and found >= len(oracle["durable"] - oracle["deleting"])
-        assert attempted > 0
     finally:
         daemon.stop()
 

@@ -33,6 +33,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvd import crashpoints
 from kvd.checksum import checksum_views
 from kvd.iobackend import IoBackend, IoError, OpKind
 from kvd.l2.devices import AlignedBuffer, DeviceSet
@@ -227,6 +228,7 @@ class L2Tier:
             segment.io_inflight -= 1
             self._buffers.append(buffer)
             self._io_done.set()
+        crashpoints.hit("after_payload_write")
         record = L2Record(
             namespace, key, parent, meta, size, payload_checksum, header.seq,
             segment.index, offset, len(encoded),

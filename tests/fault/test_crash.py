@@ -1,0 +1,146 @@
+"""Crash torture: SIGKILL the daemon during a put/get/delete storm, at random
+times and at chosen points of the write path, restart it, and check every
+key against an oracle of acknowledged operations.
+
+After each restart every key is byte-identical or absent; absent is allowed
+only for puts that were not acknowledged as durable (or were deleted);
+nothing deleted comes back; nothing never written appears. Values are
+derived from their keys, so checking needs no copy of them.
+
+Loops: ``KVD_TEST_CRASH_LOOPS`` (10 in ``make test``, 100 in ``make test-fault``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvd.bench.daemon import SpawnedDaemon
+from kvd.client import Client, KvdError
+
+LOOPS = int(os.environ.get("KVD_TEST_CRASH_LOOPS", "10"))
+SIZES = (4096, 70_000, 300_000)
+# Puts per storm thread per loop: bounds the L2 space used, so no segment is
+# reclaimed and every durable put must come back.
+STORM_PUTS_MAX = 60
+
+pytestmark = pytest.mark.fault
+
+
+def value_for(key: bytes, size: int) -> bytes:
+    seed = int.from_bytes(key[-8:].rjust(8, b"\0"), "little")
+    return random.Random(seed).randbytes(size)
+
+
+class Oracle:
+    def __init__(self) -> None:
+        self.attempted: set[bytes] = set()
+        self.durable: set[bytes] = set()
+        self.deleting: set[bytes] = set()
+        self.deleted: set[bytes] = set()
+        self.wrong: list[str] = []
+        self.lock = threading.Lock()
+
+    def check_value(self, key: bytes, got: bytes | None) -> None:
+        if got is not None and not any(got == value_for(key, s) for s in SIZES):
+            self.wrong.append(f"wrong bytes for {key!r}")
+
+
+def start(workdir: Path, *args: str) -> SpawnedDaemon:
+    return SpawnedDaemon(
+        workdir, ["--io-backend", "auto", *args], dram="16MiB", max_value="4MiB",
+        ssd="1GiB", segment="8MiB",
+    )  # fmt: skip
+
+
+def storm(target: str, stop: threading.Event, oracle: Oracle, seed: int) -> None:
+    rng = random.Random(seed)
+    try:
+        with Client(target, timeout_s=5) as client:
+            for n in range(STORM_PUTS_MAX):
+                if stop.is_set():
+                    return
+                key = b"s%d-%06d" % (seed, n)
+                durable = rng.random() < 0.5
+                with oracle.lock:
+                    oracle.attempted.add(key)
+                client.put("storm", key, value_for(key, rng.choice(SIZES)), durable=durable)
+                if durable:
+                    with oracle.lock:
+                        oracle.durable.add(key)
+                if rng.random() < 0.3:  # read back something acknowledged
+                    with oracle.lock:
+                        probe = rng.choice(sorted(oracle.durable)) if oracle.durable else key
+                    oracle.check_value(probe, client.get("storm", probe))
+                if durable and rng.random() < 0.1:
+                    with oracle.lock:
+                        oracle.deleting.add(key)
+                    client.delete("storm", [key])
+                    with oracle.lock:
+                        oracle.deleted.add(key)
+    except KvdError:
+        pass  # the daemon died under us
+
+
+def check(client: Client, oracle: Oracle) -> int:
+    found = 0
+    for key in sorted(oracle.attempted):
+        got = client.get("storm", key)
+        if got is None:
+            assert key not in oracle.durable or key in oracle.deleting, f"durable {key!r} lost"
+            continue
+        assert key not in oracle.deleted, f"deleted key {key!r} came back"
+        oracle.check_value(key, got)
+        found += 1
+    never = [b"never-%d" % i for i in range(20)]
+    assert client.exists("storm", never) == [False] * 20, "phantom key"
+    assert not oracle.wrong, oracle.wrong[:3]
+    return found
+
+
+@pytest.mark.parametrize("point", ["random", "after_payload_write", "after_sync", "after_publish"])
+def test_crash_torture(tmp_path: Path, point: str) -> None:
+    oracle = Oracle()
+    rng = random.Random(point)
+    loops = LOOPS if point == "random" else max(2, LOOPS // 3)
+    crashes = 0
+    for loop in range(loops):
+        args = [] if point == "random" else [
+            "--test-crash-point", point, "--test-crash-after", str(rng.randrange(3, 40)),
+        ]  # fmt: skip
+        daemon = start(tmp_path, *args)
+        with Client(daemon.target, timeout_s=30) as client:
+            check(client, oracle)
+            assert client.stats()["l2_reclaims"] == 0
+        stop = threading.Event()
+        threads = [
+            threading.Thread(target=storm, args=(daemon.target, stop, oracle, loop * 10 + i))
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        if point == "random":
+            time.sleep(rng.uniform(0.05, 0.6))
+            daemon.kill()
+        else:
+            deadline = time.monotonic() + 20
+            while daemon.alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        crashes += daemon.proc.poll() == -9
+        stop.set()
+        for t in threads:
+            t.join(20)
+        daemon.kill()
+    daemon = start(tmp_path)
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            found = check(client, oracle)
+        assert found >= len(oracle.durable - oracle.deleting) > 0
+        assert crashes >= loops // 2, f"only {crashes} of {loops} loops crashed"
+    finally:
+        daemon.stop()
