@@ -102,6 +102,12 @@ def _check_socket_path(value: object) -> None:
         raise ValueError(f"unix socket path longer than {UNIX_SOCKET_PATH_MAX_BYTES} bytes")
 
 
+def _check_group(value: object) -> None:
+    assert isinstance(value, str)
+    if value and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}", value):
+        raise ValueError(f"{value!r} is not a group name or number")
+
+
 def _check_nonempty(value: object) -> None:
     assert isinstance(value, str)
     if not value:
@@ -151,7 +157,7 @@ class Config:
 
     listen: str = _setting(
         "127.0.0.1:7070",
-        help="gRPC address HOST:PORT; only loopback until auth exists",
+        help="gRPC address HOST:PORT; non-loopback only with auth_tokens_file",
         check=_check_address,
     )
     socket: str = _setting(
@@ -159,6 +165,11 @@ class Config:
     )
     socket_mode: int = _setting(
         0o660, help="file mode of the Unix socket (octal)", min=0, max=0o777, octal=True
+    )
+    socket_group: str = _setting(
+        "",
+        help="group (name or number) given the Unix socket; empty: the daemon's own",
+        check=_check_group,
     )
     metrics_listen: str = _setting(
         "127.0.0.1:9470",
@@ -230,6 +241,19 @@ class Config:
         60_000, help="longest lease a Lookup may take", min=1, max=3_600_000
     )
     max_leases: int = _setting(65536, help="leases held at once", min=1, max=1 << 24)
+    namespace_l1_quota_bytes: int = _setting(
+        0,
+        help="L1 bytes one namespace may hold; over it, its own oldest values go; 0: no quota",
+        min=0,
+        max=64 * TiB,
+    )
+    namespace_l2_quota_bytes: int = _setting(
+        0,
+        help="L2 bytes one namespace may hold; over it, its oldest records go and durable "
+        "puts are refused; 0: no quota",
+        min=0,
+        max=1 * PiB,
+    )
     eviction_policy: str = _setting(
         "pred", help="L1 replacement policy", choices=_eviction_policies()
     )
@@ -263,7 +287,7 @@ class Config:
     )
     bulk_listen: str = _setting(
         "127.0.0.1:7071",
-        help="bulk TCP data port HOST:PORT; empty: none; only loopback until auth exists",
+        help="bulk TCP data port HOST:PORT; empty: none; non-loopback only with auth_tokens_file",
         check=_check_address_or_empty,
     )
     bulk_max_connections: int = _setting(
@@ -291,6 +315,24 @@ class Config:
         "auto",
         help="L2 I/O engine; auto: io_uring when available",
         choices=("auto", "uring", "threads"),
+    )
+    auth_tokens_file: str = _setting(
+        "",
+        help="TOML file of sha256-hashed bearer tokens and their namespaces (SIGHUP reloads); "
+        "empty: no auth",
+    )
+    tls_cert_file: str = _setting(
+        "", help="PEM certificate chain of the gRPC TCP listener; empty: no TLS"
+    )
+    tls_key_file: str = _setting("", help="PEM private key of tls_cert_file")
+    tls_client_ca_file: str = _setting(
+        "", help="PEM CA bundle; set: clients must present a certificate it signed (mTLS)"
+    )
+    metrics_namespaces_max: int = _setting(
+        32,
+        help="namespaces exported by name in /metrics (largest first); the rest sum into other",
+        min=0,
+        max=1000,
     )
 
     def __post_init__(self) -> None:
@@ -528,21 +570,36 @@ def _validate_together(config: Config) -> None:
             "lower max_message_bytes or raise max_inflight_bytes",
             key="max_message_bytes",
         )
+    _validate_tls(config)
+    if config.auth_tokens_file:
+        return  # every request carries a checked token: any address may listen
     if config.bulk_listen:
         bulk_host, _ = parse_address(config.bulk_listen)
         if not is_loopback_host(bulk_host):
             raise ConfigError(
                 f"bulk_listen: refusing to listen on {config.bulk_listen} without auth; "
-                "use a loopback address (127.0.0.1) or leave it empty",
+                "set auth_tokens_file, use a loopback address (127.0.0.1) or leave it empty",
                 key="bulk_listen",
             )
     host, _ = parse_address(config.listen)
     if not is_loopback_host(host):
-        # No auth exists yet, so any reachable TCP listener would serve anyone.
+        # Without auth any reachable TCP listener would serve anyone.
         raise ConfigError(
             f"listen: refusing to listen on {config.listen} without auth; "
-            "use a loopback address (127.0.0.1) or the unix socket",
+            "set auth_tokens_file, or use a loopback address (127.0.0.1) or the unix socket",
             key="listen",
+        )
+
+
+def _validate_tls(config: Config) -> None:
+    if bool(config.tls_cert_file) != bool(config.tls_key_file):
+        raise ConfigError(
+            "tls_cert_file: TLS needs both tls_cert_file and tls_key_file", key="tls_cert_file"
+        )
+    if config.tls_client_ca_file and not config.tls_cert_file:
+        raise ConfigError(
+            "tls_client_ca_file: client certificates need TLS: set tls_cert_file and tls_key_file",
+            key="tls_client_ca_file",
         )
 
 

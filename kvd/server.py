@@ -109,6 +109,8 @@ class Daemon:
             max_lookup_keys=config.max_lookup_keys,
             lease_ms_max=config.lease_ms_max,
             max_leases=config.max_leases,
+            namespace_l1_quota_bytes=config.namespace_l1_quota_bytes,
+            namespace_l2_quota_bytes=config.namespace_l2_quota_bytes,
         )
         crashpoints.configure(config.test_crash_point, config.test_crash_after)
         self.l2 = open_l2(config)

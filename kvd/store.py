@@ -68,6 +68,8 @@ class StoreLimits:
     max_lookup_keys: int = 4096
     lease_ms_max: int = 60_000
     max_leases: int = 65536
+    namespace_l1_quota_bytes: int = 0  # 0: no quota
+    namespace_l2_quota_bytes: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -290,6 +292,7 @@ class Store:
             stored = self._stored_checksum(ns_name, key)
             if stored is not None:
                 return self._same_or_conflict(stored, checksum)
+        await self._within_l1_quota(ns_name, size)
         runs = await self._alloc(size)
         return PutTicket(
             ns_name, key, size, meta, parent or None, checksum, runs, self.pool.views(runs, size)
@@ -397,6 +400,28 @@ class Store:
         return await self.publish(ticket, hasher(value), durable)
 
     # ---- room in L1 ------------------------------------------------------------
+    async def _within_l1_quota(self, ns_name: str, size: int) -> None:
+        """Make room under the namespace's L1 quota by evicting its own oldest values."""
+        quota = self.limits.namespace_l1_quota_bytes
+        if not quota:
+            return
+        if size > quota:
+            raise ResourceExhausted(f"value of {size} bytes is over the namespace's L1 quota")
+        ns = self._namespaces.get(ns_name)
+        while ns is not None and ns.bytes_stored + size > quota:
+            victim = next((e for e in ns.entries.values() if self._evictable(e)), None)
+            if victim is not None:
+                self._evict(victim)
+                continue
+            wb = self.writeback
+            if wb is not None and wb.can_make_progress() and await wb.wait_progress():
+                continue
+            self.counters.eviction_failures += 1
+            raise ResourceExhausted(
+                f"namespace {ns_name!r} is at its L1 quota ({quota} bytes) and its values are "
+                "pinned by readers, leases or write-back"
+            )
+
     async def _alloc(self, size: int) -> list[Run]:
         self.leases.expire()
         need = pages_for(size)
@@ -418,10 +443,13 @@ class Store:
 
     def _pinned(self, pk: PolicyKey) -> bool:
         entry = self._entry_by_pk(pk)
-        if entry is None or entry.readers > 0 or entry.leases > 0:
-            return True
+        return entry is None or not self._evictable(entry)
+
+    def _evictable(self, entry: Entry) -> bool:
+        if entry.readers > 0 or entry.leases > 0:
+            return False
         # A value not yet on L2 stays, unless L2 is failing (then it is dropped).
-        return entry.dirty and self.writeback is not None and self.writeback.healthy
+        return not (entry.dirty and self.writeback is not None and self.writeback.healthy)
 
     def _entry_by_pk(self, pk: PolicyKey) -> Entry | None:
         ns = self._ns_by_id.get(pk[0])
@@ -433,11 +461,14 @@ class Store:
             return False
         entry = self._entry_by_pk(pk)
         assert entry is not None and entry.readers == 0 and entry.leases == 0, pk
+        self._evict(entry)
+        return True
+
+    def _evict(self, entry: Entry) -> None:
         if entry.dirty and self.writeback is not None:
             self.writeback.dropped_unwritten += 1
         self._unlink(entry)
         self.counters.evictions += 1
-        return True
 
     def _unlink(self, entry: Entry) -> None:
         """Remove from L1; free the pages unless a reader still holds them."""
@@ -656,7 +687,7 @@ class Store:
         ns = self._namespaces.get(ns_name)
         keys = set(ns.entries) if ns is not None else set()
         if self.l2 is not None:
-            keys.update(key for (name, key) in self.l2.index if name == ns_name)
+            keys.update(self.l2.keys_of(ns_name))
         deleted = 0
         for key in keys:
             deleted += await self._delete_one(ns_name, key)

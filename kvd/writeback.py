@@ -57,6 +57,7 @@ class WriteBack:
         self.writing = 0
         self.errors = 0
         self.dropped_unwritten = 0
+        self.quota_dropped = 0
         self.last_error = ""
 
     # ---- state -----------------------------------------------------------------
@@ -118,8 +119,23 @@ class WriteBack:
         return bool(self._queue) or self.writing > 0
 
     # ---- one append ------------------------------------------------------------
-    async def write(self, entry: Entry) -> None:
+    async def _within_l2_quota(self, entry: Entry, durable: bool) -> None:
+        """Drop the namespace's oldest L2 records to fit ``entry``; durable puts are refused."""
+        quota = self.store.limits.namespace_l2_quota_bytes
+        if not quota:
+            return
+        name = entry.ns.name
+        need = align_up(entry.size + 2 * BLOCK_BYTES, 64 * 1024)
+        while self.l2.namespace_bytes.get(name, 0) + need > quota:
+            oldest = self.l2.oldest(name)
+            if durable or oldest is None:
+                raise ResourceExhausted(f"namespace {name!r} is at its L2 quota ({quota} bytes)")
+            await self.l2.delete_record(oldest)
+            self.quota_dropped += 1
+
+    async def write(self, entry: Entry, *, durable: bool = False) -> None:
         """Append one L1 entry to L2 (its pages pinned meanwhile); raises on failure."""
+        await self._within_l2_quota(entry, durable)
         store = self.store
         entry.readers += 1
         self.writing += 1
@@ -144,7 +160,7 @@ class WriteBack:
         """Append (unless already on L2) and sync; errors map to kvd error codes."""
         try:
             if entry is not None and entry.dirty:
-                await self.write(entry)
+                await self.write(entry, durable=True)
             await self.l2.sync()
             crashpoints.hit("after_sync")
         except L2Full as exc:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
 import pytest
 
 from kvd.bench.daemon import SpawnedDaemon
-from kvd.client import Client
+from kvd.client import Client, ResourceExhausted
 from kvd.iobackend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
 
@@ -160,5 +161,31 @@ def test_second_daemon_on_the_same_ssd_path_is_refused(tmp_path: Path) -> None:
                 ssd="64MiB", max_value="4MiB", segment="8MiB",
             )  # fmt: skip
         assert daemon.alive()
+    finally:
+        daemon.stop()
+
+
+def test_namespace_quotas(tmp_path: Path) -> None:
+    daemon = start(
+        tmp_path, "--namespace-l1-quota-bytes", "2MiB", "--namespace-l2-quota-bytes", "4MiB"
+    )
+    value = b"q" * (512 << 10)
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            for i in range(40):  # 20 MiB into one namespace
+                client.put("qa", b"k%d" % i, value)
+            client.put("qb", b"other", value)
+            stats = client.stats("qa")
+            qa = next(n for n in stats["namespaces_detail"] if n["name"] == "qa")
+            assert qa["bytes"] <= 2 << 20  # L1 share held to its quota
+            assert client.get("qb", b"other") == value  # the other tenant kept its value
+            deadline = time.monotonic() + 10
+            while client.stats()["writeback_queue"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            present = sum(client.exists("qa", [b"k%d" % i for i in range(40)]))
+            assert 0 < present <= 11  # <= 7 records of 576 KiB on L2, 4 values in L1
+            with pytest.raises(ResourceExhausted):
+                client.put("qa", b"big-durable", b"d" * (3 << 20), durable=True)
+            assert client.exists("qa", [b"big-durable"]) == [False]
     finally:
         daemon.stop()

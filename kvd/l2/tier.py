@@ -140,6 +140,8 @@ class L2Tier:
         self._buffers: list[AlignedBuffer] = []
         self.on_drop: Callable[[L2Record], None] = lambda record: None
         self.used_bytes = 0
+        self.namespace_bytes: dict[str, int] = {}
+        self._by_namespace: dict[str, dict[bytes, L2Record]] = {}
 
     # ---- queries ---------------------------------------------------------------
     def lookup(self, namespace: str, key: bytes) -> L2Record | None:
@@ -249,6 +251,10 @@ class L2Tier:
         self.index[key] = record
         segment.records[key] = record
         self.used_bytes += record_bytes
+        self.namespace_bytes[record.namespace] = (
+            self.namespace_bytes.get(record.namespace, 0) + record_bytes
+        )
+        self._by_namespace.setdefault(record.namespace, {})[record.key] = record
 
     async def _write(self, segment: int, offset: int, views: Sequence[memoryview]) -> None:
         ops = self.devices.ops(OpKind.WRITE, segment, offset, views)
@@ -355,7 +361,21 @@ class L2Tier:
             header = RecordHeader(record.namespace, record.key, record.parent, record.meta, 0, 0,
                                   record.size, 0)  # fmt: skip
             self.used_bytes -= header.record_bytes
+            self.namespace_bytes[record.namespace] -= header.record_bytes
+            records = self._by_namespace[record.namespace]
+            del records[record.key]
+            if not records:
+                del self._by_namespace[record.namespace]
+                del self.namespace_bytes[record.namespace]
         record.live = False
+
+    def oldest(self, namespace: str) -> L2Record | None:
+        """The namespace's oldest live record (quota eviction goes oldest first)."""
+        records = self._by_namespace.get(namespace)
+        return next(iter(records.values())) if records else None
+
+    def keys_of(self, namespace: str) -> list[bytes]:
+        return list(self._by_namespace.get(namespace, ()))
 
     # ---- read ------------------------------------------------------------------
     async def read(self, record: L2Record, views: Sequence[memoryview]) -> None:
