@@ -13,89 +13,22 @@ import pytest
 
 from kvd.iobackend import IoBackend, IoOp, OpKind
 from kvd.l2 import tier as tier_module
-from kvd.l2.devices import DeviceSet
 from kvd.l2.format import RECORD_ALIGN_BYTES
-from kvd.l2.tier import ChecksumMismatch, L2Full, L2Record, L2Tier, SegmentState
+from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier, SegmentState
 from tests.l2 import (
     BACKENDS,
+    Env,
     KiB,
     MiB,
-    backend,
     get,
-    open_devices,
     payload,
     put,
-    raw_read,
     raw_write,
 )
 
 TEST_TIMEOUT_S = 30.0
 SMALL_SEGMENT_BYTES = 256 * KiB  # 1 path: a marker and three 64 KiB records
 SMALL_PAYLOAD_BYTES = 60 * KiB  # header + payload = exactly one 64 KiB record
-
-
-class Env:
-    """Opens DeviceSets and L2Tiers over the same files, like daemon restarts."""
-
-    def __init__(
-        self, root: Path, kind: str, paths: int, segments: int, segment_bytes: int,
-        stripe_bytes: int = 64 * KiB,
-    ) -> None:  # fmt: skip
-        self.paths = [str(root / f"ssd{i}.dat") for i in range(paths)]
-        self.kind = kind
-        self.segments = segments
-        self.segment_bytes = segment_bytes
-        self.stripe_bytes = stripe_bytes
-        self.opened: list[tuple[DeviceSet, IoBackend, L2Tier]] = []
-        self.dropped: list[L2Record] = []
-
-    async def open(self, wrap: object = None, *, recover: bool = True) -> L2Tier:
-        """A tier over the files; recovered unless asked (the daemon always recovers)."""
-        devices = open_devices(
-            self.paths, segments=self.segments, segment_bytes=self.segment_bytes,
-            stripe_bytes=self.stripe_bytes,
-        )  # fmt: skip
-        io = backend(self.kind)
-        if wrap is not None:
-            io = wrap(io)  # type: ignore[operator]
-        tier = L2Tier(devices, io)
-        tier.on_drop = self.dropped.append
-        self.opened.append((devices, io, tier))
-        if recover:
-            await tier.recover()
-        return tier
-
-    def shut(self, tier: L2Tier) -> None:
-        for entry in self.opened:
-            if entry[2] is tier:
-                self.opened.remove(entry)
-                tier.close()
-                entry[1].close()
-                entry[0].close()
-                return
-
-    def close_all(self) -> None:
-        for _, io, tier in reversed(self.opened):
-            tier.close()
-            io.close()
-        for devices, _, _ in self.opened:
-            devices.close()
-        self.opened = []
-
-    def location(self, record: L2Record, at: int) -> tuple[str, int]:
-        """File and offset of byte ``at`` of a record (0 = first header byte)."""
-        logical = record.offset + at
-        stripe = logical // self.stripe_bytes
-        n = len(self.paths)
-        return self.paths[stripe % n], (
-            record.segment * self.segment_bytes + (stripe // n) * self.stripe_bytes
-            + logical % self.stripe_bytes
-        )  # fmt: skip
-
-    def flip(self, record: L2Record, at: int) -> None:
-        path, offset = self.location(record, at)
-        old = raw_read(path, offset, 1)
-        raw_write(path, offset, bytes([old[0] ^ 0x5A]))
 
 
 @pytest.fixture(params=BACKENDS)
