@@ -154,10 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_namespace(lookup, "keys of one chain, in order")
     lookup.add_argument("--lease-ms", type=int, default=0, help="protect the hits this long")
 
-    for name, (module, help_text) in _PLUGIN_COMMANDS.items():
-        if importlib.util.find_spec(module) is not None:
-            plugin = commands.add_parser(name, help=help_text, add_help=False)
-            plugin.add_argument("args", nargs=argparse.REMAINDER)
+    for name, (_, help_text) in _PLUGIN_COMMANDS.items():
+        if _plugin_installed(name):
+            commands.add_parser(name, help=help_text, add_help=False)  # main() runs it
     return parser
 
 
@@ -274,9 +273,14 @@ def _stats(args: argparse.Namespace) -> int:
     return _talk(args, stats)
 
 
-def _plugin(name: str, args: argparse.Namespace) -> int:
+def _plugin_installed(name: str) -> bool:
+    module = _PLUGIN_COMMANDS.get(name)
+    return module is not None and importlib.util.find_spec(module[0]) is not None
+
+
+def _plugin(name: str, argv: list[str]) -> int:
     module = importlib.import_module(_PLUGIN_COMMANDS[name][0])
-    status: Any = module.main(list(args.args))
+    status: Any = module.main(argv)
     return int(status or 0)
 
 
@@ -292,13 +296,15 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvd`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    if args.command == "version":
-        print(f"kvd {__version__}")
-        return EXIT_OK
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args.command in _PLUGIN_COMMANDS:
-            return _plugin(args.command, args)
+        # A plugin parses its own arguments, --help included.
+        if words and _plugin_installed(words[0]):
+            return _plugin(words[0], words[1:])
+        args = build_parser().parse_args(words)
+        if args.command == "version":
+            print(f"kvd {__version__}")
+            return EXIT_OK
         return _COMMANDS[args.command](args)
     except ConfigError as error:
         print(f"kvd: config: {error}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The kvd command: version, configuration errors, and the client commands
 against a live daemon."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -146,3 +147,16 @@ def test_client_commands_against_a_daemon(
 
         assert main(["stats", *common]) == 0
         assert b'"entries"' in capsysbinary.readouterr().out
+
+
+def test_plugin_commands_parse_their_own_help(capsys: pytest.CaptureFixture[str]) -> None:
+    if importlib.util.find_spec("kvd.bench") is None:
+        pytest.skip("kvd.bench is not part of this tree")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: kvd bench")
+    if importlib.util.find_spec("kvd.fsck") is None:  # an absent plugin is no command
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fsck"])
+        assert exit_info.value.code == 2
