@@ -15,6 +15,10 @@ same order, so a client may pipeline many requests on one connection.
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
   and ``QUEUE_FRAMES_MAX`` answers queued; past that its reader stops reading
   the socket, and TCP flow control slows the client down.
+- Auth: with a token table, the HELLO frame's payload is the bearer token;
+  a connection whose token is unknown is answered UNAUTHENTICATED and
+  closed, and each PUT/GET on a namespace the token does not name is
+  answered PERMISSION_DENIED. The token is checked once per connection.
 - Bad input (wrong magic or version, a field over its limit, a frame that
   does not complete within ``bulk_frame_timeout_ms``, EOF inside a frame)
   closes the connection with a logged reason. Expected failures of one
@@ -31,14 +35,23 @@ import contextlib
 import logging
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd.checksum import Hasher
 from kvd.errors import DataLoss, KvdError
-from kvd.store import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX, PutResult, Reader
+from kvd.index import (
+    KEY_BYTES_MAX,
+    META_BYTES_MAX,
+    NAMESPACE_BYTES_MAX,
+    TIER_NAMES,
+    PutResult,
+    Reader,
+)
 
 if TYPE_CHECKING:
+    from kvd.auth import Authenticator, Principal
     from kvd.metrics import Metrics
     from kvd.store import Store
 
@@ -248,6 +261,8 @@ class _Connection:
         self.drained = asyncio.Event()
         self.header = bytearray(REQUEST.size)
         self.discard = bytearray(0)
+        self.token = b""
+        self.principal: Principal | None = None
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write_loop())
@@ -289,6 +304,8 @@ class _Connection:
             return
         if hello[0].op != OP_HELLO:
             raise ProtocolError("the first frame must be HELLO")
+        if not await self._hello(hello[0]):
+            return  # refused: the answer is flushed, then the connection closes
         while True:
             got = await self._next_request(limits.idle_timeout_s)
             if got is None:
@@ -318,19 +335,48 @@ class _Connection:
             tail = bytearray(request.tail_bytes)
             await recv_into_exact(self.loop, self.sock, memoryview(tail), None)
             if request.op == OP_HELLO:
-                token = bytearray(request.length)  # kept for when auth lands; unchecked now
+                token = bytearray(request.length)
                 await recv_into_exact(self.loop, self.sock, memoryview(token), None)
-                await self.queue.put((encode_response(OP_HELLO, request.request_id), None))
+                self.token = bytes(token)
         return request, bytes(tail)
+
+    async def _hello(self, request: Request) -> bool:
+        """Answer HELLO; with auth, only a known token gets CODE_OK (and the connection)."""
+        token, self.token = self.token, b""
+        auth = self.server.auth
+        if auth is not None:
+            try:
+                try:
+                    text = token.decode()
+                except UnicodeDecodeError:
+                    text = ""
+                self.principal = auth.authenticate(text)
+            except KvdError as exc:
+                self.server.metrics.refused(exc.code_name, "bulk_hello", str(exc))
+                answer = encode_response(
+                    OP_HELLO, request.request_id, _error_code(exc), message=str(exc)
+                )
+                await self.queue.put((answer, None))
+                return False
+        await self.queue.put((encode_response(OP_HELLO, request.request_id), None))
+        return True
+
+    def _authorize(self, namespace: str) -> None:
+        auth = self.server.auth
+        if auth is not None:
+            assert self.principal is not None, "HELLO authenticates before any request"
+            auth.authorize(self.principal, namespace, admin=False)
 
     async def _put(self, request: Request, tail: bytes) -> bytes:
         ns, key, parent, meta = _split_tail(request, tail)
         checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
         try:
+            self._authorize(ns)
             ticket = await self.store.begin_put(
                 ns, key, request.length, meta, parent or None, checksum
             )
         except KvdError as exc:
+            self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
             await self._discard(request.length)
             return encode_response(OP_PUT, request.request_id, _error_code(exc), message=str(exc))
         if isinstance(ticket, PutResult):
@@ -371,8 +417,14 @@ class _Connection:
         ns, key, _, _ = _split_tail(request, tail)
         rid = request.request_id
         try:
+            self._authorize(ns)
+            start = time.perf_counter()
             reader = await self.store.fetch(ns, key)
+            self.server.metrics.fetched(
+                "bulk_get", TIER_NAMES[reader.tier] if reader else "miss", start
+            )
         except KvdError as exc:
+            self.server.metrics.refused(exc.code_name, "bulk_get", str(exc))
             await self.queue.put(
                 (encode_response(OP_GET, rid, _error_code(exc), message=str(exc)), None)
             )
@@ -442,10 +494,17 @@ def _split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes
 class BulkServer:
     """The listener and its connections."""
 
-    def __init__(self, store: Store, limits: BulkLimits, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        store: Store,
+        limits: BulkLimits,
+        metrics: Metrics,
+        auth: Authenticator | None = None,
+    ) -> None:
         self.store = store
         self.limits = limits
         self.metrics = metrics
+        self.auth = auth
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()

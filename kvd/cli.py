@@ -165,11 +165,13 @@ def _settings_given(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = config_from_environment(args.config, _settings_given(args))
+    given = _settings_given(args)
+    config = config_from_environment(args.config, given)
     from kvd.server import run  # the server pulls in grpc; other commands need not
 
     try:
-        return run(config)
+        # SIGHUP reads the same inputs again: the file may have changed.
+        return run(config, lambda: config_from_environment(args.config, given))
     except OSError as error:
         print(f"kvd: {error}", file=sys.stderr)
         return 1

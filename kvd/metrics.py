@@ -10,13 +10,28 @@ server's thread and only reads integers, which is safe under the GIL.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvd.logs import Throttle
+
+log = logging.getLogger("kvd.requests")
+
+# Error codes that count as a refused request, and the reason label each gets.
+REFUSAL_REASONS = {
+    "RESOURCE_EXHAUSTED": "resource_exhausted",
+    "UNAUTHENTICATED": "unauthenticated",
+    "PERMISSION_DENIED": "permission_denied",
+    "INVALID_ARGUMENT": "invalid_argument",
+    "UNAVAILABLE": "unavailable",
+}
 
 # 100 µs (a small L1 lookup) to 10 s (a 64 MiB value over a slow link).
 LATENCY_BUCKETS_S = (
@@ -61,8 +76,36 @@ class Metrics:
         self.rejected = Counter(
             "kvd_rejected_requests", "Requests refused, by reason", ["reason"], registry=r
         )
+        self.fetch_latency = Histogram(
+            "kvd_fetch_duration_seconds",
+            "Store reads by op and the tier that served them (l1, l2, miss)",
+            ["op", "tier"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.reloads = Counter(
+            "kvd_reloads", "SIGHUP reloads, by result (ok, error)", ["result"], registry=r
+        )
         self.up = Gauge("kvd_up", "1 while the daemon serves", registry=r)
         self._http: Any = None
+        self._throttle = Throttle()
+
+    def refused(self, code_name: str, op: str, message: str) -> None:
+        """Count a refused request by reason; log it, one line per reason per second."""
+        reason = REFUSAL_REASONS.get(code_name)
+        if reason is None:
+            return
+        self.rejected.labels(reason).inc()
+        held = self._throttle.allow(reason)
+        if held is not None:
+            log.warning(
+                "request refused",
+                extra={"op": op, "reason": reason, "error": message, "held_back": held},
+            )
+
+    def fetched(self, op: str, tier: str, start_s: float) -> None:
+        """Record one store read that began at ``start_s`` (perf_counter) and its tier."""
+        self.fetch_latency.labels(op, tier).observe(time.perf_counter() - start_s)
 
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
@@ -100,6 +143,70 @@ class SnapshotCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=values[stat])
         for stat, (name, doc) in self._counters.items():
             yield CounterMetricFamily(name, doc, value=values[stat])
+
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        return iter(())
+
+
+# (name, bytes stored, entries, hits, misses) of one namespace.
+NamespaceRow = tuple[str, int, int, int, int]
+OTHER_NAMESPACE = "other"
+
+
+class NamespaceCollector(Collector):
+    """Per-namespace usage, the ``limit`` largest by name and the rest as ``other``.
+
+    Namespace names come from clients, so exporting each one would let them
+    grow the label set without bound; ``limit`` (metrics_namespaces_max) caps
+    the series at limit + 1 per metric. A namespace moving in or out of the
+    named set moves its hits between its own series and ``other``: rate()
+    sees a counter reset there, which Prometheus tolerates.
+    """
+
+    def __init__(self, read: Callable[[], Sequence[NamespaceRow]], limit: int) -> None:
+        self._read = read
+        self._limit = limit
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        rows = sorted(self._read(), key=lambda row: (-row[1], row[0]))
+        named = rows[: self._limit]
+        rest = rows[self._limit :]
+        if rest:
+            named.append(
+                (
+                    OTHER_NAMESPACE,
+                    sum(r[1] for r in rest),
+                    sum(r[2] for r in rest),
+                    sum(r[3] for r in rest),
+                    sum(r[4] for r in rest),
+                )
+            )
+        by_ns = ["namespace"]
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [
+            GaugeMetricFamily(
+                "kvd_namespace_bytes", "Value bytes stored in L1, by namespace", labels=by_ns
+            ),
+            GaugeMetricFamily(
+                "kvd_namespace_entries", "Values stored in L1, by namespace", labels=by_ns
+            ),
+            CounterMetricFamily(
+                "kvd_namespace_hits", "Reads that found their key, by namespace", labels=by_ns
+            ),
+            CounterMetricFamily(
+                "kvd_namespace_misses", "Reads that missed, by namespace", labels=by_ns
+            ),
+            GaugeMetricFamily(
+                "kvd_namespace_hit_ratio",
+                "Hits over reads since start, by namespace (0 before the first read)",
+                labels=by_ns,
+            ),
+        ]
+        for name, nbytes, entries, hits, misses in named:
+            for family, value in zip(families, (nbytes, entries, hits, misses), strict=False):
+                family.add_metric([name], value)
+            reads = hits + misses
+            families[4].add_metric([name], hits / reads if reads else 0.0)
+        yield from families
 
     def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         return iter(())

@@ -2,18 +2,28 @@
 optional Unix socket), health, reflection and /metrics, and shuts down
 gracefully on SIGTERM/SIGINT.
 
-One asyncio event loop (uvloop when installed) owns all state. Shutdown
-stops accepting RPCs, lets those in flight finish for ``shutdown_grace_ms``,
-then cancels the rest and exits.
+One asyncio event loop (uvloop when installed) owns all state.
+
+Lifecycle: SIGTERM/SIGINT stop accepting RPCs, let those in flight finish
+(up to half of ``shutdown_grace_ms``), close the fast paths, flush the L2
+write-back within what is left of the deadline, and exit. SIGHUP re-reads the
+config file, the token table and the TLS files: log settings, tokens and
+certificates apply at once; any other changed setting is logged as needing a
+restart. Under systemd (``Type=notify``) readiness and stopping are reported
+on ``$NOTIFY_SOCKET``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import signal
+import socket
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -21,14 +31,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__, crashpoints, logs
+from kvd.auth import Authenticator
+from kvd.config import SETTINGS, ConfigError, is_loopback_host, parse_address
 from kvd.eviction import make_policy
 from kvd.iobackend import open_backend
 from kvd.l2 import DeviceSet, L2Tier
-from kvd.metrics import Metrics, SnapshotCollector
+from kvd.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
 from kvd.pool import Pool
 from kvd.service import KVStoreService, ServiceLimits
 from kvd.shm_service import FastPaths
 from kvd.store import Store, StoreLimits
+from kvd.tls import ServerTls
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 if TYPE_CHECKING:
@@ -55,6 +68,7 @@ _L2_GAUGES = {
     "l2_entries": ("kvd_l2_entries", "Values stored on L2"),
     "writeback_queue": ("kvd_writeback_queue", "Values waiting for their L2 write"),
     "writeback_writing": ("kvd_writeback_inflight", "L2 writes in flight"),
+    "writeback_backlog_bytes": ("kvd_writeback_backlog_bytes", "Value bytes waiting for L2"),
 }
 _L2_COUNTERS = {
     "checksum_failures": ("kvd_checksum_failures", "L2 reads whose bytes failed their checksum"),
@@ -115,6 +129,8 @@ class Daemon:
         crashpoints.configure(config.test_crash_point, config.test_crash_after)
         self.l2 = open_l2(config)
         self.store = Store(self.pool, limits, make_policy(config.eviction_policy), l2=self.l2)
+        self.auth = Authenticator(config.auth_tokens_file) if config.auth_tokens_file else None
+        self.tls = ServerTls.from_config(config)
         self.service = KVStoreService(
             self.store,
             ServiceLimits(
@@ -123,14 +139,18 @@ class Daemon:
                 max_batch_items=config.max_batch_items,
             ),
             self.metrics,
+            self.auth,
         )
         self.metrics.add_collector(
             SnapshotCollector(self._snapshot, _STORE_GAUGES, _STORE_COUNTERS)
         )
         if self.l2 is not None:
             self.metrics.add_collector(
-                SnapshotCollector(self.store.stats, _L2_GAUGES, _L2_COUNTERS)
+                SnapshotCollector(self._l2_snapshot, _L2_GAUGES, _L2_COUNTERS)
             )
+        self.metrics.add_collector(
+            NamespaceCollector(self._namespace_rows, config.metrics_namespaces_max)
+        )
         self.health = health.aio.HealthServicer()
         self._server: Any = None
         self.fast_paths: FastPaths | None = None
@@ -143,6 +163,18 @@ class Daemon:
         values["inflight_bytes"] = self.service.inflight.bytes
         values["inflight_requests"] = self.service.inflight.requests
         return values
+
+    def _l2_snapshot(self) -> dict[str, int]:
+        values = self.store.stats()
+        writeback = self.store.writeback
+        values["writeback_backlog_bytes"] = writeback.backlog_bytes if writeback else 0
+        return values
+
+    def _namespace_rows(self) -> list[NamespaceRow]:
+        return [
+            (ns.name, ns.bytes_stored, len(ns.entries), ns.hits, ns.misses)
+            for ns in self.store.namespaces()
+        ]
 
     async def start(self) -> None:
         cfg = self.config
@@ -168,7 +200,11 @@ class Daemon:
             ),
             server,
         )
-        if cfg.listen:
+        if cfg.listen and self.tls is not None:
+            self.port = server.add_secure_port(cfg.listen, self.tls.credentials())
+            if self.port == 0:
+                raise OSError(f"cannot listen on {cfg.listen}")
+        elif cfg.listen:
             self.port = server.add_insecure_port(cfg.listen)
             if self.port == 0:
                 raise OSError(f"cannot listen on {cfg.listen}")
@@ -180,6 +216,8 @@ class Daemon:
         await server.start()
         if cfg.socket:
             os.chmod(cfg.socket, cfg.socket_mode)
+            if cfg.socket_group:
+                os.chown(cfg.socket, -1, _group_id(cfg.socket_group))
         self._server = server
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -210,6 +248,50 @@ class Daemon:
                 "max_value_bytes": cfg.max_value_bytes,
                 "max_inflight_bytes": cfg.max_inflight_bytes,
                 "max_concurrent_rpcs": cfg.max_concurrent_rpcs,
+                "auth": f"{self.auth.token_count} tokens" if self.auth is not None else "off",
+                "tls": self.tls.mode if self.tls is not None else "off",
+                "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+            },
+        )
+        log.info("kvd config", extra=cfg.describe())
+        if cfg.listen and self.tls is None and not is_loopback_host(parse_address(cfg.listen)[0]):
+            log.warning(
+                "gRPC listens beyond loopback without TLS: tokens and values travel in clear",
+                extra={"listen": cfg.listen},
+            )
+        sd_notify("READY=1")
+
+    def reload(self, new: Config | None) -> None:
+        """SIGHUP: apply what can change live; name what needs a restart."""
+        failed = False
+        if new is not None:
+            changed = [
+                s.name for s in SETTINGS if getattr(new, s.name) != getattr(self.config, s.name)
+            ]
+            logs.configure(new.log_level, new.log_format)
+            later = [name for name in changed if name not in _LIVE_SETTINGS]
+            if later:
+                log.warning(
+                    "settings changed; they apply at the next restart",
+                    extra={"settings": ",".join(later)},
+                )
+        for what, part in (("auth_tokens_file", self.auth), ("tls", self.tls)):
+            if part is None:
+                continue
+            try:
+                part.reload()
+            except ConfigError as exc:
+                failed = True
+                log.error(
+                    "reload failed; keeping the old one", extra={"what": what, "error": str(exc)}
+                )
+        self.metrics.reloads.labels("error" if failed else "ok").inc()
+        log.info(
+            "kvd reloaded",
+            extra={
+                "auth": f"{self.auth.token_count} tokens" if self.auth is not None else "off",
+                "tls": self.tls.mode if self.tls is not None else "off",
+                "log_level": logging.getLevelName(logging.getLogger().level).lower(),
             },
         )
 
@@ -222,14 +304,17 @@ class Daemon:
 
     async def stop(self) -> None:
         grace_s = self.config.shutdown_grace_ms / 1000
+        deadline = time.monotonic() + grace_s
         log.info("kvd stopping", extra={"grace_ms": self.config.shutdown_grace_ms})
+        sd_notify("STOPPING=1")
         self.metrics.up.set(0)
         await self.health.enter_graceful_shutdown()
+        # Requests in flight get half the deadline; the write-back flush the rest.
         if self._server is not None:
-            await self._server.stop(grace_s)
+            await self._server.stop(grace_s / 2)
         if self.fast_paths is not None:
-            await self.fast_paths.stop(grace_s)
-        left = await self.store.close(flush_s=grace_s)
+            await self.fast_paths.stop(max(0.0, deadline - time.monotonic()) / 2)
+        left = await self.store.close(flush_s=max(0.0, deadline - time.monotonic()))
         if left:
             log.warning("write-back not finished at shutdown", extra={"values_left": left})
         if self.l2 is not None:
@@ -243,22 +328,66 @@ class Daemon:
         log.info("kvd stopped")
 
 
-async def _serve(config: Config) -> int:
+# Settings a SIGHUP applies at once; tokens and certificates are re-read from
+# their files whether or not their paths changed (a changed path needs a restart).
+_LIVE_SETTINGS = frozenset({"log_level", "log_format"})
+
+
+def _group_id(group: str) -> int:
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise OSError(f"socket_group: no group named {group!r}") from None
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) a state change; a no-op outside systemd."""
+    address = os.environ.get("NOTIFY_SOCKET", "")
+    if not address:
+        return
+    if address.startswith("@"):  # abstract socket namespace
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(state.encode(), address)
+        except OSError as exc:
+            log.warning("cannot notify systemd", extra={"state": state, "error": str(exc)})
+
+
+ConfigLoader = Callable[[], "Config"]
+
+
+def _reload(daemon: Daemon, load: ConfigLoader | None) -> None:
+    new: Config | None = None
+    if load is not None:
+        try:
+            new = load()
+        except ConfigError as exc:
+            log.error(
+                "config reload failed; keeping the running settings", extra={"error": str(exc)}
+            )
+    daemon.reload(new)
+
+
+async def _serve(config: Config, load: ConfigLoader | None) -> int:
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, _reload, daemon, load)
     await daemon.start()
     await daemon.wait()
     return 0
 
 
-def run(config: Config) -> int:
-    """Run a daemon until SIGTERM/SIGINT; the exit status."""
+def run(config: Config, load: ConfigLoader | None = None) -> int:
+    """Run a daemon until SIGTERM/SIGINT; ``load`` re-reads the config on SIGHUP."""
     logs.configure(config.log_level, config.log_format)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
         log.warning("uvloop not installed, using the default asyncio loop")
-        return asyncio.run(_serve(config))
-    return uvloop.run(_serve(config))
+        return asyncio.run(_serve(config, load))
+    return uvloop.run(_serve(config, load))

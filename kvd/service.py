@@ -17,8 +17,10 @@ from functools import wraps
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kvd import __version__
+from kvd.auth import Authenticator, bearer_token, check_grpc, request_scope
 from kvd.checksum import Hasher, checksum
 from kvd.errors import InvalidArgument, KvdError, ResourceExhausted
 from kvd.metrics import Metrics
@@ -88,11 +90,13 @@ def _unary(op: str) -> Callable[[Handler], Handler]:
             code = "OK"
             self.inflight.requests += 1
             try:
+                if isinstance(request, Message):  # Put checks once its header arrived
+                    namespace, admin = request_scope(request)
+                    check_grpc(self.auth, context, namespace, admin=admin)
                 return await fn(self, request, context)
             except KvdError as exc:
                 code = exc.code_name
-                if isinstance(exc, ResourceExhausted):
-                    self.metrics.rejected.labels("resource_exhausted").inc()
+                self.metrics.refused(code, op, str(exc))
                 await context.abort(status_code(exc), str(exc))
             except BaseException:
                 code = "CANCELLED"
@@ -108,10 +112,17 @@ def _unary(op: str) -> Callable[[Handler], Handler]:
 
 
 class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
-    def __init__(self, store: Store, limits: ServiceLimits, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        store: Store,
+        limits: ServiceLimits,
+        metrics: Metrics,
+        auth: Authenticator | None = None,
+    ) -> None:
         self.store = store
         self.limits = limits
         self.metrics = metrics
+        self.auth = auth
         self.inflight = InflightBytes(limits.max_inflight_bytes)
 
     # ---- Put -------------------------------------------------------------------
@@ -123,6 +134,7 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
         if first is None or not first.HasField("header"):
             raise InvalidArgument("a Put stream starts with a header")
         h = first.header
+        check_grpc(self.auth, context, h.namespace)
         checksum_sent = h.checksum if h.HasField("checksum") else None
         ticket = await self.store.begin_put(
             h.namespace, h.key, h.size, h.meta, h.parent or None, checksum_sent
@@ -161,7 +173,10 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
         self.inflight.requests += 1
         held = 0
         try:
+            check_grpc(self.auth, context, request.namespace)
+            fetch_start = time.perf_counter()
             reader = await self.store.fetch(request.namespace, request.key)
+            self.metrics.fetched("get", TIER_NAMES[reader.tier] if reader else "miss", fetch_start)
             if reader is None:
                 self.metrics.misses.labels("get").inc()
                 yield pb.GetResponse(header=pb.GetHeader(found=False))
@@ -188,6 +203,7 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
                 reader.close()
         except KvdError as exc:
             code = exc.code_name
+            self.metrics.refused(code, "get", str(exc))
             await context.abort(status_code(exc), str(exc))
         except BaseException:
             code = "CANCELLED"
@@ -239,7 +255,10 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
         inline_max = request.inline_bytes_max or budget
         items = []
         for key in request.keys:
+            fetch_start = time.perf_counter()
             reader = await self.store.fetch(request.namespace, key)
+            tier = TIER_NAMES[reader.tier] if reader else "miss"
+            self.metrics.fetched("batch_get", tier, fetch_start)
             if reader is None:
                 self.metrics.misses.labels("batch_get").inc()
                 items.append(pb.GetItem(found=False))
@@ -302,9 +321,12 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
     @_unary("stats")
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         self.store.active_leases  # noqa: B018 - expires stale leases before counting
-        values = self.store.stats()
-        values["inflight_bytes"] = self.inflight.bytes
-        values["inflight_requests"] = self.inflight.requests
+        values: dict[str, int] = {}
+        if self.auth is None or self.auth.is_admin(bearer_token(context.invocation_metadata())):
+            # Daemon-wide numbers sum over every tenant: admin only, with auth on.
+            values = self.store.stats()
+            values["inflight_bytes"] = self.inflight.bytes
+            values["inflight_requests"] = self.inflight.requests
         namespaces = [
             pb.NamespaceStats(
                 name=ns.name,

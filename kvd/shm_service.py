@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
+from kvd.auth import Authenticator, check_grpc, request_scope
 from kvd.bulk import BulkLimits, BulkServer
 from kvd.config import parse_address
-from kvd.errors import DataLoss, InvalidArgument, KvdError, ResourceExhausted, Unavailable
+from kvd.errors import DataLoss, InvalidArgument, KvdError, Unavailable
 from kvd.metrics import Metrics, SnapshotCollector
 from kvd.shm import Region, RegionLimits, RegionRegistry, copy_from_pages, copy_to_pages
-from kvd.store import PutResult, PutTicket, Reader, Store
+from kvd.store import TIER_NAMES, PutResult, PutTicket, Reader, Store
 from kvd.v1 import kvd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -103,11 +104,12 @@ def _rpc(op: str) -> Callable[[Handler], Handler]:
             code = "OK"
             self.inflight.requests += 1
             try:
+                namespace, admin = request_scope(request)
+                check_grpc(self.auth, context, namespace, admin=admin)
                 return await fn(self, request, context)
             except KvdError as exc:
                 code = exc.code_name
-                if isinstance(exc, ResourceExhausted):
-                    self.metrics.rejected.labels("resource_exhausted").inc()
+                self.metrics.refused(code, op, str(exc))
                 await context.abort(grpc.StatusCode[exc.code_name], str(exc))
             except BaseException:
                 code = "CANCELLED"
@@ -131,6 +133,7 @@ class RegionHandlers:
     metrics: Metrics
     inflight: InflightBytes
     limits: ServiceLimits
+    auth: Authenticator | None = None
     regions: RegionRegistry | None = None
     bulk_port: int = 0
     _copy_pool: ThreadPoolExecutor | None = None
@@ -330,7 +333,10 @@ class RegionHandlers:
 
     async def _open(self, region: Region, ns: str, item: pb.RegionItem) -> Reader | None:
         region.span(item.offset, item.length)  # the room must lie inside the region
-        return await self.store.fetch(ns, item.key)
+        start = time.perf_counter()
+        reader = await self.store.fetch(ns, item.key)
+        self.metrics.fetched("shm_get", TIER_NAMES[reader.tier] if reader else "miss", start)
+        return reader
 
 
 class FastPaths:
@@ -374,6 +380,7 @@ class FastPaths:
                     idle_timeout_s=config.bulk_idle_timeout_ms / 1000,
                 ),
                 metrics,
+                service.auth,
             )
             bound = await paths.bulk.start(host, port)
             paths.bulk_address = f"{host}:{bound}"
