@@ -1,7 +1,7 @@
 """Client side of the bulk TCP data port (docs/bulk-protocol.md).
 
 ``BulkClient`` keeps up to ``connections`` sockets to one daemon, each
-opened with a HELLO frame (where the auth token will go). A put sends
+opened with a HELLO frame carrying the bearer token. A put sends
 header and value with one ``sendmsg`` from the caller's buffer (no copy);
 a get receives straight into the caller's buffer with ``recv_into``,
 hashing each piece as it lands, and checks the checksum the daemon sent.
@@ -90,10 +90,16 @@ class _Connection:
         self._header = bytearray(RESPONSE.size)
         self._ids = itertools.count(1)
         hello = (token or "").encode()
-        self.send([memoryview(encode_request(OP_HELLO, 0, length=len(hello))), memoryview(hello)])
-        answer = self.answer()
-        if answer.op != OP_HELLO or answer.code != CODE_OK:
-            raise _error(answer.code, answer.message or "HELLO refused")
+        try:
+            self.send(
+                [memoryview(encode_request(OP_HELLO, 0, length=len(hello))), memoryview(hello)]
+            )
+            answer = self.answer()
+            if answer.op != OP_HELLO or answer.code != CODE_OK:
+                raise _error(answer.code, answer.message or "HELLO refused")
+        except BaseException:
+            self.sock.close()  # refused (a bad token) or broken: never pooled
+            raise
 
     def next_id(self) -> int:
         return next(self._ids)

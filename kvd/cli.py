@@ -97,6 +97,11 @@ def _add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of each call"
     )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("KVD_TOKEN") or None,
+        help="bearer token, when the daemon has auth_tokens_file [default $KVD_TOKEN]",
+    )
 
 
 def _add_namespace(parser: argparse.ArgumentParser, keys: str) -> None:
@@ -133,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
         _add_setting_flag(config, setting)
 
     commands.add_parser("version", help="print the version")
+
+    health = commands.add_parser(
+        "health", help="exit 0 if the daemon answers SERVING to a gRPC health check"
+    )
+    health.add_argument(
+        "--target",
+        default=os.environ.get("KVD_TARGET", DEFAULT_TARGET),
+        help=f"daemon address HOST:PORT or unix:///PATH [default $KVD_TARGET or {DEFAULT_TARGET}]",
+    )
+    health.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    commands.add_parser(
+        "token", help="print a new random bearer token and the sha256 line for the token file"
+    )
 
     stats = commands.add_parser("stats", help="print the daemon's counters as JSON")
     _add_client_options(stats)
@@ -203,7 +221,7 @@ def _talk(args: argparse.Namespace, action: "Callable[[Client], int]") -> int:
     if not 0 < args.timeout_s <= TIMEOUT_S_MAX:
         raise UsageError(f"--timeout-s must be in (0, {TIMEOUT_S_MAX}]")
     try:
-        with Client(args.target, timeout_s=args.timeout_s) as client:
+        with Client(args.target, token=args.token, timeout_s=args.timeout_s) as client:
             return action(client)
     except KvdError as error:
         print(f"kvd: {args.target}: {error}", file=sys.stderr)
@@ -286,7 +304,37 @@ def _plugin(name: str, argv: list[str]) -> int:
     return int(status or 0)
 
 
+def _health(args: argparse.Namespace) -> int:
+    """The standard grpc.health.v1 check (open even with auth), for probes."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = args.target.removeprefix("kvd://")
+    with grpc.insecure_channel(target) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=args.timeout_s
+            )
+        except grpc.RpcError as error:
+            print(f"kvd: {args.target}: {error.code().name}", file=sys.stderr)
+            return EXIT_DAEMON
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(status)
+    return EXIT_OK if status == "SERVING" else EXIT_DAEMON
+
+
+def _token(args: argparse.Namespace) -> int:
+    from kvd.auth import hash_token, new_token
+
+    token = new_token()
+    print(f"token: {token}")
+    print(f'sha256 = "{hash_token(token)}"')
+    return EXIT_OK
+
+
 _COMMANDS = {
+    "health": _health,
+    "token": _token,
     "serve": _serve,
     "config": _config,
     "put": _put,

@@ -25,8 +25,8 @@ from kvd.sizes import SizeError, format_size, parse_size
 
 ENV_PREFIX = "KVD_"
 # KVD_* variables read by something other than the settings table: the config
-# file path for `kvd serve` and the default target of the client commands.
-ENV_NOT_SETTINGS = frozenset({"KVD_CONFIG", "KVD_TARGET"})
+# file path for `kvd serve`, the default target and token of the client commands.
+ENV_NOT_SETTINGS = frozenset({"KVD_CONFIG", "KVD_TARGET", "KVD_TOKEN"})
 
 # A config file is a few hundred bytes; refusing more than 1 MiB keeps a wrong
 # path (a log, a disk image) from being read into memory.
