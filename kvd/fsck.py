@@ -272,7 +272,7 @@ async def check(
         try:
             await tier.recover()
             report.segments = devices.segment_count
-            used = [s.index for s in tier.segments if s.state is SegmentState.SEALED]
+            used = [s.index for s in tier.segments if s.state is not SegmentState.FREE]
             report.segments_used = len(used)
             report.segments_free = report.segments - len(used)
             report.records = len(tier.index)

@@ -15,7 +15,8 @@ Header (little endian)::
 
     0   8  magic  b"KVDL2REC"
     8   2  format version (1)
-    10  2  flags (bit 0: tombstone - the record was deleted)
+    10  2  flags (bit 0: tombstone - the record was deleted; bit 1: segment
+             marker - the first record of each use of a segment, no payload)
     12  4  header bytes (4096 or 8192)
     16  8  segment generation (random per use of the segment)
     24  8  sequence number (global, increasing)
@@ -27,11 +28,13 @@ Header (little endian)::
     64  .. namespace, key, parent, meta
     header bytes - 8: xxh3-64 of everything before it
 
-A scan walks a segment from offset 0, jumping by ``record bytes``, and stops
-at the first header that is not valid or whose generation differs from the
-segment's first record: what lies beyond is an older use of the segment or
-a torn write. The payload checksum is checked on every read, so a torn
-payload is a miss, never a wrong value.
+A scan reads the segment marker at offset 0, then walks the records,
+jumping by ``record bytes``; after a header that is not valid, or whose
+generation differs from the marker's (an older use of the segment, or a
+torn write), it steps 64 KiB at a time looking for the next valid record of
+this generation, so a failed write in the middle loses only itself. The
+payload checksum is checked on every read, so a torn payload is a miss,
+never a wrong value.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from kvd.checksum import checksum
 
 MAGIC = b"KVDL2REC"
 VERSION = 1
-FLAG_TOMBSTONE = 1
+FLAG_TOMBSTONE = 1  # the record was deleted
+FLAG_SEGMENT = 2  # a segment's first record: carries the generation of this use
 BLOCK_BYTES = 4096  # O_DIRECT alignment of offsets, lengths and memory
 RECORD_ALIGN_BYTES = 64 * 1024
 HEADER_BYTES_MAX = 2 * BLOCK_BYTES

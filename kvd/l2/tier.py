@@ -39,6 +39,8 @@ from kvd.iobackend import IoBackend, IoError, OpKind
 from kvd.l2.devices import AlignedBuffer, DeviceSet
 from kvd.l2.format import (
     BLOCK_BYTES,
+    FLAG_SEGMENT,
+    FLAG_TOMBSTONE,
     HEADER_BYTES_MAX,
     RECORD_ALIGN_BYTES,
     HeaderError,
@@ -50,8 +52,6 @@ from kvd.l2.format import (
 
 log = logging.getLogger("kvd.l2")
 
-FLAG_TOMBSTONE = 1
-FLAG_SEGMENT = 2
 # Segments scanned at once during recovery: enough to keep every device busy.
 RECOVERY_PARALLEL_SEGMENTS = 16
 # How long an append waits for a reclaimable segment (all busy or pinned).
@@ -105,6 +105,7 @@ class Segment:
     records: dict[Key, L2Record] = field(default_factory=dict)
     io_inflight: int = 0
     pinned: int = 0
+    tail: int = 0  # end of the last valid record found by recovery
 
 
 @dataclass
@@ -463,6 +464,16 @@ class L2Tier:
                       key=lambda s: s.first_seq)  # fmt: skip
         self._sealed = [s.index for s in used]
         self._free = sorted(s.index for s in self.segments if s.state is SegmentState.FREE)
+        for segment in used:
+            self._seq = max(self._seq, segment.first_seq)
+        if used and used[-1].tail + RECORD_ALIGN_BYTES <= self.devices.logical_segment_bytes:
+            # Keep appending where the last run stopped, rather than seal a
+            # half-empty segment and reclaim an old one for every restart.
+            newest = used[-1]
+            self._sealed.pop()
+            newest.state = SegmentState.OPEN
+            newest.write_pos = newest.tail
+            self._open = newest
         tombstones: dict[Key, int] = {}
         for segment, headers, offsets in found:
             for header, offset in zip(headers, offsets, strict=True):
@@ -515,7 +526,7 @@ class L2Tier:
         segment.first_seq = first.seq
         headers: list[RecordHeader] = []
         offsets: list[int] = []
-        offset = RECORD_ALIGN_BYTES
+        offset = tail = RECORD_ALIGN_BYTES
         end = self.devices.logical_segment_bytes
         while offset + BLOCK_BYTES <= end:
             header = await self._read_header(segment.index, offset)
@@ -531,7 +542,10 @@ class L2Tier:
             headers.append(header)
             offsets.append(offset)
             offset += header.record_bytes
+            tail = offset
+        # Sealed for now; recover() reopens the newest segment at its tail.
         segment.write_pos = end
+        segment.tail = tail
         return headers, offsets
 
     def close(self) -> None:
