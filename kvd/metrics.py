@@ -33,6 +33,9 @@ REFUSAL_REASONS = {
     "UNAVAILABLE": "unavailable",
 }
 
+# Ops that read values, as the hit, miss and fetch metrics label them.
+READ_OPS = ("get", "batch_get", "lookup", "bulk_get", "shm_get")
+
 # 100 µs (a small L1 lookup) to 10 s (a 64 MiB value over a slow link).
 LATENCY_BUCKETS_S = (
     0.0001,
@@ -87,6 +90,19 @@ class Metrics:
             "kvd_reloads", "SIGHUP reloads, by result (ok, error)", ["result"], registry=r
         )
         self.up = Gauge("kvd_up", "1 while the daemon serves", registry=r)
+        # Every known series exists from the start, so dashboards and rate()
+        # see zeros rather than gaps before the first hit, miss or refusal.
+        for op in READ_OPS:
+            self.misses.labels(op)
+            for tier in ("l1", "l2"):
+                self.hits.labels(op, tier)
+            for tier in ("l1", "l2", "miss"):
+                if op != "lookup":  # Lookup reads the index, never a value
+                    self.fetch_latency.labels(op, tier)
+        for reason in REFUSAL_REASONS.values():
+            self.rejected.labels(reason)
+        for result in ("ok", "error"):
+            self.reloads.labels(result)
         self._http: Any = None
         self._throttle = Throttle()
 
