@@ -82,7 +82,8 @@ class Store:
     ) -> None:
         self.pool = pool
         self.limits = limits or StoreLimits()
-        self.policy: EvictionPolicy[Any] = policy or make_policy("lru")
+        # Not `policy or ...`: a policy holding nothing has len() 0, so it is falsy.
+        self.policy: EvictionPolicy[Any] = policy if policy is not None else make_policy("lru")
         self.counters = StoreCounters()
         self._clock = clock
         self._namespaces: dict[str, Namespace] = {}
@@ -501,10 +502,10 @@ class Store:
             if record is None:
                 break
             pins.append(record)
-        ns = self._namespaces.get(ns_name)
-        if ns is not None:
-            # The policy learns from how each chain's lookup went (kvd.eviction).
-            self.policy.on_lookup([(ns.id, key) for key in keys], leading_l1)
+        # The policy learns from how each chain's lookup went (kvd.eviction),
+        # the first one of a namespace included.
+        ns = self._namespace(ns_name)
+        self.policy.on_lookup([(ns.id, key) for key in keys], leading_l1)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         return LookupResult(
             len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0

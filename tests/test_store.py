@@ -242,3 +242,12 @@ def test_working_set_four_times_the_pool_never_returns_wrong_bytes() -> None:
             got = read(store, key)
             assert got is None or got == values[key]
     assert store.pool.used_bytes <= store.pool.capacity_bytes
+
+
+def test_store_uses_the_policy_it_is_given_even_while_empty() -> None:
+    from kvd.eviction import make_policy
+
+    policy = make_policy("pred")
+    assert len(policy) == 0  # an empty policy is falsy: the store must not replace it
+    store = Store(Pool(4 * PAGE_BYTES), StoreLimits(), policy)
+    assert store.policy is policy

@@ -126,6 +126,10 @@ def simulate(
             touch(key)
         if lookup_hook:
             on_lookup(chain, hits)
+            # The replay then Gets every hit, and a Get is a hit to the policy
+            # too (the store cannot tell it follows a Lookup).
+            for key in chain[:hits]:
+                touch(key)
         ops += hits + 1
         if hits == n:
             continue
