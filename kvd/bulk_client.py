@@ -252,7 +252,9 @@ class BulkClient:
         ns_bytes = ns.encode()
 
         def run(start: int, end: int) -> None:
-            self._with_connection(lambda conn: _put_window(conn, ns_bytes, items, start, end, out))
+            self._with_connection(
+                lambda conn: _put_window(conn, ns_bytes, items, start, end, out, durable)
+            )
 
         self._spread(len(items), run)
         for result in out:
@@ -308,6 +310,7 @@ def _put_window(
     start: int,
     end: int,
     out: list[bool | KvdError],
+    durable: bool,
 ) -> None:
     """Send puts ``start..end`` with at most PIPELINE_FRAMES unanswered; fill ``out``."""
     sent = start
@@ -323,6 +326,7 @@ def _put_window(
                 meta=item.meta,
                 length=len(item.value),
                 checksum=checksum(item.value),
+                durable=durable,
             )
             conn.send([memoryview(header), item.value])
             sent += 1

@@ -122,6 +122,12 @@ def _check_paths(value: object) -> None:
         raise ValueError("lists a path twice")
 
 
+def _check_io_faults(value: object) -> None:
+    from kvd.faults import parse  # the grammar lives with the injector
+
+    parse(str(value))
+
+
 def _setting(
     default: _T,
     *,
@@ -203,6 +209,11 @@ class Config:
         help="bytes written to one path before the next, with several ssd_path entries",
         min=64 * KiB,
         max=1 * GiB,
+    )
+    io_faults: str = _setting(
+        "",
+        help="tests only: L2 I/O faults to inject, e.g. write:eio:nth=5 (grammar: kvd/faults.py)",
+        check=_check_io_faults,
     )
     test_crash_point: str = _setting(
         "",

@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__, crashpoints, logs
+from kvd import __version__, crashpoints, faults, logs
 from kvd.auth import Authenticator
 from kvd.config import SETTINGS, ConfigError, is_loopback_host, parse_address
 from kvd.eviction import make_policy
@@ -100,6 +100,9 @@ def open_l2(config: Config) -> L2Tier | None:
     )
     try:
         io = open_backend(config.io_backend, depth=config.io_depth, threads=config.io_threads)
+        if config.io_faults:
+            log.warning("injecting L2 I/O faults (tests only)", extra={"io_faults": config.io_faults})
+            io = faults.wrap(io, config.io_faults)
     except BaseException:
         devices.close()
         raise

@@ -26,6 +26,7 @@ This module imports neither grpc nor metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -238,11 +239,22 @@ class Store:
         try:
             await self.writeback.make_durable(entry)
         except BaseException:
-            if entry is not None and not result.existed and entry.linked and entry.dirty:
-                self._unlink(entry)
+            if entry is not None and not result.existed:
+                await self._withdraw(entry)
             raise
         crashpoints.hit("after_publish")
         return result
+
+    async def _withdraw(self, entry: Entry) -> None:
+        """Take back a put that was not acknowledged: no copy of it stays visible."""
+        if entry.linked:
+            entry.deleted = True
+            self._unlink(entry)
+        if entry.l2 is not None and self.l2 is not None:
+            # The index forgets the record first; the tombstone is best effort
+            # (the disk just failed) and only guards a restart.
+            with contextlib.suppress(IoError):
+                await self.l2.delete_record(entry.l2)
 
     def abort_put(self, ticket: PutTicket) -> None:
         """Give a ticket's pages back (idempotent; safe after finish_put)."""

@@ -176,6 +176,8 @@ class WriteBack:
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline_s
         while (self._queue or self.writing) and loop.time() < end:
+            if not self.healthy and not self.writing:
+                break  # the disk is failing: what is queued stays in L1 only
             await self.wait_progress(max(0.01, end - loop.time()))
         return len(self._queue)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvd.bench.daemon import SpawnedDaemon
-from kvd.client import Client, ResourceExhausted
+from kvd.client import Client, ResourceExhausted, Unavailable
 from kvd.iobackend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
 
@@ -189,3 +189,51 @@ def test_namespace_quotas(tmp_path: Path) -> None:
             assert client.exists("qa", [b"big-durable"]) == [False]
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize(
+    ("faults", "error"),
+    [
+        ("write:eio:nth=2", Unavailable),  # write 1 is the segment marker
+        ("write:enospc:nth=2", ResourceExhausted),
+        ("fsync:eio:nth=1", Unavailable),
+        ("write:short:nth=2", Unavailable),
+    ],
+)
+def test_durable_put_on_a_failing_disk(tmp_path: Path, faults: str, error: type) -> None:
+    daemon = start(tmp_path, "--io-faults", faults)
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            with pytest.raises(error):
+                client.put("err", b"first", value_for(b"first", 100_000), durable=True)
+            assert client.exists("err", [b"first"]) == [False]  # a failed store is not visible
+            # The fault fired once: the daemon is up and the disk works again.
+            client.put("err", b"second", value_for(b"second", 100_000), durable=True)
+            assert client.get("err", b"second") == value_for(b"second", 100_000)
+            assert client.stats()["writeback_errors"] >= 1
+    finally:
+        assert daemon.stop() == 0
+    daemon = start(tmp_path)
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            assert client.get("err", b"second") == value_for(b"second", 100_000)
+            assert client.get("err", b"first") is None
+    finally:
+        daemon.stop()
+
+
+def test_write_back_errors_keep_puts_in_l1_and_the_daemon_up(tmp_path: Path) -> None:
+    daemon = start(tmp_path, "--io-faults", "write:eio:every=3")
+    keys = [b"wb%03d" % i for i in range(30)]
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            for key in keys:  # acknowledged from L1 whatever the disk does
+                client.put("wb", key, value_for(key, 100_000))
+            for key in keys:
+                got = client.get("wb", key)
+                assert got is None or got == value_for(key, 100_000)
+            stats = client.stats()
+        assert stats["l2_write_errors"] >= 1 and stats["checksum_failures"] == 0
+        assert daemon.alive()
+    finally:
+        assert daemon.stop() == 0
