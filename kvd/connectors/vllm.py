@@ -34,6 +34,7 @@ up in rank 0's namespace (a rank that then misses reports load errors).
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,7 +76,10 @@ def block_keys(
     """One chained key per full block of ``token_ids``, with vLLM's extra keys."""
     extra = b""
     if lora_name or cache_salt:
-        extra = f"lora={lora_name}\0salt={cache_salt}".encode()
+        # Length-prefixed, so no LoRA name can end where a salt begins
+        # ("a\0salt=b" + "" and "a" + "b\0salt=" once gave the same bytes).
+        lora, salt = lora_name.encode(), cache_salt.encode()
+        extra = struct.pack("<I", len(lora)) + lora + struct.pack("<I", len(salt)) + salt
     return chain_keys(list(token_ids), block_size, extra=extra)
 
 
