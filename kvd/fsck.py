@@ -46,6 +46,7 @@ from kvd.iobackend import IoBackend, IoError, OpKind, open_backend
 from kvd.l2.devices import AlignedBuffer, DeviceError, DeviceSet
 from kvd.l2.format import (
     BLOCK_BYTES,
+    FLAG_SEGMENT,
     FLAG_TOMBSTONE,
     HEADER_BYTES_MAX,
     MAGIC,
@@ -55,7 +56,7 @@ from kvd.l2.format import (
     decode,
     header_bytes_at,
 )
-from kvd.l2.tier import FLAG_SEGMENT, ChecksumMismatch, L2Record, L2Tier, SegmentState
+from kvd.l2.tier import ChecksumMismatch, L2Record, L2Tier, SegmentState
 from kvd.sizes import SizeError, format_size, parse_size
 
 EXIT_CLEAN = 0

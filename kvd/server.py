@@ -101,7 +101,7 @@ def open_l2(config: Config) -> L2Tier | None:
     try:
         io = open_backend(config.io_backend, depth=config.io_depth, threads=config.io_threads)
         if config.io_faults:
-            log.warning("injecting L2 I/O faults (tests only)", extra={"io_faults": config.io_faults})
+            log.warning("injecting L2 I/O faults (tests only)", extra={"faults": config.io_faults})
             io = faults.wrap(io, config.io_faults)
     except BaseException:
         devices.close()

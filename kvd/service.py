@@ -307,7 +307,8 @@ class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
 
     @_unary("release")
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self.store.release(request.lease_id))
+        released = self.store.release(request.lease_id, request.namespace)
+        return pb.ReleaseResponse(released=released)
 
     @_unary("delete")
     async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:

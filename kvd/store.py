@@ -545,8 +545,10 @@ class Store:
         elif self.l2 is not None:
             self.l2.unpin(item)
 
-    def release(self, lease_id: int) -> bool:
-        """Drop a lease; False when it already expired or was released."""
+    def release(self, lease_id: int, ns_name: str | None = None) -> bool:
+        """Drop a lease; False when it expired, was released, or is another namespace's."""
+        if ns_name is not None and self.leases.namespace_of(lease_id) != ns_name:
+            return False
         return self.leases.release(lease_id)
 
     @property

@@ -251,3 +251,11 @@ def test_store_uses_the_policy_it_is_given_even_while_empty() -> None:
     assert len(policy) == 0  # an empty policy is falsy: the store must not replace it
     store = Store(Pool(4 * PAGE_BYTES), StoreLimits(), policy)
     assert store.policy is policy
+
+
+def test_release_needs_the_lease_namespace() -> None:
+    store, _ = make_store(pages=2)
+    put(store, b"a", b"a")
+    lease = store.lookup("ns", [b"a"], lease_ms=60_000).lease_id
+    assert not store.release(lease, "other")
+    assert store.release(lease, "ns")
