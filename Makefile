@@ -62,7 +62,7 @@ test: venv proto build
 	$(PY) -m pytest -q
 
 test-fault: venv proto build
-	@if [ -d tests/fault ]; then KVD_TEST_CRASH_LOOPS=100 KVD_TEST_SOAK_S=600 $(PY) -m pytest -q -m fault tests/fault; \
+	@if [ -d tests/fault ]; then KVD_TEST_CRASH_LOOPS=100 KVD_TEST_SOAK_S=600 KVD_TEST_FUZZ_N=1000000 KVD_TEST_STALL_CALLS=100 $(PY) -m pytest -q -m fault tests/fault; \
 	else echo "make: no fault tests yet (tests/fault)"; fi
 
 lint: venv proto

@@ -41,8 +41,6 @@ from kvd.l2 import format as l2format
 from kvd.v1 import kvd_pb2 as pb
 from tests.conftest import DaemonProcess
 
-pytestmark = pytest.mark.fault
-
 FUZZ_N = int(os.environ.get("KVD_TEST_FUZZ_N", "3000"))
 # Shares of FUZZ_N: round trips cost ~1 ms, in-process parses ~10 us.
 GRPC_GENERATED = max(200, FUZZ_N // 50)
@@ -71,6 +69,8 @@ ALLOWED_BULK = {bulk.CODE_BY_NAME[c.name] for c in ALLOWED if c.name in bulk.COD
 ALLOWED_BULK.add(bulk.CODE_OK)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 UNARY = [m for m in SERVICE.methods if not m.client_streaming and not m.server_streaming]
+# 10^6 inputs take ~15 minutes on two cores; the suite's 5-minute default is for 3000.
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(300 + FUZZ_N // 500)]
 HYPOTHESIS = settings(
     deadline=None,
     database=None,

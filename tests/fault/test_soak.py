@@ -115,6 +115,7 @@ class Load:
             return "delete"
 
 
+@pytest.mark.timeout(SOAK_S + 300)
 def test_soak(tmp_path: Path) -> None:
     daemon = SpawnedDaemon(
         tmp_path, [], dram=f"{DRAM_BYTES}B", max_value="4MiB", ssd="256MiB", segment="16MiB"
