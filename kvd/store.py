@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from kvd import crashpoints
@@ -64,6 +65,7 @@ from kvd.iobackend import IoError
 from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
 from kvd.leases import LeaseTable
 from kvd.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
+from kvd.prefetch import Prefetcher
 from kvd.writeback import WriteBack
 
 __all__ = [  # the records live in kvd.index; importers may keep using kvd.store
@@ -94,19 +96,23 @@ class Store:
         self.entry_count = 0
         self.l2 = l2
         self.writeback: WriteBack | None = None
+        self.prefetcher: Prefetcher | None = None
         self._promotions: dict[tuple[str, bytes], asyncio.Future[None]] = {}
         if l2 is not None:
             self.writeback = WriteBack(self, l2, clock)
             l2.on_drop = self._on_l2_drop
 
     def start(self) -> None:
-        """Start background work (the write-back workers); call on the event loop."""
+        """Start background work (write-back, L2 prefetch); call on the event loop."""
         if self.writeback is not None:
             self.writeback.start()
+            self.prefetcher = Prefetcher()
 
     async def close(self, flush_s: float = 0.0) -> int:
         """Stop background work after flushing write-back for up to ``flush_s``; values left."""
         left = 0
+        if self.prefetcher is not None:
+            await self.prefetcher.close()
         if self.writeback is not None:
             left = await self.writeback.flush(flush_s) if flush_s > 0 else 0
             await self.writeback.close()
@@ -438,6 +444,14 @@ class Store:
             return None
         return self._reader(entry, TIER_L2)
 
+    async def _prefetch(self, record: L2Record) -> None:
+        if (
+            record.live
+            and self._l1(record.namespace, record.key) is None
+            and (record.namespace, record.key) not in self._promotions
+        ):
+            await self._promote(record)
+
     async def _promote(self, record: L2Record) -> Entry | None:
         assert self.l2 is not None
         done = asyncio.get_running_loop().create_future()
@@ -519,6 +533,10 @@ class Store:
         ns = self._namespace(ns_name)
         self.policy.on_lookup([(ns.id, key) for key in keys], leading_l1)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
+        if self.prefetcher is not None and l1_hits < len(pins):
+            self.prefetcher.schedule(
+                [partial(self._prefetch, p) for p in pins if isinstance(p, L2Record)]
+            )
         return LookupResult(
             len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0
         )
@@ -612,6 +630,7 @@ class Store:
             "promotions": c.promotions,
             "promotion_failures": c.promotion_failures,
             "l2_reinserted": c.l2_reinserted,
+            "l2_prefetches": self.prefetcher.started if self.prefetcher is not None else 0,
         }
         if self.l2 is not None and self.writeback is not None:
             values.update(self.l2.stats())

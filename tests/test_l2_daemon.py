@@ -237,3 +237,28 @@ def test_write_back_errors_keep_puts_in_l1_and_the_daemon_up(tmp_path: Path) -> 
         assert daemon.alive()
     finally:
         assert daemon.stop() == 0
+
+
+def test_lookup_prefetches_l2_hits_into_l1(tmp_path: Path) -> None:
+    daemon = start(tmp_path)
+    keys = [b"pf%02d" % i for i in range(12)]
+    with Client(daemon.target, timeout_s=30) as client:
+        for key in keys:
+            client.put("pf", key, value_for(key, 500_000), durable=True)
+    daemon.stop()
+    daemon = start(tmp_path)  # L1 empty: the chain is on L2 only
+    try:
+        with Client(daemon.target, timeout_s=30) as client:
+            result = client.lookup_ex("pf", keys)
+            assert (result.prefix_len, result.l2_hits) == (12, 12)
+            deadline = time.monotonic() + 10
+            while client.stats()["promotions"] < 12 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            stats = client.stats()
+            assert stats["l2_prefetches"] == 12 and stats["promotions"] == 12
+            assert client.lookup_ex("pf", keys).l1_hits == 12
+            for key in keys:
+                assert client.get("pf", key) == value_for(key, 500_000)
+            assert client.stats()["promotions"] == 12  # the gets read nothing more from L2
+    finally:
+        daemon.stop()
