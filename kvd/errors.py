@@ -3,7 +3,7 @@
 Expected failures (bad input, a full pool, a conflicting put) are exceptions
 of these classes. Each names the gRPC status code it maps to, by name, so the
 core modules need not import grpc: the server and the client translate in
-one place each (``kvd.server._status`` and ``kvd.client._raise_for``).
+one place each (``kvd.service.status_code`` and ``kvd.client_wire.raise_for``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from kvd.client import (
     Unavailable,
     chain_keys,
 )
-from kvd.client import _GetAssembler as GetAssembler
+from kvd.client_wire import GetAssembler
 from kvd.v1 import kvd_pb2 as pb
 
 from .conftest import DaemonFactory, DaemonProcess

@@ -26,14 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvd.checksum import checksum
-from kvd.client import (
-    INLINE_GET_BYTES_MAX,
-    Client,
-    DataLoss,
-    _GetAssembler,
-)
-from kvd.v1 import kvd_pb2 as pb
+from kvd.client import Client
 
 log = logging.getLogger("kvd.connectors")
 
@@ -155,41 +148,14 @@ def decode_meta(blob: bytes) -> dict[str, Any] | None:
 
 def get_with_meta(client: Client, ns: str, key: bytes) -> tuple[bytes, bytes] | None:
     """(value, meta) of one key, or None on a miss; checksums checked."""
-    request = pb.BatchGetRequest(namespace=ns, keys=[key], inline_bytes_max=INLINE_GET_BYTES_MAX)
-    item = client._call(client._stub.BatchGet, request).items[0]
-    if item.code == 0:
-        if not item.found:
-            return None
-        if checksum(item.value) != item.checksum:
-            raise DataLoss("value does not match its checksum")
-        return item.value, item.meta
-    assembler = _GetAssembler()
-    client._get(ns, key, assembler)
-    value = assembler.value()
-    if value is None or assembler.header is None:
-        return None
-    return value, assembler.header.meta
+    return client.get_with_meta(ns, key)
 
 
 def get_many_with_meta(
     client: Client, ns: str, keys: Sequence[bytes]
 ) -> list[tuple[bytes, bytes] | None]:
     """``get_with_meta`` for several keys: small values in one BatchGet."""
-    request = pb.BatchGetRequest(
-        namespace=ns, keys=list(keys), inline_bytes_max=INLINE_GET_BYTES_MAX
-    )
-    items = client._call(client._stub.BatchGet, request).items
-    out: list[tuple[bytes, bytes] | None] = []
-    for key, item in zip(keys, items, strict=True):
-        if item.code != 0:
-            out.append(get_with_meta(client, ns, key))
-        elif not item.found:
-            out.append(None)
-        elif checksum(item.value) != item.checksum:
-            raise DataLoss("value does not match its checksum")
-        else:
-            out.append((item.value, item.meta))
-    return out
+    return client.get_many_with_meta(ns, keys)
 
 
 @dataclass

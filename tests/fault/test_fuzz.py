@@ -35,7 +35,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd import bulk
-from kvd.client import Client, _GetAssembler
+from kvd.client import Client
+from kvd.client_wire import GetAssembler
 from kvd.errors import KvdError
 from kvd.l2 import format as l2format
 from kvd.v1 import kvd_pb2 as pb
@@ -443,7 +444,7 @@ def test_frame_parsers_in_process() -> None:
                 assert decoded.header_bytes <= l2format.HEADER_BYTES_MAX
             counts["l2"] += 1
         else:
-            assembler = _GetAssembler(
+            assembler = GetAssembler(
                 memoryview(bytearray(rng.choice([0, 3, 6, 64]))) if rng.random() < 0.5 else None
             )
             try:
