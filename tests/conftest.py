@@ -58,3 +58,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No daemon outlives the test run, whatever a failed test left behind."""
+    for daemon in SpawnedDaemon.started:
+        daemon.kill()

