@@ -74,9 +74,15 @@ def page_hashes(
     return out
 
 
-def storage_namespace(storage_config: Any, salt: str = "") -> str:
-    """Namespace for one rank of one model: everything that changes a page's bytes."""
+def storage_namespace(storage_config: Any, salt: str = "", kv_dtype: str = "") -> str:
+    """Namespace for one rank of one model: everything that changes a page's bytes.
+
+    ``kv_dtype`` is the host pool's dtype: SGLang's storage config carries none,
+    and fp16/bf16 (or fp8 e4m3/e5m2) pages of one model have the same size.
+    """
     fields: dict[str, object] = {"model": getattr(storage_config, "model_name", None) or ""}
+    if kv_dtype:
+        fields["kv_dtype"] = kv_dtype
     if not getattr(storage_config, "is_mla_model", False):
         fields["tp"] = f"{storage_config.tp_rank}of{storage_config.tp_size}"
     if getattr(storage_config, "pp_size", 1) > 1:
@@ -110,8 +116,8 @@ class KvdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra = getattr(storage_config, "extra_config", None) or {}
         self.storage_config = storage_config
         self.target = parse_target(config_value(extra, "url", "") or None)
-        salt = config_value(extra, "namespace_salt", "")
-        self.namespace = storage_namespace(storage_config, salt)
+        self.salt = config_value(extra, "namespace_salt", "")
+        self.namespace = storage_namespace(storage_config, self.salt)
         self.client = Client(
             self.target,
             token=config_value(extra, "token", "") or None,
@@ -122,6 +128,11 @@ class KvdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
+        # SGLang registers the host pool before any page moves: from here on
+        # the namespace names the pool's dtype too.
+        dtype = getattr(mem_pool_host, "dtype", None)
+        if dtype is not None:
+            self.namespace = storage_namespace(self.storage_config, self.salt, str(dtype))
 
     # -- single pages --------------------------------------------------------
 

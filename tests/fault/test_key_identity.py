@@ -175,13 +175,6 @@ def test_zero_cross_hits_in_a_daemon(shared_daemon: DaemonProcess) -> None:
     assert cross_hits == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SGLang namespace has no KV dtype: HiCacheStorageConfig carries none, and "
-    "storage_namespace() does not take it from the host pool registered later "
-    "(mem_pool_host.dtype), so fp16 and bf16 (or fp8_e4m3 and fp8_e5m2) pages of one "
-    "model, equal in size, share keys",
-)
 def test_sglang_kv_dtype_separates() -> None:
     from kvd.connectors.sglang import KvdHiCacheStorage
 
