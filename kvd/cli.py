@@ -43,6 +43,7 @@ KEY_MAX_BYTES = 64
 _PLUGIN_COMMANDS = {
     "bench": ("kvd.bench", "measure kvd against the hardware and peers"),
     "fsck": ("kvd.fsck", "verify the L2 data files"),
+    "demo": ("kvd.demo", "TTFT with a real model: recompute vs restore from L1 and L2"),
 }
 
 

@@ -439,7 +439,7 @@ def format_table(l1: list[TurnResult], l2: list[TurnResult] | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     summary = (__doc__ or "").split("\n")[0]
-    parser = argparse.ArgumentParser(prog="python -m kvd.demo", description=summary)
+    parser = argparse.ArgumentParser(prog="kvd demo", description=summary)
     parser.add_argument("--target", help="a running daemon (default: start one for the run)")
     parser.add_argument("--prefix-tokens", default="1024,2048,4096")
     parser.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS)
