@@ -12,7 +12,6 @@ values raise :class:`ConfigError` naming the key and where it came from.
 
 import difflib
 import importlib
-import ipaddress
 import json
 import os
 import re
@@ -21,7 +20,34 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, get_type_hints
 
+from kvd.config_rules import (
+    UNIX_SOCKET_PATH_MAX_BYTES,
+    ConfigError,
+    check_address,
+    check_address_or_empty,
+    check_group,
+    check_io_faults,
+    check_nonempty,
+    check_paths,
+    check_socket_path,
+    is_loopback_host,
+    parse_address,
+    validate_together,
+)
 from kvd.sizes import SizeError, format_size, parse_size
+
+__all__ = [
+    "SETTINGS",
+    "UNIX_SOCKET_PATH_MAX_BYTES",
+    "Config",
+    "ConfigError",
+    "Setting",
+    "config_from_environment",
+    "is_loopback_host",
+    "load_config",
+    "parse_address",
+    "settings_markdown",
+]
 
 ENV_PREFIX = "KVD_"
 # KVD_* variables read by something other than the settings table: the config
@@ -32,18 +58,8 @@ ENV_NOT_SETTINGS = frozenset({"KVD_CONFIG", "KVD_TARGET", "KVD_TOKEN"})
 # path (a log, a disk image) from being read into memory.
 CONFIG_FILE_MAX_BYTES = 1 << 20
 
-# sun_path in struct sockaddr_un is 108 bytes on Linux, one of them the NUL.
-UNIX_SOCKET_PATH_MAX_BYTES = 107
 
 _T = TypeVar("_T")
-
-
-class ConfigError(Exception):
-    """A setting is unknown, malformed or out of bounds; the message names it."""
-
-    def __init__(self, message: str, *, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 def _eviction_policies() -> tuple[str, ...]:
@@ -56,76 +72,6 @@ def _eviction_policies() -> tuple[str, ...]:
     assert isinstance(policies, tuple), policies
     assert all(isinstance(name, str) for name in policies), policies
     return policies
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` or ``[IPV6]:PORT``; port 0 asks the kernel for one."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"{text!r} is not HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"{text!r}: write an IPv6 address in brackets, as [::1]:7070")
-    port = int(port_text)
-    if port > 65535:
-        raise ValueError(f"{text!r}: port {port} is above 65535")
-    if not host:
-        raise ValueError(f"{text!r} has no host")
-    return host, port
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for localhost and loopback IPs; any other name could resolve anywhere."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _check_address(value: object) -> None:
-    assert isinstance(value, str)
-    parse_address(value)
-
-
-def _check_address_or_empty(value: object) -> None:
-    assert isinstance(value, str)
-    if value:
-        parse_address(value)
-
-
-def _check_socket_path(value: object) -> None:
-    assert isinstance(value, str)
-    if len(os.fsencode(value)) > UNIX_SOCKET_PATH_MAX_BYTES:
-        raise ValueError(f"unix socket path longer than {UNIX_SOCKET_PATH_MAX_BYTES} bytes")
-
-
-def _check_group(value: object) -> None:
-    assert isinstance(value, str)
-    if value and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}", value):
-        raise ValueError(f"{value!r} is not a group name or number")
-
-
-def _check_nonempty(value: object) -> None:
-    assert isinstance(value, str)
-    if not value:
-        raise ValueError("must not be empty")
-
-
-def _check_paths(value: object) -> None:
-    assert isinstance(value, tuple)
-    if any(not path for path in value):
-        raise ValueError("contains an empty path")
-    if len(set(value)) != len(value):
-        raise ValueError("lists a path twice")
-
-
-def _check_io_faults(value: object) -> None:
-    from kvd.faults import parse  # the grammar lives with the injector
-
-    parse(str(value))
 
 
 def _setting(
@@ -164,10 +110,10 @@ class Config:
     listen: str = _setting(
         "127.0.0.1:7070",
         help="gRPC address HOST:PORT; non-loopback only with auth_tokens_file",
-        check=_check_address,
+        check=check_address,
     )
     socket: str = _setting(
-        "", help="Unix socket path for gRPC; empty: none", check=_check_socket_path
+        "", help="Unix socket path for gRPC; empty: none", check=check_socket_path
     )
     socket_mode: int = _setting(
         0o660, help="file mode of the Unix socket (octal)", min=0, max=0o777, octal=True
@@ -175,12 +121,12 @@ class Config:
     socket_group: str = _setting(
         "",
         help="group (name or number) given the Unix socket; empty: the daemon's own",
-        check=_check_group,
+        check=check_group,
     )
     metrics_listen: str = _setting(
         "127.0.0.1:9470",
         help="Prometheus /metrics address HOST:PORT; empty: no metrics endpoint",
-        check=_check_address_or_empty,
+        check=check_address_or_empty,
     )
     dram_bytes: int = _setting(
         1 * GiB, help="size of the L1 DRAM pool, allocated at start", min=1 * MiB, max=64 * TiB
@@ -190,7 +136,7 @@ class Config:
         help="L2 files or block devices, striped; repeat the flag for several; empty: no L2",
         min=0,
         max=64,
-        check=_check_paths,
+        check=check_paths,
     )
     ssd_bytes: int = _setting(
         4 * GiB,
@@ -213,7 +159,7 @@ class Config:
     io_faults: str = _setting(
         "",
         help="tests only: L2 I/O faults to inject, e.g. write:eio:nth=5 (grammar: kvd/faults.py)",
-        check=_check_io_faults,
+        check=check_io_faults,
     )
     test_crash_point: str = _setting(
         "",
@@ -276,7 +222,7 @@ class Config:
     )
     log_format: str = _setting("logfmt", help="log line format", choices=("logfmt", "json"))
     shm_dir: str = _setting(
-        "/dev/shm/kvd", help="directory of same-node shared-memory regions", check=_check_nonempty
+        "/dev/shm/kvd", help="directory of same-node shared-memory regions", check=check_nonempty
     )
     max_regions_per_client: int = _setting(
         16,
@@ -299,7 +245,7 @@ class Config:
     bulk_listen: str = _setting(
         "127.0.0.1:7071",
         help="bulk TCP data port HOST:PORT; empty: none; non-loopback only with auth_tokens_file",
-        check=_check_address_or_empty,
+        check=check_address_or_empty,
     )
     bulk_max_connections: int = _setting(
         256, help="bulk TCP connections served at once; more are closed", min=1, max=65536
@@ -352,7 +298,7 @@ class Config:
             if setting.kind == "list" and isinstance(value, list):
                 object.__setattr__(self, setting.name, tuple(value))  # frozen: only here
             _validate(setting, getattr(self, setting.name))
-        _validate_together(self)
+        validate_together(self)
 
     def describe(self) -> dict[str, str | int]:
         """Every setting in short form (sizes as ``1GiB``), for the start-up log line."""
@@ -563,57 +509,6 @@ def _validate(setting: Setting, value: object) -> None:
             raise ConfigError(f"{name}: {error}", key=name) from None
 
 
-def _validate_together(config: Config) -> None:
-    """Rules that tie several settings together."""
-    if config.ssd_path:
-        _validate_l2(config)
-    if config.max_value_bytes > config.dram_bytes:
-        raise ConfigError(
-            f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in "
-            f"dram_bytes {format_size(config.dram_bytes)} (every value passes through L1): "
-            "lower max_value_bytes or raise dram_bytes",
-            key="max_value_bytes",
-        )
-    if config.max_message_bytes > config.max_inflight_bytes:
-        raise ConfigError(
-            f"max_message_bytes: {format_size(config.max_message_bytes)} is more than "
-            f"max_inflight_bytes {format_size(config.max_inflight_bytes)}: "
-            "lower max_message_bytes or raise max_inflight_bytes",
-            key="max_message_bytes",
-        )
-    _validate_tls(config)
-    if config.auth_tokens_file:
-        return  # every request carries a checked token: any address may listen
-    if config.bulk_listen:
-        bulk_host, _ = parse_address(config.bulk_listen)
-        if not is_loopback_host(bulk_host):
-            raise ConfigError(
-                f"bulk_listen: refusing to listen on {config.bulk_listen} without auth; "
-                "set auth_tokens_file, use a loopback address (127.0.0.1) or leave it empty",
-                key="bulk_listen",
-            )
-    host, _ = parse_address(config.listen)
-    if not is_loopback_host(host):
-        # Without auth any reachable TCP listener would serve anyone.
-        raise ConfigError(
-            f"listen: refusing to listen on {config.listen} without auth; "
-            "set auth_tokens_file, or use a loopback address (127.0.0.1) or the unix socket",
-            key="listen",
-        )
-
-
-def _validate_tls(config: Config) -> None:
-    if bool(config.tls_cert_file) != bool(config.tls_key_file):
-        raise ConfigError(
-            "tls_cert_file: TLS needs both tls_cert_file and tls_key_file", key="tls_cert_file"
-        )
-    if config.tls_client_ca_file and not config.tls_cert_file:
-        raise ConfigError(
-            "tls_client_ca_file: client certificates need TLS: set tls_cert_file and tls_key_file",
-            key="tls_client_ca_file",
-        )
-
-
 def _unknown(key: str, where: str, known: Sequence[str]) -> ConfigError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
@@ -700,30 +595,3 @@ def settings_markdown() -> str:
         bounds = setting.bounds()
         rows.append(f"| `{setting.name}` | `{default}` | {bounds} | {setting.help} |")
     return "\n".join(rows) + "\n"
-
-
-def _validate_l2(config: Config) -> None:
-    page = 64 * KiB
-    for name in ("ssd_segment_bytes", "ssd_stripe_bytes"):
-        if getattr(config, name) % page:
-            raise ConfigError(f"{name}: must be a multiple of 64KiB", key=name)
-    if config.ssd_segment_bytes % config.ssd_stripe_bytes:
-        raise ConfigError(
-            "ssd_segment_bytes: must be a multiple of ssd_stripe_bytes", key="ssd_segment_bytes"
-        )
-    if config.ssd_bytes < 2 * config.ssd_segment_bytes:
-        raise ConfigError(
-            f"ssd_bytes: {format_size(config.ssd_bytes)} holds fewer than 2 segments of "
-            f"{format_size(config.ssd_segment_bytes)}: raise ssd_bytes or lower ssd_segment_bytes",
-            key="ssd_bytes",
-        )
-    # A record is a header (<= 8 KiB) plus the value, padded to 64 KiB, and must
-    # fit in a segment after the segment's own 64 KiB marker record.
-    segment_room = config.ssd_segment_bytes * len(config.ssd_path) - 2 * page
-    if config.max_value_bytes > segment_room:
-        raise ConfigError(
-            f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in an L2 "
-            f"segment ({format_size(config.ssd_segment_bytes)} x {len(config.ssd_path)} paths): "
-            "raise ssd_segment_bytes or lower max_value_bytes",
-            key="max_value_bytes",
-        )
