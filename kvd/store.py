@@ -26,7 +26,6 @@ This module imports neither grpc nor metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -61,9 +60,9 @@ from kvd.index import (
     check_key,
     check_namespace,
 )
-from kvd.iobackend import IoError
-from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
+from kvd.l2 import L2Record, L2Tier
 from kvd.leases import LeaseTable
+from kvd.placement import L2Placement
 from kvd.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
 from kvd.prefetch import Prefetcher
 from kvd.writeback import WriteBack
@@ -74,7 +73,7 @@ __all__ = [  # the records live in kvd.index; importers may keep using kvd.store
 ]  # fmt: skip
 
 
-class Store:
+class Store(L2Placement):
     def __init__(
         self,
         pool: Pool,
@@ -251,17 +250,6 @@ class Store:
         crashpoints.hit("after_publish")
         return result
 
-    async def _withdraw(self, entry: Entry) -> None:
-        """Take back a put that was not acknowledged: no copy of it stays visible."""
-        if entry.linked:
-            entry.deleted = True
-            self._unlink(entry)
-        if entry.l2 is not None and self.l2 is not None:
-            # The index forgets the record first; the tombstone is best effort
-            # (the disk just failed) and only guards a restart.
-            with contextlib.suppress(IoError):
-                await self.l2.delete_record(entry.l2)
-
     def abort_put(self, ticket: PutTicket) -> None:
         """Give a ticket's pages back (idempotent; safe after finish_put)."""
         if not ticket.done:
@@ -378,24 +366,6 @@ class Store:
             self.pool.free(entry.runs)
             entry.runs = []
 
-    def evict(self, ns_name: str, key: bytes) -> bool:
-        """Drop a value from L1 now if it is safe on L2 and not pinned (cold reads, tests)."""
-        entry = self._l1(ns_name, key)
-        if entry is None or entry.dirty or entry.l2 is None or entry.readers or entry.leases:
-            return False
-        self._unlink(entry)
-        self.counters.evictions += 1
-        return True
-
-    def _on_l2_drop(self, record: L2Record) -> None:
-        """L2 forgot a record (reclaim, bad checksum): an L1 copy is written again."""
-        entry = self._l1(record.namespace, record.key)
-        if entry is not None and entry.l2 is record and self.writeback is not None:
-            entry.l2 = None
-            entry.dirty = True
-            self.writeback.enqueue(entry)
-            self.counters.l2_reinserted += 1
-
     # ---- get -------------------------------------------------------------------
     def open(self, ns_name: str, key: bytes) -> Reader | None:
         """Pin an L1 value for reading, or None when it is not in L1."""
@@ -418,71 +388,6 @@ class Store:
         ns = self._namespaces.get(ns_name)
         if ns is not None:
             ns.misses += 1
-
-    async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
-        """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
-
-        Every transport's get starts here.
-        """
-        while True:
-            reader = self.open(ns_name, key)
-            if reader is not None:
-                return reader
-            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
-            if record is None:
-                self._miss(ns_name)
-                return None
-            pending = self._promotions.get((ns_name, key))
-            if pending is None:
-                break
-            # Another get is reading this record: share its read, then look
-            # again (its value may already have left L1 by the time we run).
-            await asyncio.shield(pending)
-        entry = await self._promote(record)
-        if entry is None:
-            self._miss(ns_name)
-            return None
-        return self._reader(entry, TIER_L2)
-
-    async def _prefetch(self, record: L2Record) -> None:
-        if (
-            record.live
-            and self._l1(record.namespace, record.key) is None
-            and (record.namespace, record.key) not in self._promotions
-        ):
-            await self._promote(record)
-
-    async def _promote(self, record: L2Record) -> Entry | None:
-        assert self.l2 is not None
-        done = asyncio.get_running_loop().create_future()
-        self._promotions[(record.namespace, record.key)] = done
-        try:
-            runs = await self._alloc(record.size)
-            try:
-                await self.l2.read(record, self.pool.views(runs, record.read_bytes))
-            except (ChecksumMismatch, IoError):
-                self.pool.free(runs)
-                self.counters.promotion_failures += 1
-                return None
-            except BaseException:
-                self.pool.free(runs)
-                raise
-            current = self._l1(record.namespace, record.key)
-            if current is not None or not record.live:
-                # A put landed meanwhile (same bytes, keys are write-once) or a
-                # delete removed the key: use L1's copy, or miss.
-                self.pool.free(runs)
-                return current
-            ns = self._namespace(record.namespace)
-            entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
-                          record.parent or None, l2=record)  # fmt: skip
-            self._link(entry)
-            self.counters.promotions += 1
-            self.counters.l2_hits += 1
-            return entry
-        finally:
-            del self._promotions[(record.namespace, record.key)]
-            done.set_result(None)
 
     def _unpin(self, entry: Entry) -> None:
         entry.readers -= 1

@@ -1,0 +1,133 @@
+"""Placement between L1 and L2: promotion of an L2 hit into L1 (shared by
+concurrent gets of one key), prefetch after a Lookup, explicit eviction,
+re-queueing of values whose L2 record was dropped, and withdrawal of a
+durable put that failed. A mixin of ``kvd.store.Store``: the store's index
+and pool are declared here only for the type checker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from kvd.index import TIER_L2, Entry, Namespace, Reader, StoreCounters
+from kvd.iobackend import IoError
+from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
+from kvd.pool import Pool, Run
+
+if TYPE_CHECKING:
+    from kvd.writeback import WriteBack
+
+
+class L2Placement:
+    pool: Pool
+    l2: L2Tier | None
+    writeback: WriteBack | None
+    counters: StoreCounters
+    _promotions: dict[tuple[str, bytes], asyncio.Future[None]]
+
+    if TYPE_CHECKING:  # defined by Store
+
+        def _l1(self, ns_name: str, key: bytes) -> Entry | None: ...
+        def _namespace(self, name: str) -> Namespace: ...
+        def _link(self, entry: Entry) -> None: ...
+        def _unlink(self, entry: Entry) -> None: ...
+        def _reader(self, entry: Entry, tier: int) -> Reader: ...
+        def _miss(self, ns_name: str) -> None: ...
+        def open(self, ns_name: str, key: bytes) -> Reader | None: ...
+        async def _alloc(self, size: int) -> list[Run]: ...
+
+    async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
+
+        Every transport's get starts here.
+        """
+        while True:
+            reader = self.open(ns_name, key)
+            if reader is not None:
+                return reader
+            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+            if record is None:
+                self._miss(ns_name)
+                return None
+            pending = self._promotions.get((ns_name, key))
+            if pending is None:
+                break
+            # Another get is reading this record: share its read, then look
+            # again (its value may already have left L1 by the time we run).
+            await asyncio.shield(pending)
+        entry = await self._promote(record)
+        if entry is None:
+            self._miss(ns_name)
+            return None
+        return self._reader(entry, TIER_L2)
+
+    async def _prefetch(self, record: L2Record) -> None:
+        if (
+            record.live
+            and self._l1(record.namespace, record.key) is None
+            and (record.namespace, record.key) not in self._promotions
+        ):
+            await self._promote(record)
+
+    async def _promote(self, record: L2Record) -> Entry | None:
+        assert self.l2 is not None
+        done = asyncio.get_running_loop().create_future()
+        self._promotions[(record.namespace, record.key)] = done
+        try:
+            runs = await self._alloc(record.size)
+            try:
+                await self.l2.read(record, self.pool.views(runs, record.read_bytes))
+            except (ChecksumMismatch, IoError):
+                self.pool.free(runs)
+                self.counters.promotion_failures += 1
+                return None
+            except BaseException:
+                self.pool.free(runs)
+                raise
+            current = self._l1(record.namespace, record.key)
+            if current is not None or not record.live:
+                # A put landed meanwhile (same bytes, keys are write-once) or a
+                # delete removed the key: use L1's copy, or miss.
+                self.pool.free(runs)
+                return current
+            ns = self._namespace(record.namespace)
+            entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
+                          record.parent or None, l2=record)  # fmt: skip
+            self._link(entry)
+            self.counters.promotions += 1
+            self.counters.l2_hits += 1
+            return entry
+        finally:
+            del self._promotions[(record.namespace, record.key)]
+            done.set_result(None)
+
+    async def _withdraw(self, entry: Entry) -> None:
+        """Take back a put that was not acknowledged: no copy of it stays visible."""
+        if entry.linked:
+            entry.deleted = True
+            self._unlink(entry)
+        if entry.l2 is not None and self.l2 is not None:
+            # The index forgets the record first; the tombstone is best effort
+            # (the disk just failed) and only guards a restart.
+            with contextlib.suppress(IoError):
+                await self.l2.delete_record(entry.l2)
+
+    def evict(self, ns_name: str, key: bytes) -> bool:
+        """Drop a value from L1 now if it is safe on L2 and not pinned (cold reads, tests)."""
+        entry = self._l1(ns_name, key)
+        if entry is None or entry.dirty or entry.l2 is None or entry.readers or entry.leases:
+            return False
+        self._unlink(entry)
+        self.counters.evictions += 1
+        return True
+
+    def _on_l2_drop(self, record: L2Record) -> None:
+        """L2 forgot a record (reclaim, bad checksum): an L1 copy is written again."""
+        entry = self._l1(record.namespace, record.key)
+        if entry is not None and entry.l2 is record and self.writeback is not None:
+            entry.l2 = None
+            entry.dirty = True
+            self.writeback.enqueue(entry)
+            self.counters.l2_reinserted += 1
