@@ -117,7 +117,7 @@ def echo_gbps(target: str, nbytes: int) -> tuple[float, float]:
 def kvd_gbps(target: str, nbytes: int) -> tuple[float, float]:
     value = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
     ns = f"bench-grpc-{nbytes}"
-    with Client(target, timeout_s=60) as client:
+    with Client(target, timeout_s=60, bulk=False, shm=False) as client:  # the gRPC path alone
         put = timed_gbps(nbytes, lambda i: client.put(ns, b"%d" % i, value))
 
         def one_get(i: int) -> None:
