@@ -95,16 +95,27 @@ def _paths(args: argparse.Namespace) -> int:
     tcp_target, unix_target = args.target, args.socket_target
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
+        cold_daemon = None
         if not tcp_target:
             daemon = SpawnedDaemon(
-                Path(tmp), paths.bench_daemon_args(shm_dir), dram="2GiB", max_value="32MiB"
-            )
+                Path(tmp), paths.bench_daemon_args(shm_dir), dram="2GiB", max_value="32MiB",
+                ssd="4GiB", segment="256MiB",
+            )  # fmt: skip
             tcp_target, unix_target = daemon.target, daemon.socket_target
+            (Path(tmp) / "cold").mkdir()
+            cold_daemon = SpawnedDaemon(
+                Path(tmp) / "cold", paths.bench_daemon_args(shm_dir), dram=paths.COLD_DRAM,
+                max_value="32MiB", ssd=paths.COLD_SSD,
+            )  # fmt: skip
         try:
-            rows = paths.run(tcp_target, unix_target, sizes, _progress, peers=not args.no_peers)
+            cold = (cold_daemon.target, cold_daemon.socket_target) if cold_daemon else None
+            rows = paths.run(
+                tcp_target, unix_target, sizes, _progress, peers=not args.no_peers, cold=cold
+            )
         finally:
-            if daemon is not None:
-                daemon.stop()
+            for spawned in (daemon, cold_daemon):
+                if spawned is not None:
+                    spawned.stop()
             shutil.rmtree(shm_dir, ignore_errors=True)
     table = paths.markdown(rows)
     data = {
