@@ -34,6 +34,7 @@ from kvd import __version__, crashpoints, faults, logs
 from kvd.auth import Authenticator
 from kvd.config import SETTINGS, ConfigError, is_loopback_host, parse_address
 from kvd.eviction import make_policy
+from kvd.grpc_handlers import add_kvstore
 from kvd.iobackend import open_backend
 from kvd.l2 import DeviceSet, L2Tier
 from kvd.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
@@ -42,7 +43,7 @@ from kvd.service import KVStoreService, ServiceLimits
 from kvd.shm_service import FastPaths
 from kvd.store import Store, StoreLimits
 from kvd.tls import ServerTls
-from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+from kvd.v1 import kvd_pb2
 
 if TYPE_CHECKING:
     from kvd.config import Config
@@ -193,7 +194,7 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        kvd_pb2_grpc.add_KVStoreServicer_to_server(self.service, server)
+        add_kvstore(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
