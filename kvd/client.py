@@ -125,15 +125,17 @@ class Client:
             return self._shm, self._bulk
         with self._paths_lock:
             if not self._paths_known:
-                try:
-                    self._open_fast_paths()
-                finally:
-                    self._paths_known = True
+                # A daemon that is down or slow fails this call, within the
+                # call's one deadline, and the next call asks again.
+                self._open_fast_paths()
+                self._paths_known = True
         return self._shm, self._bulk
 
     def _open_fast_paths(self) -> None:
         try:
             paths = self._call(self._stub.DescribePaths, pb.DescribePathsRequest())
+        except Unavailable:
+            raise
         except KvdError:
             return  # an older daemon: gRPC only
         if self._want_shm and paths.shm_dir:

@@ -222,3 +222,22 @@ async def test_async_client(shared_daemon: DaemonProcess) -> None:
         assert await client.lookup("as", [b"g1"]) == 1
         assert await client.delete("as", [b"g1"]) == 1
         assert (await client.stats())["entries"] >= 1
+
+
+def test_first_call_to_a_stalled_daemon_costs_one_deadline_and_fast_paths_come_back(
+    daemon: DaemonProcess,
+) -> None:
+    os.kill(daemon.proc.pid, 19)  # SIGSTOP
+    try:
+        with Client(daemon.target, timeout_s=0.3) as client:
+            start = time.monotonic()
+            with pytest.raises(Unavailable):
+                client.get("fp", b"k")
+            assert time.monotonic() - start < 0.3 + 0.25  # one deadline, not two
+            os.kill(daemon.proc.pid, 18)  # SIGCONT
+            client.timeout_s = 10
+            client.put("fp", b"k", b"v" * (1 << 20))
+            assert client.get("fp", b"k") == b"v" * (1 << 20)
+            assert client._bulk is not None  # the fast path was found once the daemon answered
+    finally:
+        os.kill(daemon.proc.pid, 18)
