@@ -38,6 +38,7 @@ class SpawnedDaemon:
         ssd: str = "256MiB",
         segment: str = "64MiB",
     ) -> None:
+        """``ssd=""`` starts a daemon without L2."""
         self.workdir = workdir
         self.socket = str(workdir / "kvd.sock")
         self.log: list[str] = []
@@ -45,6 +46,12 @@ class SpawnedDaemon:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         full_env.update(env or {})
         full_env["PYTHONUNBUFFERED"] = "1"
+        if ssd:
+            l2 = ["--ssd-path", str(workdir / "ssd-0.dat"), "--ssd-bytes", ssd,
+                  "--ssd-segment-bytes", segment]  # fmt: skip
+        else:  # no L2: an empty list is only spelled in a config file
+            (workdir / "kvd-no-l2.toml").write_text("ssd_path = []\n")
+            l2 = ["--config", str(workdir / "kvd-no-l2.toml")]
         cmd = [
             sys.executable, "-m", "kvd", "serve",
             "--listen", "127.0.0.1:0",
@@ -52,9 +59,7 @@ class SpawnedDaemon:
             "--socket", self.socket,
             "--dram-bytes", dram,
             "--max-value-bytes", max_value,
-            "--ssd-path", str(workdir / "ssd-0.dat"),
-            "--ssd-bytes", ssd,
-            "--ssd-segment-bytes", segment,
+            *l2,
             "--shm-dir", str(workdir / "shm"),
             "--bulk-listen", "127.0.0.1:0",
             *args,

@@ -21,7 +21,7 @@ from typing import Any
 from kvd.eviction import DEFAULT_POLICY, POLICIES
 from kvd.replay.run import (
     MODEL_BLOCK_BYTES,
-    L1Daemon,
+    start_l1_daemon,
     ReplayStats,
     capacity_of,
     dram_bytes_for,
@@ -199,7 +199,9 @@ def run_bench(
         if not target:
             dram_bytes = dram_bytes_for(capacity, block_bytes)
             capacity = capacity_of(dram_bytes, block_bytes)
-            daemon = L1Daemon(Path(tmp), dram_bytes, block_bytes, ["--eviction-policy", policy])
+            daemon = start_l1_daemon(
+                Path(tmp), dram_bytes, block_bytes, ["--eviction-policy", policy]
+            )
             target = daemon.target
             progress(f"started kvd at {target}: L1 {dram_bytes} B = {capacity} blocks")
         try:

@@ -25,12 +25,7 @@ Requests go out in timestamp order, as fast as the clients go
 from __future__ import annotations
 
 import math
-import os
 import queue
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd.bench.daemon import SpawnedDaemon
 from kvd.client import Client
 from kvd.replay.trace import Trace
 
@@ -245,68 +241,16 @@ def replay(target: str, trace: Trace, *, block_bytes: int, namespace: str = "rep
     return stats
 
 
-class L1Daemon:
+def start_l1_daemon(
+    workdir: Path, dram_bytes: int, max_value_bytes: int, extra_args: Sequence[str] = ()
+) -> SpawnedDaemon:
     """``kvd serve`` with an L1 of a given size and no L2, on ephemeral ports:
     the daemon whose decisions the simulator reproduces."""
-
-    def __init__(self, workdir: Path, dram_bytes: int, max_value_bytes: int,
-                 extra_args: Sequence[str] = ()) -> None:  # fmt: skip
-        workdir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        config = workdir / "kvd.toml"
-        config.write_text("ssd_path = []\n")
-        cmd = [
-            sys.executable, "-m", "kvd", "serve", "--config", str(config),
-            "--listen", "127.0.0.1:0", "--metrics-listen", "",
-            "--socket", str(workdir / "kvd.sock"), "--shm-dir", str(workdir / "shm"),
-            "--dram-bytes", str(dram_bytes),
-            "--max-value-bytes", str(max(max_value_bytes, 1024)),
-            *extra_args,
-        ]  # fmt: skip
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        port = 0
-        for line in self.proc.stdout:
-            self.log.append(line.rstrip("\n"))
-            if "kvd started" in line:
-                found = re.search(r"listen=[^ ]*:(\d+)", line)
-                port = int(found.group(1)) if found else 0
-                break
-            if time.monotonic() > deadline or len(self.log) > 1000:
-                break
-        if not port:
-            self.stop()
-            raise ReplayError("kvd did not start:\n" + "\n".join(self.log))
-        self.target = f"127.0.0.1:{port}"
-        self._drain = threading.Thread(target=self._read_rest, daemon=True)
-        self._drain.start()
-
-    def _read_rest(self) -> None:
-        assert self.proc.stdout is not None
-        for _line in self.proc.stdout:
-            pass
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return SpawnedDaemon(
+        workdir, [*extra_args, "--metrics-listen", ""], dram=str(dram_bytes),
+        max_value=str(max(max_value_bytes, 1024)), ssd="",
+    )  # fmt: skip
 
 
 def modeled_ttft(trace: Trace, stats: ReplayStats, prefill_tokens_per_s: float,

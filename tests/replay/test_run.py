@@ -10,7 +10,7 @@ import pytest
 from kvd.replay import load_trace, simulate
 from kvd.replay.report import head, markdown, references, store_calls_on_lookup
 from kvd.replay.run import (
-    L1Daemon,
+    start_l1_daemon,
     block_value,
     capacity_of,
     dram_bytes_for,
@@ -52,7 +52,7 @@ def test_capacity_is_whole_blocks_of_pages() -> None:
 @pytest.mark.parametrize("policy", ["lru", "pred"])
 def test_daemon_replay_equals_simulator(tmp_path: Path, first_requests: Trace, policy: str) -> None:
     dram_bytes = dram_bytes_for(CAPACITY_BLOCKS, BLOCK_BYTES)
-    daemon = L1Daemon(tmp_path, dram_bytes, BLOCK_BYTES, ["--eviction-policy", policy])
+    daemon = start_l1_daemon(tmp_path, dram_bytes, BLOCK_BYTES, ["--eviction-policy", policy])
     try:
         stats = replay(daemon.target, first_requests, block_bytes=BLOCK_BYTES)
     finally:
@@ -71,7 +71,7 @@ def test_daemon_replay_equals_simulator(tmp_path: Path, first_requests: Trace, p
 
 
 def test_report_of_a_replay(first_requests: Trace, tmp_path: Path) -> None:
-    daemon = L1Daemon(tmp_path, dram_bytes_for(CAPACITY_BLOCKS, 1024), 1024)
+    daemon = start_l1_daemon(tmp_path, dram_bytes_for(CAPACITY_BLOCKS, 1024), 1024)
     try:
         stats = replay(daemon.target, head(first_requests, 100), block_bytes=1024, clients=4)
     finally:
