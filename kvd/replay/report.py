@@ -21,12 +21,12 @@ from typing import Any
 from kvd.eviction import DEFAULT_POLICY, POLICIES
 from kvd.replay.run import (
     MODEL_BLOCK_BYTES,
-    start_l1_daemon,
     ReplayStats,
     capacity_of,
     dram_bytes_for,
     modeled_ttft,
     replay,
+    start_l1_daemon,
 )
 from kvd.replay.sim import belady, capacity_for, simulate, unbounded
 from kvd.replay.trace import Trace, load_trace

@@ -10,13 +10,13 @@ import pytest
 from kvd.replay import load_trace, simulate
 from kvd.replay.report import head, markdown, references, store_calls_on_lookup
 from kvd.replay.run import (
-    start_l1_daemon,
     block_value,
     capacity_of,
     dram_bytes_for,
     modeled_ttft,
     pages_per_block,
     replay,
+    start_l1_daemon,
 )
 from kvd.replay.trace import Trace
 
