@@ -312,7 +312,7 @@ def restore_turn(
 
 
 def save_reference(where: Path, prefix: int, logits: Any) -> None:
-    """Raw fp32 logits (no pickle): ``ref-PREFIX-ROWSxCOLS.f32``."""
+    """Raw fp32 logits, no serializer: ``ref-PREFIX-ROWSxCOLS.f32``."""
     rows, cols = logits.shape
     (where / f"ref-{prefix}-{rows}x{cols}.f32").write_bytes(logits.contiguous().numpy().tobytes())
 

@@ -86,7 +86,7 @@ def _l2(args: argparse.Namespace) -> int:
 def _paths(args: argparse.Namespace) -> int:
     import shutil
 
-    from kvd.bench import paths
+    from kvd.bench import paths, paths_report
     from kvd.bench.daemon import SpawnedDaemon
 
     sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
@@ -117,16 +117,16 @@ def _paths(args: argparse.Namespace) -> int:
                 if spawned is not None:
                     spawned.stop()
             shutil.rmtree(shm_dir, ignore_errors=True)
-    table = paths.markdown(rows)
+    table = paths_report.markdown(rows)
     data = {
         "suite": "paths",
         "machine": machine(),
         "seconds": round(time.perf_counter() - started, 1),
         "rows": [r.as_dict() for r in rows],
-        "targets": paths.ratios(rows),
+        "targets": paths_report.ratios(rows),
     }
     path = write_results("paths", data, table, Path(args.out))
-    drawn = paths.chart(rows, path.with_suffix(".png"))
+    drawn = paths_report.chart(rows, path.with_suffix(".png"))
     print(table)
     print(f"\nraw: {path}" + (f"\nchart: {path.with_suffix('.png')}" if drawn else ""))
     return 0

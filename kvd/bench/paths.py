@@ -192,7 +192,7 @@ def kvd_rows(
             buffers = [c.buffer(size) for c in made]
             for b in buffers:
                 b[:] = value.data
-            progress(f"paths: {path} {_size(size)} x{clients}")
+            progress(f"paths: {path} {size_label(size)} x{clients}")
 
             def getter(c: Client, b: memoryview) -> Op:
                 return lambda i: _expect(c.get_into(ns, keys[i % len(keys)], b), size)
@@ -300,7 +300,7 @@ def redis_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
             for key in keys:
                 filler.set(key, value)
             for clients in CLIENTS:
-                progress(f"paths: redis {_size(size)} x{clients}")
+                progress(f"paths: redis {size_label(size)} x{clients}")
                 conns = [redis.Redis(port=port) for _ in range(clients)]
 
                 def getter(r: Any, keys: list[bytes] = keys, size: int = size) -> Op:
@@ -395,7 +395,7 @@ def mooncake_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
             return _skipped("mooncake", sizes, f"setup returned {rc}")
         try:
             for size in sizes:
-                progress(f"paths: mooncake {_size(size)} x1")
+                progress(f"paths: mooncake {size_label(size)} x1")
                 src = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
                 dst = np.empty_like(src)
                 for array in (src, dst):
@@ -449,7 +449,7 @@ def run(
     loopback = LoopbackServer()
     try:
         for size in sizes:
-            progress(f"paths: ceilings {_size(size)}")
+            progress(f"paths: ceilings {size_label(size)}")
             rows.append(Row("memcpy", "copy", size, 1, memcpy_gbps(size)))
             for clients in CLIENTS:
                 rows.append(Row("tcp", "get", size, clients, tcp_gbps(loopback, size, clients)))
@@ -461,7 +461,7 @@ def run(
     if cold is not None:
         for path in ("shm", "bulk", "grpc"):
             for size in sizes:
-                progress(f"paths: {path} {_size(size)} L2-cold")
+                progress(f"paths: {path} {size_label(size)} L2-cold")
                 rows += cold_rows(path, cold[0], cold[1], size)
     if peers:
         rows += redis_rows(sizes, progress)
@@ -469,144 +469,8 @@ def run(
     return rows
 
 
-def _size(nbytes: int) -> str:
+def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
-def _find(rows: list[Row], path: str, op: str, size: int, clients: int = 1) -> float | None:
-    for row in rows:
-        if (row.path, row.op, row.size_bytes, row.clients) == (path, op, size, clients):
-            return row.gbps
-    return None
-
-
-def ratios(rows: list[Row]) -> list[dict[str, Any]]:
-    """The targets, each as measured ratio against its threshold."""
-    mib = 1 << 20
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or not b else a / b
-
-    out = []
-    for size in (4 * mib, 32 * mib):
-        out.append(
-            {
-                "target": f"shm get {_size(size)} / memcpy",
-                "ratio": ratio(
-                    _find(rows, "shm", "get", size), _find(rows, "memcpy", "copy", size)
-                ),
-                "threshold": 0.8,
-            }
-        )
-    bulk4 = _find(rows, "bulk", "get", 4 * mib)
-    out += [
-        {
-            "target": "bulk get 4 MiB / loopback TCP",
-            "ratio": ratio(bulk4, _find(rows, "tcp", "get", 4 * mib)),
-            "threshold": 0.8,
-        },
-        {
-            "target": "bulk get 4 MiB / redis get",
-            "ratio": ratio(bulk4, _find(rows, "redis", "get", 4 * mib)),
-            "threshold": 3.0,
-        },
-        {
-            "target": "bulk get 4 MiB / mooncake get_into",
-            "ratio": ratio(bulk4, _find(rows, "mooncake", "get", 4 * mib)),
-            "threshold": 1.2,
-        },
-    ]
-    for path in ("shm", "bulk", "grpc"):
-        out.append(
-            {
-                "target": f"{path} get 4 MiB: 16 clients / 1 client",
-                "ratio": ratio(
-                    _find(rows, path, "get", 4 * mib, 16), _find(rows, path, "get", 4 * mib)
-                ),
-                "threshold": 1.0,
-            }
-        )
-    for item in out:
-        r, threshold = item["ratio"], item["threshold"]
-        item["met"] = None if not isinstance(r, float) else r >= float(threshold)  # type: ignore[arg-type]
-    return out
-
-
-def markdown(rows: list[Row]) -> str:
-    sizes = sorted({r.size_bytes for r in rows})
-    head = "| path | op | clients | " + " | ".join(_size(s) for s in sizes) + " |"
-    lines = [head, "|" + "---|" * (len(sizes) + 3)]
-    seen: list[tuple[str, str, int]] = []
-    for r in rows:
-        if (r.path, r.op, r.clients) not in seen:
-            seen.append((r.path, r.op, r.clients))
-    for path, op, clients in seen:
-        cells = []
-        for size in sizes:
-            match = [
-                r
-                for r in rows
-                if (r.path, r.op, r.clients, r.size_bytes) == (path, op, clients, size)
-            ]
-            if not match:
-                cells.append("")
-            elif match[0].gbps is None:
-                cells.append(match[0].note)
-            else:
-                cells.append(f"{match[0].gbps:.2f}")
-        lines.append(f"| {path} | {op} | {clients} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "GB/s, aggregate over the clients. Targets:",
-        "",
-        "| target | ratio | needs | met |",
-        "|---|---|---|---|",
-    ]
-    for item in ratios(rows):
-        r = item["ratio"]
-        shown = "n/a" if r is None else f"{r:.2f}"
-        lines.append(f"| {item['target']} | {shown} | >= {item['threshold']} | {item['met']} |")
-    return "\n".join(lines)
-
-
-def chart(rows: list[Row], path: Path) -> bool:
-    """GB/s per size per path (gets, one client), ceilings dashed; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    sizes = sorted({r.size_bytes for r in rows})
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, op, style in (
-        ("memcpy", "copy", "k--"),
-        ("tcp", "get", "k:"),
-        ("shm", "get", "o-"),
-        ("bulk", "get", "s-"),
-        ("grpc", "get", "^-"),
-        ("redis", "get", "x-"),
-        ("mooncake", "get", "d-"),
-    ):
-        points = [(s, _find(rows, name, op, s)) for s in sizes]
-        xs = [s / (1 << 20) for s, g in points if g is not None]
-        ys = [g for _, g in points if g is not None]
-        if xs:
-            label = {"memcpy": "memcpy ceiling", "tcp": "loopback TCP ceiling"}.get(
-                name, f"{name} get"
-            )
-            ax.plot(xs, ys, style, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("value size (MiB)")
-    ax.set_ylabel("GB/s (one client)")
-    ax.set_title("kvd data paths, L1-resident gets")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
 
 
 def bench_daemon_args(shm_dir: str) -> list[str]:
