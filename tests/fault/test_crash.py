@@ -109,6 +109,7 @@ def check(client: Client, oracle: Oracle) -> int:
     return found
 
 
+@pytest.mark.timeout(120 + LOOPS * 8)  # a loop: start, check every key, storm, kill
 @pytest.mark.parametrize("point", ["random", "after_payload_write", "after_sync", "after_publish"])
 def test_crash_torture(tmp_path: Path, point: str) -> None:
     oracle = Oracle()
