@@ -191,6 +191,7 @@ class BulkClient:
         try:
             try:
                 conn = self._idle.get_nowait()
+                conn.sock.settimeout(self.timeout_s)  # the caller's deadline may have changed
             except queue.Empty:
                 conn = self._connect()
             try:

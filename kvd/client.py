@@ -119,6 +119,18 @@ class Client:
         self._shm: ShmPath | None = None
         self._bulk: BulkClient | None = None
 
+    @property
+    def timeout_s(self) -> float:
+        """Each call's deadline, in seconds; changing it applies to every path."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._timeout_s = value
+        bulk = getattr(self, "_bulk", None)
+        if bulk is not None:
+            bulk.timeout_s = value
+
     def _fast_paths(self) -> tuple[ShmPath | None, BulkClient | None]:
         """The daemon's fast paths this client uses, found once (DescribePaths)."""
         if self._paths_known or not (self._want_shm or self._want_bulk):
