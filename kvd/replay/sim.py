@@ -159,14 +159,12 @@ def simulate(
             parent = key
     elapsed_s = time.perf_counter() - started
     assert stored == len(policy), "policy lost track of resident blocks"
-    return SimResult(
-        policy=policy_name,
-        capacity_blocks=capacity_blocks,
-        requests=len(trace),
-        block_refs=trace.n_refs,
-        block_hits=block_hits,
-        token_refs=int(trace.input_tokens.sum()),
-        token_hits=token_hits,
+    return _result(
+        trace,
+        policy_name,
+        capacity_blocks,
+        block_hits,
+        token_hits,
         evictions=evictions,
         policy_ops=ops,
         elapsed_s=elapsed_s,
@@ -218,14 +216,12 @@ def belady(trace: Trace, capacity_blocks: int) -> SimResult:
                 heap = [(-upcoming_, key_) for key_, upcoming_ in resident_next.items()]
                 heapq.heapify(heap)
     elapsed_s = time.perf_counter() - started
-    return SimResult(
-        policy=BELADY,
-        capacity_blocks=capacity_blocks,
-        requests=len(trace),
-        block_refs=trace.n_refs,
-        block_hits=block_hits,
-        token_refs=int(trace.input_tokens.sum()),
-        token_hits=token_hits,
+    return _result(
+        trace,
+        BELADY,
+        capacity_blocks,
+        block_hits,
+        token_hits,
         evictions=evictions,
         policy_ops=0,
         elapsed_s=elapsed_s,
@@ -257,14 +253,12 @@ def plain_lru(trace: Trace, capacity_blocks: int) -> SimResult:
             if len(recency) > capacity_blocks:
                 recency.popitem(last=False)
                 evictions += 1
-    return SimResult(
-        policy=PLAIN_LRU,
-        capacity_blocks=capacity_blocks,
-        requests=len(trace),
-        block_refs=trace.n_refs,
-        block_hits=block_hits,
-        token_refs=int(trace.input_tokens.sum()),
-        token_hits=token_hits,
+    return _result(
+        trace,
+        PLAIN_LRU,
+        capacity_blocks,
+        block_hits,
+        token_hits,
         evictions=evictions,
         policy_ops=0,
         elapsed_s=time.perf_counter() - started,
@@ -288,14 +282,12 @@ def unbounded(trace: Trace) -> SimResult:
         token_hits += _token_hits(hits, len(chain), inputs[request], trace.block_tokens)
         for key in chain:
             resident[key] = 1
-    return SimResult(
-        policy=UNBOUNDED,
-        capacity_blocks=trace.n_unique,
-        requests=len(trace),
-        block_refs=trace.n_refs,
-        block_hits=block_hits,
-        token_refs=int(trace.input_tokens.sum()),
-        token_hits=token_hits,
+    return _result(
+        trace,
+        UNBOUNDED,
+        trace.n_unique,
+        block_hits,
+        token_hits,
         evictions=0,
         policy_ops=0,
         elapsed_s=time.perf_counter() - started,
@@ -346,3 +338,29 @@ def format_table(trace: Trace, results: Sequence[SimResult]) -> str:
             cells.append(f"{100 * result.block_hit_ratio:.2f}%" if result else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _result(
+    trace: Trace,
+    policy: str,
+    capacity_blocks: int,
+    block_hits: int,
+    token_hits: int,
+    *,
+    evictions: int,
+    policy_ops: int,
+    elapsed_s: float,
+) -> SimResult:
+    """A run's result; the trace gives the reference counts."""
+    return SimResult(
+        policy=policy,
+        capacity_blocks=capacity_blocks,
+        requests=len(trace),
+        block_refs=trace.n_refs,
+        block_hits=block_hits,
+        token_refs=int(trace.input_tokens.sum()),
+        token_hits=token_hits,
+        evictions=evictions,
+        policy_ops=policy_ops,
+        elapsed_s=elapsed_s,
+    )
