@@ -48,7 +48,7 @@ def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
     """One daemon for a whole module of tests that do not disturb each other."""
     daemon = DaemonProcess(tmp_path_factory.mktemp("kvd"), [])
     yield daemon
-    daemon.stop()
+    daemon.discard()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

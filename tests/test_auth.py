@@ -157,7 +157,7 @@ def tokens_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def secured(tmp_path_factory: pytest.TempPathFactory, tokens_path: Path) -> Iterator[DaemonProcess]:
     daemon = DaemonProcess(tmp_path_factory.mktemp("kvd"), ["--auth-tokens-file", str(tokens_path)])
     yield daemon
-    daemon.stop()
+    daemon.discard()
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         for key in (b"k0", b"absent"):
             list(stub.Get(pb.GetRequest(namespace="big", key=key), timeout=10))
     yield daemon
-    daemon.stop()
+    daemon.discard()
 
 
 REQUIRED = [

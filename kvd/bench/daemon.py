@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,13 @@ class SpawnedDaemon:
                 self.proc.wait(5)
         self._reap()
         return self.proc.returncode
+
+    def discard(self) -> int:
+        """Stop the daemon and remove its working directory (and its L2 file):
+        a preallocated L2 file holds its disk space until it is deleted."""
+        code = self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return code
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -56,7 +56,7 @@ class Oracle:
 # L2 room for every loop's puts (3 threads x 60 puts of <= 300 KB, plus a
 # segment's tail), so no segment is ever reclaimed: a reclaim may drop
 # durable values legitimately, which would hide a real loss.
-SSD_BYTES = max(1 << 30, LOOPS * (48 << 20))
+SSD_BYTES = max(256 << 20, LOOPS * (48 << 20))
 
 
 def start(workdir: Path, *args: str) -> SpawnedDaemon:
