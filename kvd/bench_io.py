@@ -65,8 +65,9 @@ def prepare_file(path: str, file_bytes: int) -> None:
             os.close(fd)
 
 
-async def _read_case(kind: str, fd: int, file_bytes: int, block_bytes: int,
-                     queue_depth: int, seconds: float) -> IoBenchResult:
+async def _read_case(
+    kind: str, fd: int, file_bytes: int, block_bytes: int, queue_depth: int, seconds: float
+) -> IoBenchResult:
     backend = open_backend(kind, depth=queue_depth, threads=queue_depth)
     blocks = file_bytes // block_bytes
     reads = [0]
@@ -75,7 +76,7 @@ async def _read_case(kind: str, fd: int, file_bytes: int, block_bytes: int,
 
         async def worker(slot: int, deadline: float) -> None:
             rng = random.Random(slot)
-            buf = view[slot * block_bytes:(slot + 1) * block_bytes]
+            buf = view[slot * block_bytes : (slot + 1) * block_bytes]
             while time.monotonic() < deadline:
                 offset = rng.randrange(blocks) * block_bytes
                 got = await backend.read(fd, offset, [buf])
@@ -94,10 +95,15 @@ async def _read_case(kind: str, fd: int, file_bytes: int, block_bytes: int,
     return IoBenchResult(backend.name, block_bytes, queue_depth, reads[0], elapsed)
 
 
-def measure(path: str, *, kinds: Sequence[str] = ("uring", "threads"),
-            block_bytes: Sequence[int] = BLOCK_BYTES_DEFAULT,
-            queue_depths: Sequence[int] = QUEUE_DEPTHS_DEFAULT,
-            file_bytes: int = GiB, seconds_per_case: float = 1.0) -> list[IoBenchResult]:
+def measure(
+    path: str,
+    *,
+    kinds: Sequence[str] = ("uring", "threads"),
+    block_bytes: Sequence[int] = BLOCK_BYTES_DEFAULT,
+    queue_depths: Sequence[int] = QUEUE_DEPTHS_DEFAULT,
+    file_bytes: int = GiB,
+    seconds_per_case: float = 1.0,
+) -> list[IoBenchResult]:
     """Random O_DIRECT reads of each block size at each queue depth, per backend."""
     if not 0 < seconds_per_case <= CASE_SECONDS_MAX:
         raise ValueError(f"seconds_per_case must be in (0, {CASE_SECONDS_MAX}]")
@@ -114,23 +120,40 @@ def measure(path: str, *, kinds: Sequence[str] = ("uring", "threads"),
         for kind in kinds:
             for bs in block_bytes:
                 for qd in queue_depths:
-                    results.append(asyncio.run(
-                        _read_case(kind, fd, file_bytes, bs, qd, seconds_per_case)))
+                    results.append(
+                        asyncio.run(_read_case(kind, fd, file_bytes, bs, qd, seconds_per_case))
+                    )
     finally:
         os.close(fd)
     return results
 
 
-def fio_randread(path: str, *, block_bytes: int = MiB, queue_depth: int = 32,
-                 seconds: float = 5.0, file_bytes: int = GiB) -> float | None:
+def fio_randread(
+    path: str,
+    *,
+    block_bytes: int = MiB,
+    queue_depth: int = 32,
+    seconds: float = 5.0,
+    file_bytes: int = GiB,
+) -> float | None:
     """fio --ioengine=io_uring --direct=1 --rw=randread on `path`: GB/s, or None without fio."""
     fio = shutil.which("fio")
     if fio is None:
         return None
-    cmd = [fio, "--name=kvd-l2", f"--filename={path}", "--ioengine=io_uring", "--direct=1",
-           "--rw=randread", f"--bs={block_bytes}", f"--iodepth={queue_depth}",
-           f"--size={file_bytes}", "--time_based", f"--runtime={max(1, round(seconds))}",
-           "--output-format=json"]
+    cmd = [
+        fio,
+        "--name=kvd-l2",
+        f"--filename={path}",
+        "--ioengine=io_uring",
+        "--direct=1",
+        "--rw=randread",
+        f"--bs={block_bytes}",
+        f"--iodepth={queue_depth}",
+        f"--size={file_bytes}",
+        "--time_based",
+        f"--runtime={max(1, round(seconds))}",
+        "--output-format=json",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=FIO_TIMEOUT_S)
     job = json.loads(out.stdout)["jobs"][0]
     return float(job["read"]["bw_bytes"]) / 1e9
@@ -144,10 +167,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kinds", default="uring,threads")
     args = parser.parse_args(argv)
     file_bytes = args.file_mib * MiB
-    for r in measure(args.path, kinds=args.kinds.split(","), file_bytes=file_bytes,
-                     seconds_per_case=args.seconds):
-        print(f"{r.backend:8} bs={r.block_bytes // KiB:5d}KiB qd={r.queue_depth:3d} "
-              f"{r.gb_per_s:6.2f} GB/s ({r.reads} reads)")
+    for r in measure(
+        args.path, kinds=args.kinds.split(","), file_bytes=file_bytes, seconds_per_case=args.seconds
+    ):
+        print(
+            f"{r.backend:8} bs={r.block_bytes // KiB:5d}KiB qd={r.queue_depth:3d} "
+            f"{r.gb_per_s:6.2f} GB/s ({r.reads} reads)"
+        )
     fio_gb_per_s = fio_randread(args.path, file_bytes=file_bytes, seconds=5 * args.seconds)
     if fio_gb_per_s is not None:
         print(f"fio      bs= 1024KiB qd= 32 {fio_gb_per_s:6.2f} GB/s (io_uring, direct)")

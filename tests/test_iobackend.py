@@ -111,7 +111,7 @@ def run_with(kind: str, body: Callable[[IoBackend], Awaitable[T]], *, depth: int
 
 
 def pages(arena: memoryview, first: int, count: int) -> memoryview:
-    return arena[first * PAGE_BYTES:(first + count) * PAGE_BYTES]
+    return arena[first * PAGE_BYTES : (first + count) * PAGE_BYTES]
 
 
 def fill_random(view: memoryview, seed: int) -> bytes:
@@ -154,8 +154,10 @@ def test_submit_many_runs_more_ops_than_depth(kind: str, direct_fd: int, arena: 
     data = [fill_random(pages(arena, i, 1), seed=100 + i) for i in range(n)]
     writes = [IoOp(OpKind.WRITE, direct_fd, i * PAGE_BYTES, [pages(arena, i, 1)]) for i in range(n)]
     # Read back in reverse page order to catch results matched to the wrong op.
-    reads = [IoOp(OpKind.READ, direct_fd, i * PAGE_BYTES, [pages(arena, 2 * n - 1 - i, 1)])
-             for i in range(n)]
+    reads = [
+        IoOp(OpKind.READ, direct_fd, i * PAGE_BYTES, [pages(arena, 2 * n - 1 - i, 1)])
+        for i in range(n)
+    ]
 
     async def body(backend: IoBackend) -> tuple[list[int], list[int]]:
         return await backend.submit_many(writes), await backend.submit_many(reads)
@@ -176,11 +178,13 @@ def test_submit_many_reports_each_failure_in_place(
         # Closed after the backend opened its own fds, so the number stays free.
         bad_fd = os.open(os.devnull, os.O_RDONLY)
         os.close(bad_fd)
-        return await backend.submit_many([
-            IoOp(OpKind.WRITE, direct_fd, 0, [pages(arena, 0, 2)]),
-            IoOp(OpKind.READ, bad_fd, 0, [pages(arena, 2, 1)]),
-            IoOp(OpKind.FSYNC, direct_fd),
-        ])
+        return await backend.submit_many(
+            [
+                IoOp(OpKind.WRITE, direct_fd, 0, [pages(arena, 0, 2)]),
+                IoOp(OpKind.READ, bad_fd, 0, [pages(arena, 2, 1)]),
+                IoOp(OpKind.FSYNC, direct_fd),
+            ]
+        )
 
     assert run_with(kind, body) == [2 * PAGE_BYTES, -errno.EBADF, 0]
 
@@ -218,16 +222,14 @@ def test_closed_fd_raises_ebadf(kind: str, direct_dir: Path, arena: memoryview) 
     assert run_with(kind, body) == [errno.EBADF] * 3
 
 
-def test_misaligned_direct_io_surfaces_einval(
-    kind: str, direct_fd: int, arena: memoryview
-) -> None:
+def test_misaligned_direct_io_surfaces_einval(kind: str, direct_fd: int, arena: memoryview) -> None:
     async def body(backend: IoBackend) -> list[int | None]:
         await backend.write(direct_fd, 0, [pages(arena, 0, 2)])
         codes: list[int | None] = []
         for offset, buf in (
-            (0, arena[1:PAGE_BYTES + 1]),  # buffer address off by one byte
+            (0, arena[1 : PAGE_BYTES + 1]),  # buffer address off by one byte
             (1, pages(arena, 2, 1)),  # file offset off by one byte
-            (0, arena[:PAGE_BYTES - 1]),  # length off by one byte
+            (0, arena[: PAGE_BYTES - 1]),  # length off by one byte
         ):
             with pytest.raises(IoError) as caught:
                 await backend.read(direct_fd, offset, [buf])
@@ -350,8 +352,10 @@ def test_open_backend_picks_and_logs(caplog: pytest.LogCaptureFixture) -> None:
             open_backend("uring")
 
 
-@pytest.mark.parametrize(("kind", "depth", "threads"),
-                         [("fast", 4, 4), ("auto", 0, 4), ("auto", 5000, 4), ("threads", 4, 0)])
+@pytest.mark.parametrize(
+    ("kind", "depth", "threads"),
+    [("fast", 4, 4), ("auto", 0, 4), ("auto", 5000, 4), ("threads", 4, 0)],
+)
 def test_open_backend_rejects_bad_settings(kind: str, depth: int, threads: int) -> None:
     with pytest.raises(ValueError):
         open_backend(kind, depth=depth, threads=threads)
@@ -494,9 +498,14 @@ def test_ring_does_not_leak_over_1e5_ops(buffered_file: int, arena: memoryview) 
 
 def test_measure_reports_each_case(direct_dir: Path) -> None:
     kinds = ["uring", "threads"] if NATIVE_OK else ["threads"]
-    results = bench_io.measure(str(direct_dir / "bench"), kinds=kinds,
-                               block_bytes=(PAGE_BYTES,), queue_depths=(1, 4),
-                               file_bytes=4 * 1024 * 1024, seconds_per_case=0.05)
+    results = bench_io.measure(
+        str(direct_dir / "bench"),
+        kinds=kinds,
+        block_bytes=(PAGE_BYTES,),
+        queue_depths=(1, 4),
+        file_bytes=4 * 1024 * 1024,
+        seconds_per_case=0.05,
+    )
     cases = [(r.backend, r.queue_depth) for r in results]
     assert cases == [(k, qd) for k in kinds for qd in (1, 4)]
     assert all(r.reads > 0 and r.gb_per_s > 0 for r in results)
