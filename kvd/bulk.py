@@ -71,6 +71,9 @@ OP_HELLO = 1
 OP_PUT = 2
 OP_GET = 3
 OPS = frozenset({OP_HELLO, OP_PUT, OP_GET})
+# Region ops: only on the shm socket (kvd.shm_channel), never on the TCP port.
+OP_REGION_GET = 4
+OP_REGION_PUT = 5
 
 FLAG_DURABLE = 1  # request: acknowledge a put once it is on L2
 FLAG_CHECKSUM = 2  # request: the checksum field is set; verify the payload against it
@@ -160,7 +163,9 @@ def encode_request(
     return b"".join((header, ns, key, parent, meta))
 
 
-def decode_request(data: bytes | bytearray | memoryview, max_value_bytes: int) -> Request:
+def decode_request(
+    data: bytes | bytearray | memoryview, max_value_bytes: int, ops: frozenset[int] = OPS
+) -> Request:
     magic, version, op, flags, rid, ns_len, key_len, parent_len, meta_len, length, checksum = (
         REQUEST.unpack(data)
     )
@@ -168,13 +173,13 @@ def decode_request(data: bytes | bytearray | memoryview, max_value_bytes: int) -
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version}, this daemon speaks {VERSION}")
-    if op not in OPS:
+    if op not in ops:
         raise ProtocolError(f"unknown op {op}")
     if ns_len > NAMESPACE_BYTES_MAX or key_len > KEY_BYTES_MAX or parent_len > KEY_BYTES_MAX:
         raise ProtocolError("namespace, key or parent longer than its limit")
     if meta_len > META_BYTES_MAX:
         raise ProtocolError(f"meta of {meta_len} bytes is over {META_BYTES_MAX}")
-    if op == OP_PUT and length > max_value_bytes:
+    if op in (OP_PUT, OP_REGION_PUT) and length > max_value_bytes:
         raise ProtocolError(f"value of {length} bytes is over max_value_bytes={max_value_bytes}")
     if op == OP_HELLO and length > TOKEN_BYTES_MAX:
         raise ProtocolError(f"hello token of {length} bytes is over {TOKEN_BYTES_MAX}")
@@ -199,7 +204,7 @@ def encode_response(
     return b"".join((header, meta, text))
 
 
-def _error_code(exc: KvdError) -> int:
+def error_code(exc: KvdError) -> int:
     return CODE_BY_NAME.get(exc.code_name, CODE_BY_NAME["UNKNOWN"])
 
 
@@ -354,7 +359,7 @@ class _Connection:
             except KvdError as exc:
                 self.server.metrics.refused(exc.code_name, "bulk_hello", str(exc))
                 answer = encode_response(
-                    OP_HELLO, request.request_id, _error_code(exc), message=str(exc)
+                    OP_HELLO, request.request_id, error_code(exc), message=str(exc)
                 )
                 await self.queue.put((answer, None))
                 return False
@@ -378,7 +383,7 @@ class _Connection:
         except KvdError as exc:
             self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
             await self._discard(request.length)
-            return encode_response(OP_PUT, request.request_id, _error_code(exc), message=str(exc))
+            return encode_response(OP_PUT, request.request_id, error_code(exc), message=str(exc))
         if isinstance(ticket, PutResult):
             await self._discard(request.length)
             return encode_response(
@@ -396,7 +401,7 @@ class _Connection:
                 if isinstance(exc, DataLoss):
                     self.server.metrics.rejected.labels("checksum").inc()
                 return encode_response(
-                    OP_PUT, request.request_id, _error_code(exc), message=str(exc)
+                    OP_PUT, request.request_id, error_code(exc), message=str(exc)
                 )
         finally:
             self.store.abort_put(ticket)
@@ -426,7 +431,7 @@ class _Connection:
         except KvdError as exc:
             self.server.metrics.refused(exc.code_name, "bulk_get", str(exc))
             await self.queue.put(
-                (encode_response(OP_GET, rid, _error_code(exc), message=str(exc)), None)
+                (encode_response(OP_GET, rid, error_code(exc), message=str(exc)), None)
             )
             return
         if reader is None:

@@ -67,6 +67,7 @@ from kvd.errors import (
     Unavailable,
 )
 from kvd.keys import chain_keys
+from kvd.shm_channel import RegionOps
 from kvd.shm_client import ShmPath
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -130,6 +131,9 @@ class Client:
         bulk = getattr(self, "_bulk", None)
         if bulk is not None:
             bulk.timeout_s = value
+        shm = getattr(self, "_shm", None)
+        if shm is not None:
+            shm.timeout_s = value
 
     def _fast_paths(self) -> tuple[ShmPath | None, BulkClient | None]:
         """The daemon's fast paths this client uses, found once (DescribePaths)."""
@@ -151,10 +155,16 @@ class Client:
         except KvdError:
             return  # an older daemon: gRPC only
         if self._want_shm and paths.shm_dir:
+            ops = (
+                RegionOps(paths.shm_socket, self._token, self.timeout_s)
+                if paths.shm_socket
+                else None
+            )
             shm = ShmPath(
                 paths.shm_dir,
                 paths.max_region_bytes,
                 lambda name, request: self._call(getattr(self._stub, name), request),
+                ops,
             )
             try:
                 shm.open()  # the staging region proves the directory is shared with the daemon

@@ -242,6 +242,11 @@ class Config:
         min=10,
         max=60_000,
     )
+    shm_socket: str = _setting(
+        "",
+        help="Unix socket for region gets and puts without gRPC; empty: kvd.sock in shm_dir",
+        check=check_socket_path,
+    )
     bulk_listen: str = _setting(
         "127.0.0.1:7071",
         help="bulk TCP data port HOST:PORT; empty: none; non-loopback only with auth_tokens_file",

@@ -276,38 +276,53 @@ def _unmap(region: Region) -> None:
 
 
 # ---- copies (worker threads: no state changes, only bytes) --------------------------
-def _pieces(total: int) -> range:
-    return range(0, total, PIECE_BYTES)
+def copy_span(
+    views: Sequence[memoryview],
+    region: Bytes,
+    start: int,
+    end: int,
+    to_pages: bool,
+    hasher: Any = None,
+) -> None:
+    """Copy bytes ``start..end`` of a value between its pool ``views`` and
+    ``region`` (the value's span there), either way; with ``hasher``, hash
+    each piece where it landed while it is still in cache."""
+    pos = 0
+    for view in views:
+        size = len(view)
+        lo, hi = max(start, pos), min(end, pos + size)
+        if lo < hi:
+            pages = np.frombuffer(view, dtype=np.uint8)
+            for piece in range(lo, hi, PIECE_BYTES):
+                top = min(piece + PIECE_BYTES, hi)
+                there = region[piece:top]
+                here = pages[piece - pos : top - pos]
+                if to_pages:
+                    np.copyto(here, there)
+                else:
+                    np.copyto(there, here)
+                if hasher is not None:
+                    hasher.update(here.data if to_pages else there.data)
+        pos += size
+        if pos >= end:
+            break
+    assert pos >= end, "the value's pages end before the span"
 
 
 def copy_to_pages(src: Bytes, views: Sequence[memoryview]) -> int:
     """Copy ``src`` into pool ``views``; the xxh3 of the bytes as they landed in the pool."""
     hasher = xxhash.xxh3_64()
-    pos = 0
-    for view in views:
-        dst = np.frombuffer(view, dtype=np.uint8)
-        for start in _pieces(len(dst)):
-            end = min(start + PIECE_BYTES, len(dst))
-            np.copyto(dst[start:end], src[pos + start : pos + end])
-            hasher.update(view[start:end])
-        pos += len(dst)
-    assert pos == len(src), "pages do not match the value's length"
+    copy_span(views, src, 0, len(src), True, hasher)
+    assert sum(len(view) for view in views) == len(src), "pages do not match the value's length"
     return hasher.intdigest()
 
 
 def copy_from_pages(views: Sequence[memoryview], dst: Bytes) -> int:
     """Copy pool ``views`` into ``dst``; the xxh3 of the bytes as they landed in ``dst``."""
+    total = sum(len(view) for view in views)
+    assert total <= len(dst), "value longer than its room"
     hasher = xxhash.xxh3_64()
-    pos = 0
-    for view in views:
-        src = np.frombuffer(view, dtype=np.uint8)
-        for start in _pieces(len(src)):
-            end = min(start + PIECE_BYTES, len(src))
-            piece = dst[pos + start : pos + end]
-            np.copyto(piece, src[start:end])
-            hasher.update(piece.data)
-        pos += len(src)
-    assert pos <= len(dst), "value longer than its room"
+    copy_span(views, dst, 0, total, False, hasher)
     return hasher.intdigest()
 
 

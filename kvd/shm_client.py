@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from kvd.errors import BY_CODE_NAME, InvalidArgument, KvdError, ResourceExhausted
+from kvd.shm_channel import RegionOps
 from kvd.v1 import kvd_pb2 as pb
 
 # Staging for buffers outside any region: 64 MiB holds a batch of sixteen
@@ -138,10 +139,17 @@ def close_region(region: ClientRegion, detach: Call | None) -> None:
 class ShmPath:
     """Puts and gets through regions; ``call(method_name, request)`` is the client's RPC."""
 
-    def __init__(self, shm_dir: str, max_region_bytes: int, call: Callable[[str, Any], Any]):
+    def __init__(
+        self,
+        shm_dir: str,
+        max_region_bytes: int,
+        call: Callable[[str, Any], Any],
+        ops: RegionOps | None = None,
+    ):
         self.shm_dir = shm_dir
         self.max_region_bytes = max_region_bytes
         self._call = call
+        self._ops = ops
         self._regions: list[ClientRegion] = []
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
@@ -151,13 +159,38 @@ class ShmPath:
         return lambda request, _: self._call(name, request)
 
     def open(self) -> None:
-        """Create the staging region now (it fails here if the daemon's shm_dir is not ours)."""
+        """Create the staging region now (it fails here if the daemon's shm_dir is not ours),
+        and connect to the shm socket (without it, region ops go over gRPC)."""
         self._staging_spans()
+        if self._ops is not None:
+            try:
+                self._ops.client.with_connection(lambda conn: None)
+            except KvdError:
+                self._ops.close()
+                self._ops = None
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self._ops.client.timeout_s if self._ops is not None else None
+
+    @timeout_s.setter
+    def timeout_s(self, value: float | None) -> None:
+        if self._ops is not None and value is not None:
+            self._ops.client.timeout_s = value  # the client's changed deadline, as for bulk
+
+    def _batch(self, name: str, request: Any) -> pb.RegionBatchResponse:
+        if self._ops is None:
+            return self._call(name, request)  # type: ignore[no-any-return]
+        if name == "GetIntoRegion":
+            return self._ops.get_into_region(request)
+        return self._ops.put_from_region(request)
 
     def close(self) -> None:
         with self._lock:
             regions, self._regions = self._regions, []
             self._staging = None
+        if self._ops is not None:
+            self._ops.close()
         for region in regions:
             close_region(region, self._rpc("DetachRegion"))
 
@@ -234,7 +267,7 @@ class ShmPath:
                         )
                     ],
                 )
-                response = self._call("PutFromRegion", request)
+                response = self._batch("PutFromRegion", request)
             finally:
                 self._unstage(staged)
             for i, result in enumerate(response.results):
@@ -331,13 +364,13 @@ class ShmPath:
             namespace=ns,
             items=[pb.RegionItem(key=key, offset=offset, length=room)],
         )
-        result = self._call("GetIntoRegion", request).results[0]
+        result = self._batch("GetIntoRegion", request).results[0]
         if result.code == _NOT_FOUND:
             return None
         if result.code == _RESOURCE_EXHAUSTED and want_size and result.size > room:
-            return result  # type: ignore[no-any-return]
+            return result
         if result.code:
             if result.code == _RESOURCE_EXHAUSTED and result.size > room:
                 raise InvalidArgument(f"buffer of {room} bytes is too small for {result.size}")
             raise _error(result)
-        return result  # type: ignore[no-any-return]
+        return result
