@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.eviction import DEFAULT_POLICY, POLICIES
+from kvd.replay import prefill
 from kvd.replay.run import (
     MODEL_BLOCK_BYTES,
     ReplayStats,
@@ -174,7 +175,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"put {moved['bytes_put'] / 2**20:.1f} MiB; every byte verified "
         f"({moved['wrong_blocks']} wrong, {moved['lost_after_lookup']} lost after lookup).",
         "",
-        f"Modeled at {model['prefill_tokens_per_s']:.0f} prefill tokens/s: "
+        f"Modeled at {model['prefill_tokens_per_s']:.0f} prefill tokens/s "
+        f"({model.get('prefill_rate_source', 'parameter')}): "
         f"{100 * model['prefill_tokens_saved_ratio']:.1f} % of prefill tokens saved; mean TTFT "
         f"{model['ttft_mean_without_kvd_s']:.2f} s without kvd, "
         f"{model['ttft_mean_with_kvd_s']:.2f} s with ({model['ttft_speedup']:.2f}x).",
@@ -217,6 +219,10 @@ def run_bench(
         finally:
             if daemon is not None:
                 daemon.stop()
+    progress("prefill rate: measuring the real model when installed")
+    rate = prefill.resolve(args.prefill_tokens_per_s, PREFILL_TOKENS_PER_S_DEFAULT)
+    model = modeled_ttft(trace, stats, rate.tokens_per_s, stats.requests)
+    model["prefill_rate_source"] = rate.source
     progress("simulating the references")
     fraction = capacity / unique
     rows = curve(trace)
@@ -252,7 +258,7 @@ def run_bench(
             "elapsed_s": stats.elapsed_s,
             "requests_per_s": stats.requests / stats.elapsed_s if stats.elapsed_s else 0.0,
         },
-        "model": modeled_ttft(trace, stats, args.prefill_tokens_per_s, stats.requests),
+        "model": model,
         "curve": {"fractions": list(CURVE_FRACTIONS), "block_hit_ratio": rows},
     }
     return report, markdown(report)
@@ -297,8 +303,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-tokens-per-s",
         type=float,
-        default=PREFILL_TOKENS_PER_S_DEFAULT,
-        help="prefill rate for the model",
+        default=0.0,
+        help="prefill rate for the TTFT model; 0: measure the end-to-end test's model "
+        f"(SmolLM2-135M) when installed, else {PREFILL_TOKENS_PER_S_DEFAULT:.0f}",
     )
 
 
