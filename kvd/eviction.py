@@ -31,6 +31,11 @@ inserted. Priorities differ per policy:
   ``len(self) + 1024`` entries, oldest dropped first), so a chain that comes
   back after eviction gets its history back. See docs/eviction.md for the
   measurements behind it.
+* ``pred`` -- retention proportional to a reuse probability learned per
+  class of lookup (below).
+* ``hazard`` (the default, kvd/eviction_hazard.py) -- a deadline per block:
+  the lookup clock plus a retention learned per class of conversation turn
+  from how long such turns wait for their next turn.
 
 Cost: ``insert``/``touch``/``remove`` are O(log n) (one heap push) and
 ``victim`` is O(log n) amortised plus O(p log n) for p pinned keys it steps
@@ -48,8 +53,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
-POLICIES: tuple[str, ...] = ("lru", "gdf", "pred")
-DEFAULT_POLICY = "pred"
+POLICIES: tuple[str, ...] = ("lru", "gdf", "pred", "hazard")
+DEFAULT_POLICY = "hazard"
 
 # Heaps are rebuilt when they hold more than 2x live entries + this slack:
 # rebuilds then cost O(n) at most once per n stale pushes (amortised O(1)).
@@ -472,4 +477,8 @@ def make_policy(name: str) -> EvictionPolicy[Any]:
         return GdfPolicy()
     if name == "pred":
         return PredPolicy()
+    if name == "hazard":
+        from kvd.eviction_hazard import HazardPolicy  # it builds on _ChainPolicy
+
+        return HazardPolicy()
     raise UnknownPolicyError(f"unknown eviction policy {name!r}; expected one of {POLICIES}")

@@ -1,13 +1,15 @@
-"""Semantics of the store's eviction policies (kvd.eviction)."""
+"""Semantics of the store's eviction policies (kvd.eviction, kvd.eviction_hazard)."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvd.eviction import (
+    DEFAULT_POLICY,
     POLICIES,
     EvictionPolicy,
     GdfPolicy,
@@ -16,6 +18,7 @@ from kvd.eviction import (
     UnknownPolicyError,
     make_policy,
 )
+from kvd.eviction_hazard import _AGE_EDGES, HazardPolicy, turn_class
 
 
 def never(_key: object) -> bool:
@@ -293,3 +296,138 @@ def test_pred_pending_and_filling_stay_bounded() -> None:
         policy.on_lookup([key, key + 1_000_000], 0)
         policy.insert(key, None)  # the chain never goes on
     assert len(policy._filling) <= 1024
+
+
+def test_default_policy_is_hazard() -> None:
+    assert DEFAULT_POLICY == "hazard" and DEFAULT_POLICY in POLICIES
+    assert isinstance(make_policy(DEFAULT_POLICY), HazardPolicy)
+
+
+def test_hazard_without_lookups_evicts_exactly_as_lru() -> None:
+    rng = random.Random(7)
+    lru, hazard = LruPolicy[int](), HazardPolicy[int]()
+    pinned: set[int] = set()
+    victims = 0
+    for _ in range(5000):
+        draw = rng.random()
+        key = rng.randrange(300)
+        if draw < 0.5:
+            parent = key - 1 if key % 6 else None
+            lru.insert(key, parent)
+            hazard.insert(key, parent)
+        elif draw < 0.75:
+            lru.touch(key)
+            hazard.touch(key)
+        elif draw < 0.8:
+            pinned ^= {key}
+        else:
+            victim = lru.victim(pinned.__contains__)
+            assert hazard.victim(pinned.__contains__) == victim
+            if victim is not None:
+                assert victim not in pinned
+                lru.remove(victim)
+                hazard.remove(victim)
+                victims += 1
+    assert victims > 500 and len(lru) == len(hazard)
+    assert drain(hazard) == drain(lru)
+
+
+def _two_kinds(name: str) -> tuple[int, EvictionPolicy[Any]]:
+    """Per cycle: a fresh 4-block chain, the next turn (3 blocks re-read + 2
+    new) of the short chain from 20 cycles ago, and a fresh 80-block chain
+    that never continues; 86 blocks put per cycle, cache of 400 blocks. The
+    hits of the next turns (3 each at most)."""
+    policy = make_policy(name)
+    hits_total = 0
+
+    def turn(chain: list[tuple[str, int, int]]) -> int:
+        hits = 0
+        while hits < len(chain) and chain[hits] in policy._nodes:  # type: ignore[attr-defined]
+            policy.touch(chain[hits])
+            hits += 1
+        policy.on_lookup(chain, hits)
+        parent = chain[hits - 1] if hits else None
+        for key in chain[hits:]:
+            while len(policy) >= 400:
+                victim = policy.victim(lambda k: k in chain)
+                assert victim is not None and victim not in chain
+                policy.remove(victim)
+            policy.insert(key, parent)
+            parent = key
+        return hits
+
+    for cycle in range(600):
+        turn([("short", cycle, i) for i in range(4)])
+        if cycle >= 20:
+            old = cycle - 20
+            hits_total += turn(
+                [("short", old, i) for i in range(3)] + [("next", old, 0), ("next", old, 1)]
+            )
+        turn([("long", cycle, i) for i in range(80)])
+    return hits_total, policy
+
+
+def test_hazard_learns_which_turns_come_back_and_keeps_those() -> None:
+    lru_hits, _ = _two_kinds("lru")
+    hazard_hits, policy = _two_kinds("hazard")
+    assert isinstance(policy, HazardPolicy)
+    short, long_ = turn_class(0, 4, 4), turn_class(0, 80, 80)
+    assert policy.reuse_share(short) > 0.8  # every short turn is continued
+    assert policy.reuse_share(long_) == 0.0
+    assert policy.retention(short) > policy.retention(long_) == 0
+    # LRU holds 400 / 86 < 5 cycles and misses every next turn; the hazard
+    # policy keeps the short chains (~6 blocks a cycle) for the 20 cycles.
+    assert lru_hits == 0
+    assert hazard_hits > 0.8 * 3 * 580
+    again, _ = _two_kinds("hazard")
+    assert again == hazard_hits  # deterministic
+
+
+def test_hazard_sees_the_next_turn_of_an_evicted_chain() -> None:
+    policy = HazardPolicy[int]()
+    first = [1, 2, 3, 4]
+    policy.on_lookup(first, 0)
+    parent = None
+    for key in first:
+        policy.insert(key, parent)
+        parent = key
+    for key in reversed(first):
+        policy.remove(key)
+    assert policy.reuse_share(turn_class(0, 4, 4)) == 0.0
+    # The next turn re-reads 1-2-3 (none resident) and adds 2 blocks: it is a
+    # continuation (depth 1, 2 new blocks), and the first turn was reused.
+    policy.on_lookup([1, 2, 3, 9, 10], 0)
+    assert policy.reuse_share(turn_class(0, 4, 4)) == 1.0
+    policy.insert(1, None)
+    node = policy._nodes[1]
+    assert node.klass == turn_class(1, 2, 5)  # type: ignore[attr-defined]
+    assert node.depth == 1  # type: ignore[attr-defined]
+
+
+def test_hazard_gives_a_chains_last_block_no_retention() -> None:
+    policy = HazardPolicy[str]()
+    policy.insert("older", None)
+    chain = ["a", "b", "c"]
+    policy.on_lookup(chain, 0)
+    for key, parent in zip(chain, [None, "a", "b"], strict=True):
+        policy.insert(key, parent)
+    # "c" is the partial last block: deadline now + 0, and it is a leaf.
+    assert policy.victim(never) == "older"
+    policy.remove("older")
+    assert drain(policy) == ["c", "b", "a"]
+
+
+def test_hazard_state_stays_bounded() -> None:
+    policy = HazardPolicy[int]()
+    lookups = _AGE_EDGES[-1] + 2000
+    for start in range(0, 2 * lookups, 2):
+        policy.on_lookup([start, start + 1], 0)  # announced, never put
+    assert policy.turns_len <= _AGE_EDGES[-1]
+    assert policy.pending_len <= 1 << 16
+    for key in range(3000):
+        policy.on_lookup([key, key + 1_000_000], 0)
+        policy.insert(key, None)  # the chain never goes on
+    assert len(policy._filling) <= 1024
+    for step in range(20_000):
+        policy.touch(step % 3000)
+    assert len(policy._leaf_heap) + len(policy._inner_heap) <= 2 * len(policy) + 1025

@@ -49,7 +49,7 @@ def test_capacity_is_whole_blocks_of_pages() -> None:
     assert capacity_of(dram_bytes_for(1, 1), 1) == 16  # the daemon's 1 MiB minimum
 
 
-@pytest.mark.parametrize("policy", ["lru", "pred"])
+@pytest.mark.parametrize("policy", ["lru", "pred", "hazard"])
 def test_daemon_replay_equals_simulator(tmp_path: Path, first_requests: Trace, policy: str) -> None:
     dram_bytes = dram_bytes_for(CAPACITY_BLOCKS, BLOCK_BYTES)
     daemon = start_l1_daemon(tmp_path, dram_bytes, BLOCK_BYTES, ["--eviction-policy", policy])

@@ -150,3 +150,16 @@ def test_real_trace_policies_at_five_percent(real_trace: Trace) -> None:
     gdf = simulate(real_trace, "gdf", capacity_blocks)
     assert gdf.block_hit_ratio > 1.05 * lru.block_hit_ratio
     assert belady(real_trace, capacity_blocks).block_hit_ratio == pytest.approx(0.366, abs=0.001)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.10])
+def test_real_trace_hazard_is_the_best_online_policy(real_trace: Trace, fraction: float) -> None:
+    capacity_blocks = capacity_for(real_trace, fraction)
+    ratios = {
+        name: simulate(real_trace, name, capacity_blocks).block_hit_ratio for name in POLICIES
+    }
+    assert max(ratios, key=lambda name: ratios[name]) == "hazard"
+    if fraction == 0.10:  # the goal: 0.8 x Belady (Belady is the unbounded 36.64 % here)
+        assert ratios["hazard"] >= 0.8 * belady(real_trace, capacity_blocks).block_hit_ratio
+    else:  # 22.3 % (lru 19.6 %)
+        assert ratios["hazard"] > 1.12 * ratios["lru"]
