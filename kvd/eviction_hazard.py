@@ -55,7 +55,8 @@ from kvd.eviction import K, _ChainPolicy, _Node
 _DEPTH_MAX = 3
 _CLASSES = (_DEPTH_MAX + 1) * 4 * 4
 _LAST = -1  # a chain's last, partial block: retention 0
-# Age bins in lookups: edges int(1.25^j), 46 of them up to 60 000 lookups.
+assert _CLASSES <= 256  # class ids live in a bytearray
+# Age bins in lookups: edges int(1.25^j) below 60 000 (46, the last 56 051).
 # Coarser bins (factor 1.5) lose resolution where retentions sit (300-3000).
 _AGE_EDGES: tuple[int, ...] = tuple(sorted({int(1.25**j) for j in range(50) if 1.25**j < 60_000}))
 _BINS = len(_AGE_EDGES)
