@@ -106,15 +106,21 @@ def turn_class(depth: int, new_blocks: int, chain_blocks: int) -> int:
 
 
 class _Turn:
-    """A remembered lookup: its class, depth, clock and block weight."""
+    """A remembered lookup: its class, depth, clock, chain length and last key."""
 
-    __slots__ = ("depth", "klass", "tick", "weight")
+    __slots__ = ("blocks", "depth", "klass", "last", "tick")
 
-    def __init__(self, klass: int, depth: int, tick: int, weight: int) -> None:
+    def __init__(self, klass: int, depth: int, tick: int, blocks: int, last: object) -> None:
         self.klass = klass
         self.depth = depth
         self.tick = tick
-        self.weight = weight
+        self.blocks = blocks
+        self.last = last
+
+    @property
+    def weight(self) -> int:
+        """Blocks a next turn re-reads: all but the last, partial one."""
+        return self.blocks - 1
 
 
 class _HazardNode(_Node[K]):
@@ -179,19 +185,30 @@ class HazardPolicy(_ChainPolicy[K]):
             return
         depth = 0
         known = hits
+        repeat: _Turn | None = None
         for position in range(n - 1, 0, -1):
             earlier = self._turns.pop(keys[position], None)
-            if earlier is not None:
-                # This chain continues an earlier turn: that turn was reused.
-                self._end_turn(earlier, now - earlier.tick)
+            if earlier is None:
+                continue
+            # This chain continues an earlier turn: that turn was reused.
+            self._end_turn(earlier, now - earlier.tick)
+            if position == n - 2 and earlier.blocks == n and earlier.last == keys[n - 1]:
+                # The very same chain again (a retry, or one request looked up
+                # twice): a reuse, but no deeper in the conversation. A next
+                # turn that still fits the last block changes that block's key.
+                repeat = earlier
+            else:
                 depth = earlier.depth + 1
                 known = max(known, position + 1)
-                break
+            break
         else:
             if hits >= 2:  # beyond a shared head, resident but not remembered
                 tail = self._nodes.get(keys[hits - 1])
                 depth = tail.depth + 1 if isinstance(tail, _HazardNode) else 1
-        klass = turn_class(depth, n - known, n)
+        if repeat is not None:
+            depth, klass = repeat.depth, repeat.klass
+        else:
+            klass = turn_class(depth, n - known, n)
         for key in keys[:hits]:
             node = self._nodes.get(key)
             if isinstance(node, _HazardNode):
@@ -204,7 +221,7 @@ class HazardPolicy(_ChainPolicy[K]):
         while len(self._pending) > _PENDING_MAX:
             del self._pending[next(iter(self._pending))]
         if n >= 2:
-            self._start_turn(keys[n - 2], klass, depth, n - 1)
+            self._start_turn(keys, klass, depth)
         self._count_ages()
         if now % _DECAY == 0:
             self._decay()
@@ -257,12 +274,15 @@ class HazardPolicy(_ChainPolicy[K]):
         retention = 0 if klass == _LAST else self._retention[klass]
         return ((self._now + retention) << 64) | self._accesses
 
-    def _start_turn(self, key: K, klass: int, depth: int, weight: int) -> None:
+    def _start_turn(self, keys: Sequence[K], klass: int, depth: int) -> None:
         now = self._now
+        key = keys[-2]  # the last full block: the next turn re-reads it
         stale = self._turns.pop(key, None)
         if stale is not None:
             self._end_turn(stale, None)
-        self._turns[key] = _Turn(klass, depth, now, weight)
+        turn = _Turn(klass, depth, now, len(keys), keys[-1])
+        self._turns[key] = turn
+        weight = turn.weight
         slot = now & (_RING - 1)
         self._ring_tick[slot] = now
         self._ring_class[slot] = klass

@@ -431,3 +431,23 @@ def test_hazard_state_stays_bounded() -> None:
     for step in range(20_000):
         policy.touch(step % 3000)
     assert len(policy._leaf_heap) + len(policy._inner_heap) <= 2 * len(policy) + 1025
+
+
+def test_hazard_same_chain_looked_up_again_is_not_a_deeper_turn() -> None:
+    policy = HazardPolicy[int]()
+    chain = [1, 2, 3, 4]
+    policy.on_lookup(chain, 0)
+    parent = None
+    for key in chain:
+        policy.insert(key, parent)
+        parent = key
+    first = turn_class(0, 4, 4)
+    for _ in range(3):  # one request looked up again and again (or retried)
+        policy.on_lookup(chain, 4)
+        node = policy._nodes[1]
+        assert (node.depth, node.klass) == (0, first)  # type: ignore[attr-defined]
+    assert policy.reuse_share(first) > 0.0  # the blocks were re-read all the same
+    # A next turn that still fits the last block changes that block's key.
+    policy.on_lookup([1, 2, 3, 5], 3)
+    node = policy._nodes[1]
+    assert (node.depth, node.klass) == (1, turn_class(1, 1, 4))  # type: ignore[attr-defined]
