@@ -143,10 +143,6 @@ class RegionRegistry:
             )
         if len(self._regions) >= self.limits.max_regions:
             raise ResourceExhausted(f"max_regions={self.limits.max_regions} regions attached")
-        if self.owned_by(owner) >= self.limits.max_regions_per_client:
-            raise ResourceExhausted(
-                f"max_regions_per_client={self.limits.max_regions_per_client} regions attached"
-            )
         try:
             fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
         except OSError as exc:
@@ -162,6 +158,14 @@ class RegionRegistry:
             if _owner_gone(fd):
                 raise InvalidArgument(
                     f"region file {name}: hold a shared flock on it while it is attached"
+                )
+            # A client is the process holding the lock: every client of a Unix
+            # socket has the same gRPC peer string, so that cannot tell them apart.
+            holder = lock_holder(info)
+            owner = f"pid:{holder}" if holder is not None else owner
+            if self.owned_by(owner) >= self.limits.max_regions_per_client:
+                raise ResourceExhausted(
+                    f"max_regions_per_client={self.limits.max_regions_per_client} regions attached"
                 )
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
@@ -249,6 +253,22 @@ class RegionRegistry:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
+
+
+def lock_holder(info: os.stat_result, locks_path: str = "/proc/locks") -> int | None:
+    """The pid holding a flock on the file ``info`` describes, from /proc/locks
+    (lines like ``3: FLOCK ADVISORY READ 4242 00:1a:81234 0 EOF``); None where
+    there is no such file or no such lock."""
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        with open(locks_path, encoding="ascii", errors="replace") as locks:
+            for line in locks:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:
+                    return int(fields[4]) if fields[4].isdigit() else None
+    except OSError:
+        return None
+    return None
 
 
 def _owner_gone(fd: int) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvd.client import Client, InvalidArgument
+from kvd.client import Client, InvalidArgument, ResourceExhausted
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
@@ -200,3 +200,35 @@ def test_regions_of_a_killed_client_are_freed(
     with Client(shm_daemon.socket_target) as client:  # still serving
         client.put(NS, b"after", b"x" * 100)
         assert client.get(NS, b"after") == b"x" * 100
+    # The dead client's regions no longer count against anyone: this process
+    # attaches its full max_regions_per_client (4) on the same Unix socket.
+    with Client(shm_daemon.socket_target) as client:
+        held = [client.buffer(1 << 16) for _ in range(3)]  # plus its staging region
+        with pytest.raises(ResourceExhausted):
+            client.buffer(1 << 16)
+        assert len(held) == 3 and _attached(stub) == 4
+
+
+def test_region_limit_is_per_process_on_a_shared_unix_socket(
+    shm_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+) -> None:
+    """Every client of a Unix socket has the same gRPC peer string: the
+    per-client limit counts regions per process (the flock holder) instead."""
+    script = textwrap.dedent(
+        f"""
+        from kvd.client import Client, ResourceExhausted
+        client = Client({shm_daemon.socket_target!r})
+        buffers = [client.buffer(1 << 16) for _ in range(3)]
+        try:
+            client.buffer(1 << 16)
+        except ResourceExhausted:
+            print("limited", flush=True)
+        """
+    )
+    with Client(shm_daemon.socket_target) as mine:
+        held = [mine.buffer(1 << 16) for _ in range(3)]
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert done.stdout.strip() == "limited", done.stderr
+        assert len(held) == 3
