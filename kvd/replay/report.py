@@ -219,7 +219,8 @@ def run_bench(
         finally:
             if daemon is not None:
                 daemon.stop()
-    progress("prefill rate: measuring the real model when installed")
+    if args.prefill_tokens_per_s <= 0:
+        progress("prefill rate: measuring the real model when installed")
     rate = prefill.resolve(args.prefill_tokens_per_s, PREFILL_TOKENS_PER_S_DEFAULT)
     model = modeled_ttft(trace, stats, rate.tokens_per_s, stats.requests)
     model["prefill_rate_source"] = rate.source
