@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -207,6 +207,18 @@ class _ChainPolicy(Generic[K]):
                 self._offered = key
                 return key
         return None
+
+    def _victim_after_filling(self, filling: Container[K], skip: Callable[[K], bool]) -> K | None:
+        """``victim``, but a leaf whose chain is still being put (in
+        ``filling``) goes only after every other leaf, and before any
+        interior block (that would strand it anyway)."""
+        if not filling:
+            return _ChainPolicy.victim(self, skip)
+        key = self._first_unskipped(self._leaf_heap, lambda k: k in filling or skip(k))
+        if key is None:
+            return _ChainPolicy.victim(self, skip)
+        self._offered = key
+        return key
 
     # -- internals ------------------------------------------------------------
 
@@ -456,16 +468,7 @@ class PredPolicy(_ChainPolicy[K]):
                 self._ghost.popitem(last=False)
 
     def victim(self, skip: Callable[[K], bool]) -> K | None:
-        filling = self._filling
-        if not filling:
-            return super().victim(skip)
-        # A leaf whose chain is still being put goes only after every other
-        # leaf, but before any interior block (that would strand it anyway).
-        key = self._first_unskipped(self._leaf_heap, lambda k: k in filling or skip(k))
-        if key is None:
-            return super().victim(skip)
-        self._offered = key
-        return key
+        return self._victim_after_filling(self._filling, skip)
 
 
 def make_policy(name: str) -> EvictionPolicy[Any]:

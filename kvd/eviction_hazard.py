@@ -258,16 +258,7 @@ class HazardPolicy(_ChainPolicy[K]):
         self._filling.pop(key, None)
 
     def victim(self, skip: Callable[[K], bool]) -> K | None:
-        filling = self._filling
-        if not filling:
-            return super().victim(skip)
-        # A leaf whose chain is still being put goes only after every other
-        # leaf, but before any interior block (that would strand it anyway).
-        key = self._first_unskipped(self._leaf_heap, lambda k: k in filling or skip(k))
-        if key is None:
-            return super().victim(skip)
-        self._offered = key
-        return key
+        return self._victim_after_filling(self._filling, skip)
 
     # -- learning -------------------------------------------------------------
 
