@@ -16,6 +16,7 @@ from kvd.bulk import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from kvd.bulk_client import BulkClient, BulkPut
 from kvd.client import AlreadyExists, Client, InvalidArgument, ResourceExhausted
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.sockets import closed_by_daemon, recv_exact
 
 NS = "bulk-test"
 
@@ -28,32 +29,10 @@ def bulk_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
 def _raw(daemon: DaemonProcess) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", daemon.bulk_port), timeout=5)
     sock.sendall(encode_request(OP_HELLO, 0))
-    assert len(_recv_exact(sock, RESPONSE.size)) == RESPONSE.size
+    assert len(recv_exact(sock, RESPONSE.size)) == RESPONSE.size
     return sock
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _closed_by_daemon(sock: socket.socket) -> bool:
-    """True when the daemon closed the connection (EOF or reset) within the timeout."""
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-    finally:
-        sock.close()
-    return True
 
 
 def _still_serving(daemon: DaemonProcess) -> None:
@@ -108,7 +87,7 @@ def test_client_uses_bulk_for_large_values_over_tcp(bulk_daemon: DaemonProcess) 
 def test_wrong_magic_closes_the_connection(bulk_daemon: DaemonProcess) -> None:
     sock = _raw(bulk_daemon)
     sock.sendall(b"XXXX" + encode_request(OP_GET, 1, NS.encode(), b"k")[4:])
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     assert _logged(bulk_daemon, "bad magic")
     _still_serving(bulk_daemon)
 
@@ -116,7 +95,7 @@ def test_wrong_magic_closes_the_connection(bulk_daemon: DaemonProcess) -> None:
 def test_first_frame_must_be_hello(bulk_daemon: DaemonProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", bulk_daemon.bulk_port), timeout=5)
     sock.sendall(encode_request(OP_GET, 1, NS.encode(), b"k"))
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     assert _logged(bulk_daemon, "HELLO")
 
 
@@ -134,7 +113,7 @@ def test_truncated_put_leaves_nothing(bulk_daemon: DaemonProcess) -> None:
 def test_length_over_the_limit_closes(bulk_daemon: DaemonProcess) -> None:
     sock = _raw(bulk_daemon)
     sock.sendall(encode_request(OP_PUT, 1, NS.encode(), b"huge", length=1 << 40))
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     assert _logged(bulk_daemon, "max_value_bytes")
     _still_serving(bulk_daemon)
 
@@ -144,12 +123,12 @@ def test_slow_loris_is_cut_off(bulk_daemon: DaemonProcess) -> None:
     frame = encode_request(OP_PUT, 1, NS.encode(), b"slow", length=4096) + b"y" * 4096
     sock.sendall(frame[:20])  # half a header, then silence
     start = time.monotonic()
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     assert time.monotonic() - start < 4  # frame timeout is 300 ms
     assert _logged(bulk_daemon, "TimeoutError")
     sock = _raw(bulk_daemon)
     sock.sendall(frame[:1000])  # a whole header, then part of the payload
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
         assert client.get(NS, b"slow") is None
     _still_serving(bulk_daemon)
@@ -158,7 +137,7 @@ def test_slow_loris_is_cut_off(bulk_daemon: DaemonProcess) -> None:
 def test_wrong_checksum_is_refused(bulk_daemon: DaemonProcess) -> None:
     sock = _raw(bulk_daemon)
     sock.sendall(encode_request(OP_PUT, 7, NS.encode(), b"bad", length=5, checksum=1) + b"hello")
-    answer = RESPONSE.unpack(_recv_exact(sock, RESPONSE.size))
+    answer = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
     assert answer[4] == 7 and answer[5] == 15  # request id, DATA_LOSS
     with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
         assert client.get(NS, b"bad") is None

@@ -30,6 +30,7 @@ from kvd.shm_channel import REGION_REF, SOCKET_NAME, TIER_SHIFT
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.sockets import closed_by_daemon, recv_exact
 from tests.test_auth import TOKEN_A, token_file
 from tests.test_shm import RawRegion
 
@@ -57,18 +58,9 @@ def _connect(path: str, token: bytes = b"") -> tuple[socket.socket, int]:
     sock.settimeout(5)
     sock.connect(path)
     sock.sendall(encode_request(OP_HELLO, 0, length=len(token)) + token)
-    header = _recv_exact(sock, RESPONSE.size)
+    header = recv_exact(sock, RESPONSE.size)
     return sock, RESPONSE.unpack(header)[5]
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def _frame(op: int, region: RawRegion, key: bytes, offset: int, length: int, ns: str = NS) -> bytes:
@@ -80,23 +72,11 @@ def _frame(op: int, region: RawRegion, key: bytes, offset: int, length: int, ns:
 def _answer(sock: socket.socket) -> tuple[int, int, int, bytes]:
     """(code, flags, length, message) of one answer."""
     _, _, _, flags, _, code, meta_len, msg_len, length, _ = RESPONSE.unpack(
-        _recv_exact(sock, RESPONSE.size)
+        recv_exact(sock, RESPONSE.size)
     )
-    tail = _recv_exact(sock, meta_len + msg_len)
+    tail = recv_exact(sock, meta_len + msg_len)
     return code, flags, length, tail[meta_len:]
 
-
-def _closed_by_daemon(sock: socket.socket) -> bool:
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-    finally:
-        sock.close()
-    return True
 
 
 def _logged(daemon: DaemonProcess, reason: str) -> bool:
@@ -181,7 +161,7 @@ def test_bad_first_frames_close_the_connection(
     sock.settimeout(5)
     sock.connect(_paths(stub).shm_socket)
     sock.sendall(frame)
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     assert _logged(channel_daemon, reason)
     with Client(channel_daemon.socket_target) as client:
         client.put(NS, b"canary", b"alive" * 1000)
@@ -197,12 +177,12 @@ def test_truncated_and_slow_frames_leave_nothing(
     sock, _ = _connect(_paths(stub).shm_socket)
     sock.sendall(frame[:50])  # header, part of the region reference, then EOF
     sock.shutdown(socket.SHUT_WR)
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     assert _logged(channel_daemon, "ended inside a frame")
     sock, _ = _connect(_paths(stub).shm_socket)
     sock.sendall(frame[:20])  # half a header, then silence
     start = time.monotonic()
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     assert time.monotonic() - start < 4  # frame timeout is 300 ms; the check runs every 75 ms
     assert _logged(channel_daemon, "frame not complete within 0.3 s")
     assert region.get(stub, b"cut", 0, 5).code == CODES["NOT_FOUND"]
@@ -211,9 +191,9 @@ def test_truncated_and_slow_frames_leave_nothing(
 def test_region_ops_are_refused_on_the_bulk_tcp_port(channel_daemon: DaemonProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", channel_daemon.bulk_port), timeout=5)
     sock.sendall(encode_request(OP_HELLO, 0))
-    assert len(_recv_exact(sock, RESPONSE.size)) == RESPONSE.size
+    assert len(recv_exact(sock, RESPONSE.size)) == RESPONSE.size
     sock.sendall(encode_request(OP_REGION_GET, 1, NS.encode(), b"k", length=5) + bytes(32))
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
 
 
 def test_tokens_and_namespaces_are_checked(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
@@ -221,7 +201,7 @@ def test_tokens_and_namespaces_are_checked(daemon_factory: DaemonFactory, tmp_pa
     path = str(daemon.workdir / "shm" / SOCKET_NAME)
     sock, code = _connect(path, b"not-a-token")
     assert code == CODES["UNAUTHENTICATED"]
-    assert _closed_by_daemon(sock)
+    assert closed_by_daemon(sock)
     with (
         BulkClient(path, 0, token="not-a-token", timeout_s=5) as raw,
         pytest.raises(Unauthenticated),
