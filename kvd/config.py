@@ -243,9 +243,7 @@ class Config:
         max=60_000,
     )
     shm_socket: str = _setting(
-        "",
-        help="Unix socket for region gets and puts without gRPC; empty: kvd.sock in shm_dir",
-        check=check_socket_path,
+        "", help="Unix socket for region ops; empty: kvd.sock in shm_dir", check=check_socket_path
     )
     bulk_listen: str = _setting(
         "127.0.0.1:7071",
