@@ -115,8 +115,8 @@ class Connection:
 
     def send(self, parts: list[memoryview]) -> None:
         if len(parts) == 1:
-            # sendall of one buffer: sendmsg costs ~25 µs more per call on a
-            # Unix socket here, which is a whole round trip of the shm socket.
+            # One buffer: sendall. A 40-byte echo over a Unix socket took
+            # 49 µs a round trip with sendmsg here, 22 µs with sendall.
             self.sock.sendall(parts[0])
             return
         parts = [part for part in parts if len(part)]
