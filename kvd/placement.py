@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
-from kvd.index import TIER_L2, Entry, Namespace, Reader, StoreCounters
+from kvd.index import TIER_L2, Entry, Namespace, Reader, StoreCounters, check_key
 from kvd.iobackend import IoError
 from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
 from kvd.pool import Pool, Run
@@ -62,6 +62,34 @@ class L2Placement:
             self._miss(ns_name)
             return None
         return self._reader(entry, TIER_L2)
+
+    def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:
+        """The L2 record of a value that is not in L1 and not being read into it."""
+        check_key(key)
+        if self.l2 is None or (ns_name, key) in self._promotions:
+            return None
+        if self._l1(ns_name, key) is not None:
+            return None
+        return self.l2.lookup(ns_name, key)
+
+    async def read_l2_into(self, record: L2Record, dst: memoryview) -> bool:
+        """Read an L2-only value straight into ``dst`` (``record.read_bytes``
+        long, 4 KiB-aligned memory, e.g. a client's shared-memory region),
+        checked against its checksum; L1 is left as it was. False when the
+        read failed: the record is dropped and the get is a miss."""
+        assert self.l2 is not None
+        try:
+            await self.l2.read(record, [dst])
+        except (ChecksumMismatch, IoError):
+            self.counters.promotion_failures += 1
+            self._miss(record.namespace)
+            return False
+        ns = self._namespace(record.namespace)
+        ns.hits += 1
+        self.counters.hits += 1
+        self.counters.l2_hits += 1
+        self.counters.bytes_out += record.size
+        return True
 
     async def _prefetch(self, record: L2Record) -> None:
         if (
