@@ -5,6 +5,11 @@
 and the pool with one RPC. Per item: pin (a ticket or a reader) on the event
 loop, copy on a worker thread, publish or check the checksum back on the loop.
 Items fail alone (a per-item status); only a bad region fails the whole call.
+A get of a value that is only on L2 reads it from the disk straight into
+the region when it is whole 4 KiB blocks of at least ``L2_DIRECT_MIN_BYTES``
+(``_l2_direct``); others are promoted into L1 and copied. The same handlers
+serve the shm socket (``kvd.shm_channel``) through ``get_into_region`` and
+``put_from_region``.
 
 Batches under ``INLINE_COPY_BYTES`` copy on the event loop thread: handing a
 64 KiB copy (~6 µs) to a thread costs ~50 µs of wake-ups. So do batches up
@@ -13,7 +18,8 @@ batches go to ``COPY_THREADS`` workers, one group of items per worker.
 
 ``DescribePaths`` tells clients which fast paths this daemon offers, and
 ``FastPaths`` is what the daemon starts and stops: the region registry, the
-task that frees regions of clients that exited, and the bulk TCP server.
+task that frees regions of clients that exited, the shm socket and the bulk
+TCP server.
 """
 
 from __future__ import annotations
