@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from kvd.index import TIER_L2, Entry, Namespace, Reader, StoreCounters, check_key
@@ -20,12 +21,18 @@ if TYPE_CHECKING:
     from kvd.writeback import WriteBack
 
 
+# Keys read from L2 straight into a client's memory that are remembered: a
+# second such get within the last this many promotes the value into L1.
+DIRECT_READS_REMEMBERED = 4096
+
+
 class L2Placement:
     pool: Pool
     l2: L2Tier | None
     writeback: WriteBack | None
     counters: StoreCounters
     _promotions: dict[tuple[str, bytes], asyncio.Future[None]]
+    _direct_reads: OrderedDict[tuple[str, bytes], None]
 
     if TYPE_CHECKING:  # defined by Store
 
@@ -64,11 +71,16 @@ class L2Placement:
         return self._reader(entry, TIER_L2)
 
     def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:
-        """The L2 record of a value that is not in L1 and not being read into it."""
+        """The L2 record of a value that is not in L1 and not being read into
+        it, for ``read_l2_into``. None as well for a value read that way
+        recently: read again, it is being reused, and the get promotes it."""
         check_key(key)
         if self.l2 is None or (ns_name, key) in self._promotions:
             return None
         if self._l1(ns_name, key) is not None:
+            return None
+        if (ns_name, key) in self._direct_reads:
+            del self._direct_reads[(ns_name, key)]
             return None
         return self.l2.lookup(ns_name, key)
 
@@ -89,6 +101,9 @@ class L2Placement:
         self.counters.hits += 1
         self.counters.l2_hits += 1
         self.counters.bytes_out += record.size
+        self._direct_reads[(record.namespace, record.key)] = None
+        if len(self._direct_reads) > DIRECT_READS_REMEMBERED:
+            self._direct_reads.popitem(last=False)
         return True
 
     async def _prefetch(self, record: L2Record) -> None:

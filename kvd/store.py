@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -97,6 +98,7 @@ class Store(L2Placement):
         self.writeback: WriteBack | None = None
         self.prefetcher: Prefetcher | None = None
         self._promotions: dict[tuple[str, bytes], asyncio.Future[None]] = {}
+        self._direct_reads: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         if l2 is not None:
             self.writeback = WriteBack(self, l2, clock)
             l2.on_drop = self._on_l2_drop

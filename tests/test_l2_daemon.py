@@ -281,7 +281,8 @@ def test_shm_gets_of_l2_only_values_land_straight_in_the_region(
 ) -> None:
     """Large L2-only values are read from the disk into the client's region,
     checked, and not copied into L1; a corrupt one is a miss; a size that is
-    not whole 4 KiB blocks goes through L1 as before."""
+    not whole 4 KiB blocks goes through L1 as before, and so does a value
+    read a second time."""
     skip_without(backend)
     size = 1 << 20
     keys = [b"d%03d" % i for i in range(6)]
@@ -312,6 +313,11 @@ def test_shm_gets_of_l2_only_values_land_straight_in_the_region(
             assert client.get_into("direct", odd, buffer) == size - 100
             assert bytes(buffer[: size - 100]) == value_for(odd, size - 100)
             assert client.stats()["promotions"] == 1
+            # Read again, a value is being reused: this get promotes it into L1.
+            assert client.get_into("direct", keys[1], buffer) == size
+            assert bytes(buffer) == value_for(keys[1], size)
+            stats = client.stats()
+            assert (stats["promotions"], stats["entries"], stats["l2_hits"]) == (2, 2, 7)
         assert daemon.alive()
     finally:
         daemon.stop()
