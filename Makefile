@@ -71,7 +71,7 @@ lint: venv proto
 
 # Rewrite the settings table in README.md from kvd/config.py.
 readme: venv
-	$(PY) -c 'import kvd.config as c; p = "README.md"; s = open(p).read(); \
+	$(PY) -c 'import kvd.config_docs as c; p = "README.md"; s = open(p).read(); \
 		b = s.index("-->", s.index("<!-- settings-table:begin")) + 4; \
 		e = s.index("<!-- settings-table:end"); \
 		open(p, "w").write(s[:b] + c.settings_markdown() + s[e:])'

@@ -46,7 +46,6 @@ __all__ = [
     "is_loopback_host",
     "load_config",
     "parse_address",
-    "settings_markdown",
 ]
 
 ENV_PREFIX = "KVD_"
@@ -244,6 +243,13 @@ class Config:
     )
     shm_socket: str = _setting(
         "", help="Unix socket for region ops; empty: kvd.sock in shm_dir", check=check_socket_path
+    )
+    shm_l2_direct_min_bytes: int = _setting(
+        0,
+        help="L2-only values this large or larger are read from disk straight into the "
+        "client's region, not through L1; 0: never",
+        min=0,
+        max=1 * TiB,
     )
     bulk_listen: str = _setting(
         "127.0.0.1:7071",
@@ -585,16 +591,3 @@ def config_from_environment(
 ) -> Config:
     """load_config with this process's environment; ``KVD_CONFIG`` names the file."""
     return load_config(path or os.environ.get("KVD_CONFIG"), os.environ, overrides)
-
-
-def settings_markdown() -> str:
-    """The settings reference table, as the README shows it."""
-    rows = [
-        "| Setting | Default | Bounds | Meaning |",
-        "|---|---|---|---|",
-    ]
-    for setting in SETTINGS:
-        default = setting.toml(setting.default)
-        bounds = setting.bounds()
-        rows.append(f"| `{setting.name}` | `{default}` | {bounds} | {setting.help} |")
-    return "\n".join(rows) + "\n"

@@ -12,8 +12,8 @@ from kvd.config import (
     is_loopback_host,
     load_config,
     parse_address,
-    settings_markdown,
 )
+from kvd.config_docs import settings_markdown
 from kvd.sizes import SizeError, format_size, parse_size
 
 GiB = 1 << 30

@@ -299,7 +299,8 @@ def test_shm_gets_of_l2_only_values_land_straight_in_the_region(
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x5A]))
-    daemon = start(tmp_path, backend=backend)  # L1 starts empty: every value is L2-only
+    # L1 starts empty: every value is L2-only.
+    daemon = start(tmp_path, "--shm-l2-direct-min-bytes", "256KiB", backend=backend)
     try:
         with Client(daemon.socket_target, timeout_s=30) as client:
             buffer = client.buffer(size)
@@ -319,5 +320,14 @@ def test_shm_gets_of_l2_only_values_land_straight_in_the_region(
             stats = client.stats()
             assert (stats["promotions"], stats["entries"], stats["l2_hits"]) == (2, 2, 7)
         assert daemon.alive()
+    finally:
+        daemon.stop()
+    daemon = start(tmp_path, backend=backend)  # the default: every L2 read goes through L1
+    try:
+        with Client(daemon.socket_target, timeout_s=30) as client:
+            buffer = client.buffer(size)
+            assert client.get_into("direct", keys[2], buffer) == size
+            assert bytes(buffer) == value_for(keys[2], size)
+            assert client.stats()["promotions"] == 1
     finally:
         daemon.stop()
