@@ -180,11 +180,15 @@ def kvd_rows(
     value = value_bytes(size)
     rows = []
     with kvd_client(path, tcp_target, unix_target) as filler:
+        buffer = filler.buffer(size)
         for clients in CLIENTS:
             # (Again) before each round: the previous round's puts may have
-            # pushed these out of L1 and, past L2's size, out of kvd.
+            # pushed these out of L1 and, past L2's size, out of kvd. A put of
+            # a key L2 still holds changes nothing, so a get brings it back
+            # into L1: the round then measures L1 gets, not promotions.
             for key in keys:
                 filler.put(ns, key, value.data)
+                expect_size(filler.get_into(ns, key, buffer), size)
             progress(f"paths: {path} {size_label(size)} x{clients}")
             for op in ("get", "put"):
                 case = Case("kvd", op, size, keys, f"p{clients}", ns, path, tcp_target, unix_target)
