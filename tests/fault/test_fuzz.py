@@ -8,7 +8,8 @@ and answer only with the documented codes.
   items. Put gets a generated stream.
 - Every unary method also gets mutated protobuf: valid requests, serialized,
   then bytes flipped, inserted, deleted, truncated, sent raw.
-- The bulk port gets a HELLO then generated and mutated frames.
+- The bulk port gets a HELLO then generated and mutated frames; so does
+  the shm socket, with region ops naming a real region and wrong ones.
 - In-process: the bulk request decoder, the L2 record header decoder and
   the client's Get stream assembler get mutated input at full speed.
 
@@ -39,15 +40,19 @@ from kvd.client import Client
 from kvd.client_wire import GetAssembler
 from kvd.errors import KvdError
 from kvd.l2 import format as l2format
+from kvd.shm_channel import REGION_REF
 from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonProcess
+from tests.test_shm import RawRegion
 
 FUZZ_N = int(os.environ.get("KVD_TEST_FUZZ_N", "3000"))
 # Shares of FUZZ_N: round trips cost ~1 ms, in-process parses ~10 us.
 GRPC_GENERATED = max(200, FUZZ_N // 50)
 GRPC_MUTATED = max(200, FUZZ_N // 50)
 BULK_FRAMES = max(100, FUZZ_N // 100)
-IN_PROCESS = max(1000, FUZZ_N - GRPC_GENERATED - GRPC_MUTATED - BULK_FRAMES)
+SHM_FRAMES = max(100, FUZZ_N // 100)
+IN_PROCESS = max(1000, FUZZ_N - GRPC_GENERATED - GRPC_MUTATED - BULK_FRAMES - SHM_FRAMES)
 CALL_TIMEOUT_S = 5.0
 # A mutated bulk frame may declare more bytes than it carries: the daemon
 # then rightly waits for them (up to bulk_frame_timeout_ms), so the fuzzer
@@ -370,6 +375,63 @@ def test_bulk_frames(shared_daemon: DaemonProcess) -> None:
                 assert code in ALLOWED_BULK, f"bulk answered code {code}"
     stats = check_alive(shared_daemon)
     print(f"\nbulk frames: {sent} sent, answers by code {codes}, {closed} connections closed")
+    assert stats["inflight_bytes"] == 0
+
+
+# ---- shm socket -----------------------------------------------------------------------
+SHM_LENGTHS = (0, 1, 100, 5000, 1 << 20, 1 << 40, (1 << 64) - 1)
+
+
+def shm_frames(rng: random.Random, region_id: int, token: bytes) -> bytes:
+    """Region ops (and strays) with real and wrong region references."""
+    strays = [bulk.OP_HELLO, bulk.OP_GET, 0, 9]  # each closes the connection
+    ops = [bulk.OP_REGION_GET, bulk.OP_REGION_PUT]
+    op = rng.choice(strays) if rng.random() < 0.1 else rng.choice(ops)
+    frame = bulk.encode_request(
+        op, rng.randrange(1 << 64), rng.choice([b"fuzz"] * 6 + [b"", b"\xff\xfe", b"a" * 257]),
+        rng.choice([b"k", rng.randbytes(8)] * 3 + [b"", b"k" * 65]), parent=rng.choice([b"", b"p"]),
+        meta=rng.choice([b"", b"m" * 10]), length=rng.choice(SHM_LENGTHS),
+        checksum=rng.choice([None, 0, 12345]), durable=rng.random() < 0.2,
+    )  # fmt: skip
+    ref = REGION_REF.pack(
+        rng.choice([region_id, region_id + 1, 0, (1 << 64) - 1]),
+        rng.choice([0, 4096, (1 << 20) - 1, 1 << 40, (1 << 64) - 1]),
+        rng.choice([token, b"x" * 16]),
+    )
+    frame = frame[: bulk.REQUEST.size] + ref + frame[bulk.REQUEST.size :]
+    return mutate(frame, rng) if rng.random() < 0.3 else frame
+
+
+def test_shm_socket_frames(shared_daemon: DaemonProcess) -> None:
+    rng = random.Random(13)
+    with grpc.insecure_channel(shared_daemon.socket_target) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        paths = stub.DescribePaths(pb.DescribePathsRequest())
+        region = RawRegion(stub, paths.shm_dir, "fuzz-region", 1 << 20)
+        codes: dict[int, int] = {}
+        closed = sent = 0
+        while sent < SHM_FRAMES:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(ANSWER_WAIT_S)
+                sock.connect(paths.shm_socket)
+                sock.sendall(bulk.encode_request(bulk.OP_HELLO, 0))
+                assert read_answer(sock) == bulk.CODE_OK
+                for _ in range(20):  # frames per connection, until the daemon closes it
+                    sent += 1
+                    try:
+                        sock.sendall(shm_frames(rng, region.region_id, region.token))
+                        code = read_answer(sock)
+                    except (ConnectionError, TimeoutError, OSError):
+                        code = None
+                    if code is None:
+                        closed += 1
+                        break
+                    codes[code] = codes.get(code, 0) + 1
+                    assert code in ALLOWED_BULK, f"shm socket answered code {code}"
+        region.map[:4] = b"live"
+        assert region.put(stub, b"after-fuzz", 0, 4) == 0  # the region still works
+    stats = check_alive(shared_daemon)
+    print(f"\nshm frames: {sent} sent, answers by code {codes}, {closed} connections closed")
     assert stats["inflight_bytes"] == 0
 
 
