@@ -352,19 +352,41 @@ def bulk_frames(rng: random.Random) -> bytes:
 
 def test_bulk_frames(shared_daemon: DaemonProcess) -> None:
     rng = random.Random(11)
+    sent, codes, closed = send_frames(
+        lambda: socket.create_connection(("127.0.0.1", shared_daemon.bulk_port), 5),
+        lambda: bulk_frames(rng),
+        BULK_FRAMES,
+        rng,
+        shutdown_share=0.05,
+    )
+    stats = check_alive(shared_daemon)
+    print(f"\nbulk frames: {sent} sent, answers by code {codes}, {closed} connections closed")
+    assert stats["inflight_bytes"] == 0
+
+
+def send_frames(
+    connect: Callable[[], socket.socket],
+    frame: Callable[[], bytes],
+    count: int,
+    rng: random.Random,
+    shutdown_share: float = 0.0,
+) -> tuple[int, dict[int, int], int]:
+    """Send ``count`` frames after a HELLO per connection, reconnecting when the
+    daemon closes one; every answer must carry a documented code. Returns
+    (frames sent, answers by code, connections closed)."""
     codes: dict[int, int] = {}
-    closed = 0
-    sent = 0
-    while sent < BULK_FRAMES:
-        with socket.create_connection(("127.0.0.1", shared_daemon.bulk_port), 5) as sock:
+    closed = sent = 0
+    while sent < count:
+        with connect() as sock:
             sock.settimeout(ANSWER_WAIT_S)
             sock.sendall(bulk.encode_request(bulk.OP_HELLO, 0))
             assert read_answer(sock) == bulk.CODE_OK
             for _ in range(20):  # frames per connection, until the daemon closes it
                 sent += 1
                 try:
-                    sock.sendall(bulk_frames(rng))
-                    sock.shutdown(socket.SHUT_WR) if rng.random() < 0.05 else None
+                    sock.sendall(frame())
+                    if shutdown_share and rng.random() < shutdown_share:
+                        sock.shutdown(socket.SHUT_WR)
                     code = read_answer(sock)
                 except (ConnectionError, TimeoutError, OSError):
                     code = None
@@ -372,10 +394,8 @@ def test_bulk_frames(shared_daemon: DaemonProcess) -> None:
                     closed += 1
                     break
                 codes[code] = codes.get(code, 0) + 1
-                assert code in ALLOWED_BULK, f"bulk answered code {code}"
-    stats = check_alive(shared_daemon)
-    print(f"\nbulk frames: {sent} sent, answers by code {codes}, {closed} connections closed")
-    assert stats["inflight_bytes"] == 0
+                assert code in ALLOWED_BULK, f"answered code {code}"
+    return sent, codes, closed
 
 
 # ---- shm socket -----------------------------------------------------------------------
@@ -408,26 +428,16 @@ def test_shm_socket_frames(shared_daemon: DaemonProcess) -> None:
         stub = pb_grpc.KVStoreStub(channel)
         paths = stub.DescribePaths(pb.DescribePathsRequest())
         region = RawRegion(stub, paths.shm_dir, "fuzz-region", 1 << 20)
-        codes: dict[int, int] = {}
-        closed = sent = 0
-        while sent < SHM_FRAMES:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(ANSWER_WAIT_S)
-                sock.connect(paths.shm_socket)
-                sock.sendall(bulk.encode_request(bulk.OP_HELLO, 0))
-                assert read_answer(sock) == bulk.CODE_OK
-                for _ in range(20):  # frames per connection, until the daemon closes it
-                    sent += 1
-                    try:
-                        sock.sendall(shm_frames(rng, region.region_id, region.token))
-                        code = read_answer(sock)
-                    except (ConnectionError, TimeoutError, OSError):
-                        code = None
-                    if code is None:
-                        closed += 1
-                        break
-                    codes[code] = codes.get(code, 0) + 1
-                    assert code in ALLOWED_BULK, f"shm socket answered code {code}"
+
+        def connect() -> socket.socket:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(5)
+            sock.connect(paths.shm_socket)
+            return sock
+
+        sent, codes, closed = send_frames(
+            connect, lambda: shm_frames(rng, region.region_id, region.token), SHM_FRAMES, rng
+        )
         region.map[:4] = b"live"
         assert region.put(stub, b"after-fuzz", 0, 4) == 0  # the region still works
     stats = check_alive(shared_daemon)
