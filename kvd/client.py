@@ -37,7 +37,6 @@ from kvd.client_wire import (
     INLINE_GET_BYTES_MAX,
     Buffer,
     GetAssembler,
-    LookupResult,
     PutItemLike,
     batch_get_item,
     batch_put_request,
@@ -66,6 +65,7 @@ from kvd.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvd.index import LookupResult
 from kvd.keys import chain_keys
 from kvd.shm_channel import RegionOps
 from kvd.shm_client import ShmPath

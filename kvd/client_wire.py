@@ -6,13 +6,13 @@ blocking ``Client`` and the ``AsyncClient`` in ``kvd.client``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
 from kvd.checksum import checksum
 from kvd.errors import BY_CODE_NAME, DataLoss, InvalidArgument, KvdError, ResourceExhausted
+from kvd.index import LookupResult
 from kvd.v1 import kvd_pb2 as pb
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -38,15 +38,6 @@ CHANNEL_OPTIONS = [
 
 Buffer = bytes | bytearray | memoryview
 PutItemLike = tuple[bytes, Buffer] | tuple[bytes, Buffer, bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    prefix_len: int
-    l1_hits: int
-    l2_hits: int
-    lease_id: int
-    lease_ms: int
 
 
 def grpc_target(target: str) -> str:
