@@ -8,9 +8,12 @@ Regions are still attached and detached over gRPC (rare calls); the per-item
 work is the gRPC handlers' own (``RegionHandlers.get_into_region`` and
 ``put_from_region``), so both ways give the same answers, limits and metrics.
 
-Server: one asyncio task per connection reads a frame, does it, answers,
-in order (a client pipelines frames and spreads a batch over connections for
-parallel copies). HELLO first, with the bearer token when auth is on; every
+Server: per connection, a reader task reads frames and starts each op as
+its own task (at most ``PIPELINE_FRAMES`` unanswered), and a writer task
+sends the answers in request order. Ops of one connection therefore run
+concurrently: a batch's copies go to the copy threads together, while a
+lone get still copies on the event loop (the hand-off costs more than a
+few MiB of copying). HELLO first, with the bearer token when auth is on; every
 op then names its namespace and is authorized like a gRPC call, and names
 its region by id and token like ``GetIntoRegion`` does. Bad framing, a
 frame slower than ``bulk_frame_timeout_ms`` or silence past
@@ -32,7 +35,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvd.bulk import (
     FLAG_CHECKSUM,
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
     from kvd.shm_service import RegionHandlers
 
 log = logging.getLogger("kvd.shm")
+T = TypeVar("T")
 
 CHANNEL_OPS = frozenset({OP_HELLO, OP_REGION_GET, OP_REGION_PUT})
 # After the header of a region op: region id, offset in the region, region token.
@@ -83,9 +87,10 @@ _BUSY, _IDLE, _IN_FRAME = 0, 1, 2  # what a connection waits for
 @dataclass(eq=False)
 class _Peer:
     writer: asyncio.StreamWriter
-    since: float  # loop time the current wait began
+    since: float  # loop time the current wait began (or the last answer left)
     waiting: int = _BUSY
     reason: str = ""
+    unanswered: int = 0  # ops read and not yet answered: the client waits on us
 
     def close(self, reason: str) -> None:
         self.reason = reason
@@ -142,7 +147,8 @@ class ShmChannel:
             now = loop.time()
             for peer in self._peers.values():
                 waited_s = now - peer.since
-                if peer.waiting == _IDLE and waited_s > limits.idle_timeout_s:
+                idle = peer.waiting == _IDLE and not peer.unanswered
+                if idle and waited_s > limits.idle_timeout_s:
                     peer.close(f"no frame for {limits.idle_timeout_s:g} s")
                 elif peer.waiting == _IN_FRAME and waited_s > limits.frame_timeout_s:
                     peer.close(f"frame not complete within {limits.frame_timeout_s:g} s")
@@ -172,33 +178,72 @@ class ShmChannel:
         writer = peer.writer
         loop = asyncio.get_running_loop()
         max_value_bytes = self.service.store.limits.max_value_bytes
-        while True:
-            peer.waiting, peer.since = _IDLE, loop.time()
-            try:
-                # One byte starts a frame: from then on the frame timeout runs.
-                start = await reader.readexactly(1)
-            except asyncio.IncompleteReadError:
-                if not peer.reason:
-                    return  # closed between frames
-                raise
-            peer.waiting, peer.since = _IN_FRAME, loop.time()
-            header = start + await reader.readexactly(REQUEST.size - 1)
-            request = decode_request(header, max_value_bytes, CHANNEL_OPS)
-            if first != (request.op == OP_HELLO):
-                raise ProtocolError("HELLO must come first, and only once")
-            tail = request.tail_bytes + (request.length if first else REGION_REF.size)
-            rest = await reader.readexactly(tail)
-            peer.waiting = _BUSY
-            if first:
-                first = False
-                principal, answer = self._hello(request, rest)
-                writer.write(answer)
-                if principal is None and self.service.auth is not None:
+        answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue(PIPELINE_FRAMES)
+        answering: asyncio.Task[None] | None = None
+        try:
+            while answering is None or not answering.done():
+                peer.waiting, peer.since = _IDLE, loop.time()
+                try:
+                    # One byte starts a frame: from then on the frame timeout runs.
+                    start = await reader.readexactly(1)
+                except asyncio.IncompleteReadError:
+                    if peer.reason:
+                        raise
+                    break  # closed between frames: what was read is still answered
+                peer.waiting, peer.since = _IN_FRAME, loop.time()
+                header = start + await reader.readexactly(REQUEST.size - 1)
+                request = decode_request(header, max_value_bytes, CHANNEL_OPS)
+                if first != (request.op == OP_HELLO):
+                    raise ProtocolError("HELLO must come first, and only once")
+                tail = request.tail_bytes + (request.length if first else REGION_REF.size)
+                rest = await reader.readexactly(tail)
+                peer.waiting = _BUSY
+                if first:
+                    first = False
+                    principal, answer = self._hello(request, rest)
+                    writer.write(answer)
                     await writer.drain()
-                    return
-            else:
-                writer.write(await self._op(request, rest, principal))
-            await writer.drain()
+                    if principal is None and self.service.auth is not None:
+                        return
+                    answering = asyncio.create_task(self._answer(answers, peer))
+                    continue
+                await answers.put(self._start(request, rest, principal, peer))
+            if answering is not None:
+                await answers.put(None)
+                await answering  # raises what stopped the writer
+        finally:
+            if answering is not None:
+                answering.cancel()
+                ops = [op for op in _emptied(answers) if op is not None]
+                # Ops already started run to their end: their copies pin pages.
+                await asyncio.gather(answering, *ops, return_exceptions=True)
+
+    def _start(
+        self, request: Request, rest: bytes, principal: Principal | None, peer: _Peer
+    ) -> asyncio.Task[bytes]:
+        """Start one op. It counts as in flight from now on, so an op that
+        sees others hands its copy to a thread and a batch copies in parallel."""
+        service = self.service
+        service.inflight.requests += 1
+        peer.unanswered += 1
+        op = asyncio.create_task(self._op(request, rest, principal))
+
+        def done(_: asyncio.Task[bytes]) -> None:  # also when cancelled before it ran
+            service.inflight.requests -= 1
+
+        op.add_done_callback(done)
+        return op
+
+    @staticmethod
+    async def _answer(answers: asyncio.Queue[asyncio.Task[bytes] | None], peer: _Peer) -> None:
+        """Send each op's answer in request order; a None ends the connection's answers."""
+        loop = asyncio.get_running_loop()
+        while (op := await answers.get()) is not None:
+            peer.writer.write(await op)
+            peer.unanswered -= 1
+            if not peer.unanswered:
+                peer.since = loop.time()  # the idle timeout counts from the last answer
+            await peer.writer.drain()
 
     def _hello(self, request: Request, token: bytes) -> tuple[Principal | None, bytes]:
         auth = self.service.auth
@@ -218,7 +263,6 @@ class ShmChannel:
         service = self.service
         start = time.perf_counter()
         code = "OK"
-        service.inflight.requests += 1
         try:
             result = await self._item(request, rest, principal)
         except KvdError as exc:
@@ -228,7 +272,6 @@ class ShmChannel:
                 request.op, request.request_id, error_code(exc), message=str(exc)
             )
         finally:
-            service.inflight.requests -= 1
             service.metrics.requests.labels(op, code).inc()
             service.metrics.latency.labels(op).observe(time.perf_counter() - start)
         flags = (FLAG_EXISTED if result.existed else 0) | (result.tier << TIER_SHIFT)
@@ -281,6 +324,13 @@ class ShmChannel:
             )
         )
         return put.results[0]
+
+
+def _emptied(queue: asyncio.Queue[T]) -> list[T]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 def _claim(path: str) -> None:
@@ -383,9 +433,12 @@ def _window(
 ) -> None:
     sent = start
     for done in range(start, end):
-        while sent < end and sent - done < PIPELINE_FRAMES:
-            conn.send([memoryview(frames[sent])])
-            sent += 1
+        if sent < end and sent - done < PIPELINE_FRAMES:
+            # A window in one send: the daemon reads the frames together and
+            # starts their ops at once, so their copies run in parallel.
+            top = min(end, done + PIPELINE_FRAMES)
+            conn.send([memoryview(frame) for frame in frames[sent:top]])
+            sent = top
         answer = conn.answer()
         if answer.request_id != done:
             raise ConnectionError(f"answer {answer.request_id} to request {done}: out of order")

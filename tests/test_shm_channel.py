@@ -62,9 +62,10 @@ def _connect(path: str, token: bytes = b"") -> tuple[socket.socket, int]:
     return sock, RESPONSE.unpack(header)[5]
 
 
-
-def _frame(op: int, region: RawRegion, key: bytes, offset: int, length: int, ns: str = NS) -> bytes:
-    header = encode_request(op, 1, ns.encode(), key, length=length)
+def _frame(
+    op: int, region: RawRegion, key: bytes, offset: int, length: int, ns: str = NS, rid: int = 1
+) -> bytes:
+    header = encode_request(op, rid, ns.encode(), key, length=length)
     ref = REGION_REF.pack(region.region_id, offset, region.token)
     return header[: RESPONSE.size] + ref + header[RESPONSE.size :]
 
@@ -76,7 +77,6 @@ def _answer(sock: socket.socket) -> tuple[int, int, int, bytes]:
     )
     tail = recv_exact(sock, meta_len + msg_len)
     return code, flags, length, tail[meta_len:]
-
 
 
 def _logged(daemon: DaemonProcess, reason: str) -> bool:
@@ -145,6 +145,53 @@ def test_answers_match_the_grpc_region_calls(
     sock.sendall(_frame(OP_REGION_GET, region, b"k", 0, 5))
     assert _answer(sock)[0] == CODE_OK
     sock.close()
+
+
+def test_pipelined_ops_run_together_and_are_answered_in_order(
+    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+) -> None:
+    """16 frames in one send (hits of different sizes, misses, a bad offset):
+    the daemon starts them together, and the answers come back in request
+    order, each with its own result; closing right after sending still gets
+    every answer."""
+    size = 36 << 20  # the six values at 2 MiB steps, then twelve 2 MiB rooms to read into
+    region = RawRegion(stub, _paths(stub).shm_dir, "pipe", size)
+
+    def room(rid: int) -> int:
+        return (12 << 20) + (rid // 8 * 6 + rid % 8) * (2 << 20)
+
+    sizes = [(i + 1) * 300_000 for i in range(6)]  # 0.3..1.8 MiB: some copy on threads
+    for i, n in enumerate(sizes):
+        region.map[i << 21 : (i << 21) + n] = bytes([i + 1]) * n
+        assert region.put(stub, b"p%d" % i, i << 21, n) == CODE_OK
+    frames, expected = [], []
+    for rid in range(16):
+        i = rid % 8
+        if i < 6:  # a hit, read to a new place
+            frames.append(_frame(OP_REGION_GET, region, b"p%d" % i, room(rid), 2 << 20, rid=rid))
+            expected.append((CODE_OK, sizes[i]))
+        elif i == 6:
+            frames.append(_frame(OP_REGION_GET, region, b"nope", 0, 100, rid=rid))
+            expected.append((CODE_NOT_FOUND, 0))
+        else:
+            frames.append(_frame(OP_REGION_GET, region, b"p0", size - 10, 100, rid=rid))
+            expected.append((CODES["INVALID_ARGUMENT"], 0))
+    sock, _ = _connect(_paths(stub).shm_socket)
+    sock.sendall(b"".join(frames))
+    sock.shutdown(socket.SHUT_WR)  # closed between frames: what was sent is still answered
+    for rid, (code, length) in enumerate(expected):
+        header = recv_exact(sock, RESPONSE.size)
+        _, _, _, _, answered, got, meta_len, msg_len, got_length, _ = RESPONSE.unpack(header)
+        recv_exact(sock, meta_len + msg_len)
+        assert (answered, got) == (rid, code)
+        if code == CODE_OK:
+            assert got_length == length
+            got_bytes = region.map[room(rid) : room(rid) + length]
+            assert got_bytes == bytes([rid % 8 + 1]) * length
+    assert sock.recv(1) == b""  # then the daemon closes
+    sock.close()
+    assert wait_until(lambda: _metric(channel_daemon, "kvd_inflight_requests") == 0)
+    assert _metric(channel_daemon, "kvd_inflight_bytes") == 0
 
 
 @pytest.mark.parametrize(
