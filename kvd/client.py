@@ -319,10 +319,25 @@ class Client:
             existed.extend(batch_put_result(response, first))
         return existed
 
+    def get_many_into(
+        self, ns: str, keys: Sequence[bytes], buffers: Sequence[Buffer]
+    ) -> list[int | None]:
+        """Read values into ``buffers`` (one per key) in one batch where the path
+        has batches; each value's size, or None for a miss."""
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        shm, bulk = self._fast_paths()
+        views = [memoryview(buffer).cast("B") for buffer in buffers]
+        if shm is not None:
+            return shm.get_many_into(ns, keys, views)
+        if bulk is not None and any(len(view) >= self.bulk_threshold_bytes for view in views):
+            return bulk.get_many_into(ns, keys, views)
+        return [self.get_into(ns, key, view) for key, view in zip(keys, views, strict=True)]
+
     def get_many(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:
         shm, bulk = self._fast_paths()
         if shm is not None:
-            return [shm.get(ns, key) for key in keys]
+            return shm.get_many(ns, keys)
         if bulk is not None:
             return bulk.get_many(ns, keys)
         out: list[bytes | None] = []
@@ -468,6 +483,15 @@ class AsyncClient:
         assembler = GetAssembler(memoryview(buffer).cast("B"))
         await self._get(ns, key, assembler)
         return assembler.size_into()
+
+    async def get_many_into(
+        self, ns: str, keys: Sequence[bytes], buffers: Sequence[Buffer]
+    ) -> list[int | None]:
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+        return [
+            await self.get_into(ns, key, buffer) for key, buffer in zip(keys, buffers, strict=True)
+        ]
 
     async def put_many(
         self,

@@ -51,6 +51,14 @@ def _error(result: pb.RegionItemResult) -> KvdError:
     return BY_CODE_NAME.get(name, KvdError)(f"{name}: {result.message}")
 
 
+def _item_error(result: pb.RegionItemResult, room: int) -> KvdError:
+    """The error of a failed get into ``room`` bytes (a value larger than its room
+    is the caller's mistake: InvalidArgument)."""
+    if result.code == _RESOURCE_EXHAUSTED and result.size > room:
+        return InvalidArgument(f"buffer of {room} bytes is too small for {result.size}")
+    return _error(result)
+
+
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
@@ -239,9 +247,10 @@ class ShmPath:
     ) -> list[bool | None]:
         """Store values; None for an item that found no room (the caller uses another path)."""
         existed: list[bool | None] = []
+        values = [value for _, value, _ in items]
         start = 0
         while start < len(items):
-            end, region, offsets, staged = self._place(items, start)
+            end, region, offsets, staged = self._place(values, start, fill=True)
             if end == start:
                 existed.append(None)
                 start += 1
@@ -279,30 +288,32 @@ class ShmPath:
         return existed
 
     def _place(
-        self, items: Sequence[tuple[bytes, memoryview, bytes]], start: int
+        self, views: Sequence[memoryview], start: int, fill: bool
     ) -> tuple[int, ClientRegion, list[int], list[tuple[_Spans, int, int]]]:
-        """Items from ``start`` sharing one region: in a buffer(), or copied to staging."""
-        first = self.locate(items[start][1])
+        """Views from ``start`` sharing one region: in a buffer(), or given room
+        in staging (``fill``: the view's bytes copied there, for a put)."""
+        first = self.locate(views[start])
         offsets: list[int] = []
         staged: list[tuple[_Spans, int, int]] = []
         if first is not None:
             region = first[0]
-            for _, value, _ in items[start : start + BATCH_ITEMS_MAX]:
-                where = self.locate(value)
+            for view in views[start : start + BATCH_ITEMS_MAX]:
+                where = self.locate(view)
                 if where is None or where[0] is not region:
                     break
                 offsets.append(where[1])
             return start + len(offsets), region, offsets, staged
         region, spans = self._staging_spans()
-        for _, value, _ in items[start : start + BATCH_ITEMS_MAX]:
-            if self.locate(value) is not None:
+        for view in views[start : start + BATCH_ITEMS_MAX]:
+            if self.locate(view) is not None:
                 break
-            offset = spans.alloc(len(value))
+            offset = spans.alloc(len(view))
             if offset is None:
                 break
-            staged.append((spans, offset, len(value)))
-            dst = np.frombuffer(region.view, dtype=np.uint8)[offset : offset + len(value)]
-            np.copyto(dst, np.frombuffer(value, dtype=np.uint8))
+            staged.append((spans, offset, len(view)))
+            if fill:
+                dst = np.frombuffer(region.view, dtype=np.uint8)[offset : offset + len(view)]
+                np.copyto(dst, np.frombuffer(view, dtype=np.uint8))
             offsets.append(offset)
         return start + len(offsets), region, offsets, staged
 
@@ -349,6 +360,94 @@ class ShmPath:
             room = result.size
         raise ResourceExhausted("value changed size between two reads")  # pragma: no cover
 
+    def get_many_into(
+        self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Values into ``buffers``: one batch per run of buffers in one region
+        (others get room in staging and one more copy); sizes, None for a miss."""
+        sizes: list[int | None] = []
+        start = 0
+        while start < len(keys):
+            end, region, offsets, staged = self._place(buffers, start, fill=False)
+            if end == start:
+                raise ResourceExhausted(f"staging region has no {len(buffers[start])} bytes free")
+            try:
+                request = pb.GetIntoRegionRequest(
+                    region_id=region.region_id,
+                    token=region.token,
+                    namespace=ns,
+                    items=[
+                        pb.RegionItem(key=key, offset=offset, length=len(buffer))
+                        for key, offset, buffer in zip(
+                            keys[start:end], offsets, buffers[start:end], strict=True
+                        )
+                    ],
+                )
+                results = self._batch("GetIntoRegion", request).results
+                for i, result in enumerate(results):
+                    if result.code == _NOT_FOUND:
+                        sizes.append(None)
+                        continue
+                    if result.code:
+                        error = _item_error(result, len(buffers[start + i]))
+                        raise type(error)(f"item {start + i}: {error}")
+                    if staged:
+                        src = np.frombuffer(region.view, dtype=np.uint8)
+                        there = src[offsets[i] : offsets[i] + result.size]
+                        np.copyto(np.frombuffer(buffers[start + i], np.uint8)[: result.size], there)
+                    sizes.append(int(result.size))
+            finally:
+                self._unstage(staged)
+            start = end
+        return sizes
+
+    def get_many(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Values of unknown size: batches with ``GET_ROOM_BYTES`` of staging
+        each; a larger value is fetched again alone with its exact size."""
+        region, spans = self._staging_spans()
+        values: list[bytes | None] = []
+        start = 0
+        while start < len(keys):
+            room: list[int] = []
+            for _ in keys[start : start + BATCH_ITEMS_MAX]:
+                offset = spans.alloc(GET_ROOM_BYTES)
+                if offset is None:
+                    break
+                room.append(offset)
+            if not room:
+                raise ResourceExhausted(f"staging region has no {GET_ROOM_BYTES} bytes free")
+            end = start + len(room)
+            try:
+                request = pb.GetIntoRegionRequest(
+                    region_id=region.region_id,
+                    token=region.token,
+                    namespace=ns,
+                    items=[
+                        pb.RegionItem(key=key, offset=offset, length=GET_ROOM_BYTES)
+                        for key, offset in zip(keys[start:end], room, strict=True)
+                    ],
+                )
+                results = self._batch("GetIntoRegion", request).results
+                got: list[bytes | pb.RegionItemResult | None] = []
+                for offset, result in zip(room, results, strict=True):
+                    if result.code == _NOT_FOUND:
+                        got.append(None)
+                    elif result.code == 0:
+                        got.append(bytes(region.view[offset : offset + result.size]))
+                    elif result.code == _RESOURCE_EXHAUSTED and result.size > GET_ROOM_BYTES:
+                        got.append(result)  # larger than its room: fetched alone below
+                    else:
+                        raise _error(result)
+            finally:
+                for offset in room:
+                    spans.free(offset, GET_ROOM_BYTES)
+            for key, value in zip(keys[start:end], got, strict=True):
+                values.append(
+                    self.get(ns, key) if isinstance(value, pb.RegionItemResult) else value
+                )
+            start = end
+        return values
+
     def _get_one(
         self,
         ns: str,
@@ -370,7 +469,5 @@ class ShmPath:
         if result.code == _RESOURCE_EXHAUSTED and want_size and result.size > room:
             return result
         if result.code:
-            if result.code == _RESOURCE_EXHAUSTED and result.size > room:
-                raise InvalidArgument(f"buffer of {room} bytes is too small for {result.size}")
-            raise _error(result)
+            raise _item_error(result, room)
         return result

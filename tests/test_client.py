@@ -49,6 +49,35 @@ def test_round_trip_sizes(shared_daemon: DaemonProcess, via: str) -> None:
         assert client.get_into("rt", b"absent", bytearray(4)) is None
 
 
+@pytest.mark.parametrize("via", ["shm", "bulk", "grpc"])
+def test_get_many_into_one_batch_per_path(shared_daemon: DaemonProcess, via: str) -> None:
+    """Many values into caller buffers: sizes, misses as None, bytes checked;
+    a buffer too small for its value is InvalidArgument, as for get_into."""
+    if via == "shm":
+        client = Client(shared_daemon.socket_target)
+    else:
+        client = Client(shared_daemon.target, shm=False, bulk=via == "bulk")
+    with client:
+        sizes = [0, 1, 70_000, (1 << 20) + 7, 5 << 20]
+        keys = [b"gm-%s-%d" % (via.encode(), n) for n in sizes]
+        for key, n in zip(keys, sizes, strict=True):
+            client.put("gm", key, value_for(key, n))
+        buffers = [bytearray(n + 5) for n in sizes] + [bytearray(8)]
+        got = client.get_many_into("gm", [*keys, b"gm-absent"], buffers)
+        assert got == [*sizes, None]
+        for key, n, buffer in zip(keys, sizes, buffers[:-1], strict=True):
+            assert bytes(buffer[:n]) == value_for(key, n)
+        assert client.get_many("gm", [keys[4], b"gm-absent", keys[2]]) == [
+            value_for(keys[4], sizes[4]),  # larger than a get's first guess: fetched again
+            None,
+            value_for(keys[2], sizes[2]),
+        ]
+        with pytest.raises(InvalidArgument):
+            client.get_many_into("gm", keys[3:4], [bytearray(100)])
+        with pytest.raises(InvalidArgument, match="2 keys but 1 buffers"):
+            client.get_many_into("gm", keys[:2], [bytearray(1)])
+
+
 def test_get_into_small_buffer_is_invalid_argument(shared_daemon: DaemonProcess) -> None:
     with Client(shared_daemon.target) as client:
         client.put("gi", b"k", b"12345678")

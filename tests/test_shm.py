@@ -96,6 +96,16 @@ def test_client_round_trip_through_regions(shm_daemon: DaemonProcess) -> None:
         items = [(b"a", value), (b"b", b"x" * 1000), (b"c", buffer[:5])]
         assert client.put_many(NS, items, chained=True) == [False, False, False]
         assert client.get_many(NS, [b"a", b"b", b"c", b"z"]) == [value, b"x" * 1000, b"hello", None]
+        # One batch into region buffers: each value lands where its buffer lies.
+        room = client.buffer(8 << 20)
+        parts = [room[: 4 << 20], room[4 << 20 : (4 << 20) + 1000], room[(5 << 20) :]]
+        assert client.get_many_into(NS, [b"a", b"b", b"z"], parts) == [len(value), 1000, None]
+        assert bytes(parts[0][: len(value)]) == value and bytes(parts[1]) == b"x" * 1000
+        # Region and plain buffers mixed: the plain one goes through staging.
+        mixed = [room[:10], bytearray(1000), room[4 << 20 : 5 << 20]]
+        assert client.get_many_into(NS, [b"c", b"b", b"c"], mixed) == [5, 1000, 5]
+        assert bytes(mixed[1]) == b"x" * 1000 and bytes(room[:5]) == b"hello"
+        del parts, mixed, room
         assert client.stats()["entries"] == 5
         # The files were unlinked once attached: a crash leaves nothing behind.
         assert os.listdir(_shm_dir_of(shm_daemon)) == ["kvd.sock"]  # only the shm socket
