@@ -13,6 +13,8 @@
 - ``encode_meta()`` / ``decode_meta()``: the small JSON blob kept in a value's
   ``meta`` (shape, dtype, format), bounded by the daemon's 4 KiB.
 - ``get_with_meta()`` reads a value together with its ``meta``.
+- ``load_groups()`` / ``get_prefix_into()``: pages straight into the engine's
+  buffers, one batch per ``LOAD_BATCH_BYTES``, counting the leading hits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,6 +35,9 @@ log = logging.getLogger("kvd.connectors")
 T = TypeVar("T")
 
 NAMESPACE_BYTES_MAX = 256
+# Bytes one batched load asks for at once: the pages an engine stages for
+# it, and the daemon's copies in flight, stay bounded however long the prefix.
+LOAD_BATCH_BYTES = 64 << 20
 KEY_BYTES_MAX = 64
 META_BYTES_MAX = 4096
 # A connector's calls sit on the engine's critical path: a lookup that takes
@@ -238,3 +243,32 @@ def config_value(config: Mapping[str, Any] | None, name: str, default: T) -> T:
     if isinstance(default, float):
         return float(value)  # type: ignore[return-value]
     return str(value)  # type: ignore[return-value]
+
+
+def load_groups(sizes: Sequence[int], limit: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` runs of consecutive items of at most ``limit`` bytes
+    together (default ``LOAD_BATCH_BYTES``; a larger item forms a run alone)."""
+    limit = LOAD_BATCH_BYTES if limit is None else limit
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > limit:
+            yield start, i
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        yield start, len(sizes)
+
+
+def get_prefix_into(
+    client: Client, ns: str, keys: Sequence[bytes], views: Sequence[memoryview]
+) -> int:
+    """Read ``keys`` into ``views`` (one batch); how many leading keys hit. A
+    stored value whose size is not its view's is an error, never a hit."""
+    hits = 0
+    for key, size, view in zip(keys, client.get_many_into(ns, keys, views), views, strict=True):
+        if size is None:
+            break
+        if size != len(view):
+            raise ValueError(f"{key!r}: {size} bytes stored, {len(view)} expected")
+        hits += 1
+    return hits

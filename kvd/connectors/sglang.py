@@ -36,6 +36,8 @@ from kvd.connectors.common import (
     DEFAULT_TIMEOUT_S,
     Guard,
     config_value,
+    get_prefix_into,
+    load_groups,
     namespace,
     parse_target,
     text_key,
@@ -182,13 +184,33 @@ class KvdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Any]:
-        """Pages in order; after the first miss every later page is None (a prefix)."""
+        """Pages in order; after the first miss every later page is None (a prefix).
+        With targets, one batch reads them all: a target after the miss may hold
+        its own page's bytes, but is reported None."""
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        out: list[Any] = []
-        for key, target in zip(keys, targets, strict=True):
-            page = self.get(key, target) if not out or out[-1] is not None else None
-            out.append(page)
-        return out
+        if any(target is None for target in targets):
+            out: list[Any] = []
+            for key, target in zip(keys, targets, strict=True):
+                page = self.get(key, target) if not out or out[-1] is not None else None
+                out.append(page)
+            return out
+
+        def fetch() -> int:
+            return self._load_prefix(keys, [_byte_view(target) for target in targets])
+
+        hits = self.guard.call("batch_get", 0, fetch)
+        return [target if i < hits else None for i, target in enumerate(targets)]
+
+    def _load_prefix(self, keys: Sequence[str], views: Sequence[memoryview]) -> int:
+        """Pages into ``views``, a batch per ``LOAD_BATCH_BYTES``; leading hits."""
+        hits = 0
+        for start, end in load_groups([len(view) for view in views]):
+            group = [text_key(key) for key in keys[start:end]]
+            got = get_prefix_into(self.client, self.namespace, group, views[start:end])
+            hits += got
+            if got < end - start:
+                break
+        return hits
 
     def batch_set(
         self,
@@ -231,13 +253,20 @@ class KvdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
         def fetch() -> list[bool]:
             pool = self.mem_pool_host
+            offsets = self._page_offsets(keys, host_indices)
             results = [False] * len(keys)
-            for i, offset in enumerate(self._page_offsets(keys, host_indices)):
-                page = pool.get_dummy_flat_data_page()
-                if not self._get_into(keys[i], page):
+            per_page = len(_byte_view(pool.get_dummy_flat_data_page()))
+            for start, end in load_groups([per_page] * len(keys)):
+                pages = [pool.get_dummy_flat_data_page() for _ in range(start, end)]
+                views = [_byte_view(page) for page in pages]
+                got = get_prefix_into(
+                    self.client, self.namespace, [text_key(k) for k in keys[start:end]], views
+                )
+                for i in range(got):
+                    pool.set_from_flat_data_page(offsets[start + i], pages[i])
+                    results[start + i] = True
+                if got < end - start:
                     break
-                pool.set_from_flat_data_page(offset, page)
-                results[i] = True
             return results
 
         return self.guard.call("batch_get_v1", [False] * len(keys), fetch)

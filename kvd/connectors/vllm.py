@@ -47,6 +47,8 @@ from kvd.connectors.common import (
     Guard,
     config_value,
     encode_meta,
+    get_prefix_into,
+    load_groups,
     namespace,
     parse_target,
 )
@@ -306,22 +308,33 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             }
         )
 
-    def _load_block(self, key: bytes, block_id: int) -> bool:
+    def _load_blocks(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Blocks into the paged KV, a batch per ``LOAD_BATCH_BYTES``; how many
+        leading blocks were loaded (the rest start at the first miss)."""
         import torch  # type: ignore[import-not-found,unused-ignore]
 
-        views = self._block_views(block_id)
-        sizes = [v.numel() * v.element_size() for v in views]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        array: Any = buffer.numpy()
-        got = self.client.get_into(self.namespace, key, memoryview(array))
-        if got != buffer.numel():
-            return False
-        offset = 0
-        for view, size in zip(views, sizes, strict=True):
-            src = buffer[offset : offset + size].view(view.dtype).reshape(view.shape)
-            view.copy_(src.to(view.device))
-            offset += size
-        return True
+        layers = self._block_views(block_ids[0])
+        sizes = [v.numel() * v.element_size() for v in layers]
+        block_bytes = sum(sizes)
+        loaded = 0
+        for start, end in load_groups([block_bytes] * len(block_ids)):
+            staging = torch.empty((end - start) * block_bytes, dtype=torch.uint8)
+            array: Any = staging.numpy()
+            views = [
+                memoryview(array[i * block_bytes : (i + 1) * block_bytes]).cast("B")
+                for i in range(end - start)
+            ]
+            got = get_prefix_into(self.client, self.namespace, keys[start:end], views)
+            for i in range(got):
+                offset = i * block_bytes
+                for view, size in zip(self._block_views(block_ids[start + i]), sizes, strict=True):
+                    src = staging[offset : offset + size].view(view.dtype).reshape(view.shape)
+                    view.copy_(src.to(view.device))
+                    offset += size
+            loaded += got
+            if got < end - start:
+                break
+        return loaded
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Copy the planned blocks into the paged KV; failures become load errors."""
@@ -329,14 +342,14 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if meta is None or not self._kv_caches:
             return
         for load in meta.loads:
-            for i, (key, block_id) in enumerate(zip(load.keys, load.block_ids, strict=True)):
+            if not load.block_ids:
+                continue
 
-                def fetch(key: bytes = key, block_id: int = block_id) -> bool:
-                    return self._load_block(key, block_id)
+            def fetch(load: BlockTransfer = load) -> int:
+                return self._load_blocks(load.keys, load.block_ids)
 
-                if not self.guard.call("load", False, fetch):
-                    self._load_errors.update(load.block_ids[i:])
-                    break
+            loaded = self.guard.call("load", 0, fetch)
+            self._load_errors.update(load.block_ids[loaded:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv loads every layer before the forward

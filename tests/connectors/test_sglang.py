@@ -192,3 +192,29 @@ def test_daemon_down_is_a_miss() -> None:
     assert store.batch_get_v1(keys, torch.arange(0, 8)) == [False, False]
     assert store.get_stats() == {"kvd_failures": 7}
     store.close()
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 20])  # one page per batch, or all at once
+def test_batched_loads_stop_at_the_first_miss(
+    shared_daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, batch_bytes: int
+) -> None:
+    monkeypatch.setattr("kvd.connectors.common.LOAD_BATCH_BYTES", batch_bytes)
+    store = backend(shared_daemon.target, model_name=f"batches-{batch_bytes}")
+    writer_pool, reader_pool = HostPool(8), HostPool(8)
+    store.register_mem_pool_host(writer_pool)
+    for i, page in enumerate(pages(4, seed=5)):
+        writer_pool.data[i].copy_(page)
+    keys = page_hashes(list(range(16)), PAGE_TOKENS)
+    assert store.batch_set_v1(keys, torch.arange(0, 4 * PAGE_TOKENS)) == [True] * 4
+    with_gap = [keys[0], keys[1], "absent", keys[3]]
+    store.register_mem_pool_host(reader_pool)
+    assert store.batch_get_v1(with_gap, torch.arange(0, 4 * PAGE_TOKENS)) == [
+        True, True, False, False,
+    ]  # fmt: skip
+    assert torch.equal(reader_pool.data[0:2], writer_pool.data[0:2])
+    assert not reader_pool.data[2:4].any()
+    targets = [torch.zeros(PAGE_ELEMENTS, dtype=torch.float16) for _ in range(4)]
+    got = store.batch_get(with_gap, targets)
+    assert [page is not None for page in got] == [True, True, False, False]
+    assert torch.equal(targets[1], writer_pool.data[1])  # (a page after the miss may be read too)
+    store.close()

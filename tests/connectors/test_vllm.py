@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kvd.client import Client
 from kvd.connectors.vllm import BlockTransfer, KvdConnector, KvdConnectorMetadata, block_keys
 
 from ..conftest import DaemonProcess
@@ -206,3 +207,28 @@ def test_daemon_down_is_a_miss_and_a_load_error() -> None:
     assert worker.get_block_ids_with_load_errors() == set()
     assert step(scheduler, worker, request, [0, 1, 2]) == 0  # saves fail quietly
     assert scheduler.guard.failures() >= 2 and worker.guard.failures() >= 2
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 20])  # one block per batch, or all at once
+def test_loads_in_batches_stop_at_the_first_miss(
+    shared_daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, batch_bytes: int
+) -> None:
+    monkeypatch.setattr("kvd.connectors.common.LOAD_BATCH_BYTES", batch_bytes)
+    scheduler, worker = pair(shared_daemon.target)
+    worker.register_kv_caches(paged_caches(seed=4))
+    first = 3000 + batch_bytes % 100  # other tokens per case: nothing stored by the other
+    request = Request(f"batches-{batch_bytes}", list(range(first, first + 17)))  # 4 blocks + 1
+    step(scheduler, worker, request, [0, 1, 2, 3, 4])
+    keys = block_keys(request.prompt_token_ids, BLOCK)[:4]
+    with Client(shared_daemon.target) as client:
+        assert client.delete(worker.namespace, [keys[2]]) == 1
+    before = {name: t.clone() for name, t in worker._kv_caches.items()}
+    meta = KvdConnectorMetadata()
+    meta.loads.append(BlockTransfer("load", keys, [10, 11, 12, 13]))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace())
+    for name in LAYERS:
+        cache = worker._kv_caches[name]
+        assert torch.equal(cache[:, 10], cache[:, 0]) and torch.equal(cache[:, 11], cache[:, 1])
+        assert torch.equal(cache[:, 12:14], before[name][:, 12:14])  # from the miss on: untouched
+    assert worker.get_block_ids_with_load_errors() == {12, 13}
