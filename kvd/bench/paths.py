@@ -36,6 +36,9 @@ from kvd.client import Client
 
 SIZES_BYTES = (64 << 10, 1 << 20, 4 << 20, 32 << 20)
 CLIENTS = (1, 16)
+# Values a batched get asks for in one call (``get_many_into``), as an
+# engine loads a prefix's chunks; fewer when the fill holds fewer keys.
+BATCH_VALUES = 8
 # Long enough to average a few hundred 64 KiB ops or a dozen 32 MiB ones on
 # 2 cores; 100+ cases at this length keep a full run near 90 s.
 CASE_SECONDS = 0.5
@@ -190,10 +193,17 @@ def kvd_rows(
                 filler.put(ns, key, value.data)
                 expect_size(filler.get_into(ns, key, buffer), size)
             progress(f"paths: {path} {size_label(size)} x{clients}")
-            for op in ("get", "put"):
-                case = Case("kvd", op, size, keys, f"p{clients}", ns, path, tcp_target, unix_target)
+            for op in ("get", "put", "get-batch"):
+                if op == "get-batch" and clients > 1:
+                    continue
+                batch = min(BATCH_VALUES, len(keys)) if op == "get-batch" else 1
+                case = Case(
+                    "kvd", op, size, keys, f"p{clients}", ns, path, tcp_target, unix_target,
+                    batch=batch,
+                )  # fmt: skip
                 gbps = procs.measure(case, CASE_SECONDS, clients)
-                rows.append(Row(path, op, size, clients, gbps))
+                note = f"{batch} values a call" if batch > 1 else ""
+                rows.append(Row(path, op, size, clients, gbps, note))
         filler.delete_namespace(ns)
     return rows
 

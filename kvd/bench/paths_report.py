@@ -24,16 +24,17 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
         return None if a is None or not b else a / b
 
     out = []
-    for size in (4 * mib, 32 * mib):
-        out.append(
-            {
-                "target": f"shm get {size_label(size)} / memcpy",
-                "ratio": ratio(
-                    _find(rows, "shm", "get", size), _find(rows, "memcpy", "copy", size)
-                ),
-                "threshold": 0.8,
-            }
-        )
+    for op in ("get", "get-batch"):
+        for size in (4 * mib, 32 * mib):
+            out.append(
+                {
+                    "target": f"shm {op} {size_label(size)} / memcpy",
+                    "ratio": ratio(
+                        _find(rows, "shm", op, size), _find(rows, "memcpy", "copy", size)
+                    ),
+                    "threshold": 0.8,
+                }
+            )
     bulk4 = _find(rows, "bulk", "get", 4 * mib)
     out += [
         {

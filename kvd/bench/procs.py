@@ -33,7 +33,7 @@ START_DELAY_S = 0.2
 @dataclass(frozen=True)
 class Case:
     kind: str  # "kvd" or "redis"
-    op: str  # "get" or "put"
+    op: str  # "get", "put" or "get-batch" (kvd: get_many_into of ``batch`` values a call)
     size: int
     keys: tuple[bytes, ...] = ()  # what gets read (written before the case)
     tag: str = ""  # makes put keys unique to the case
@@ -42,6 +42,7 @@ class Case:
     tcp_target: str = ""
     unix_target: str = ""
     port: int = 0  # redis
+    batch: int = 1  # kvd get-batch: values a call
 
 
 def kvd_client(path: str, tcp_target: str, unix_target: str) -> Client:
@@ -92,7 +93,8 @@ class ClientProcesses:
         failed = [value for kind, value in done if kind == "error"]
         if failed:
             raise RuntimeError(f"a client process failed: {failed[0]}")
-        return case.size * sum(int(value) for _, value in done) / seconds / 1e9
+        moved = case.size * case.batch * sum(int(value) for _, value in done)
+        return moved / seconds / 1e9
 
     def _collect(self, phase: str, clients: int) -> list[tuple[str, Any]]:
         """One message from each running process (its phase's, or an error)."""
@@ -165,16 +167,25 @@ def _prepare(case: Case, index: int) -> tuple[Callable[[int], None], Callable[[]
         return op, conn.close
     client = kvd_client(case.path, case.tcp_target, case.unix_target)
     try:
-        buffer = client.buffer(size)
+        batch = case.batch
+        room = client.buffer(size * batch)
+        buffer = room[:size]
         buffer[:] = value_bytes(size).data
+        views = [room[i * size : (i + 1) * size] for i in range(batch)]
 
         def kvd_get(n: int) -> None:
             expect_size(client.get_into(case.ns, keys[(n + index) % len(keys)], buffer), size)
 
+        def kvd_get_batch(n: int) -> None:
+            first = (n * batch + index) % len(keys)
+            batch_keys = [keys[(first + i) % len(keys)] for i in range(batch)]
+            for got in client.get_many_into(case.ns, batch_keys, views):
+                expect_size(got, size)
+
         def kvd_put(n: int) -> None:
             client.put(case.ns, f"{case.tag}-{index}-{n}".encode(), buffer)
 
-        op = kvd_get if case.op == "get" else kvd_put
+        op = {"get": kvd_get, "get-batch": kvd_get_batch, "put": kvd_put}[case.op]
         op(-1)  # warm-up: connections, regions, first touches
     except BaseException:
         client.close()

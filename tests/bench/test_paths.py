@@ -23,6 +23,10 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         for op in ("get", "put"):
             for clients in (1, 2):
                 assert measured[(path, op, clients)] > 0
+        assert measured[(path, "get-batch", 1)] > 0  # get_many_into of 8 values a call
     assert measured[("memcpy", "copy", 1)] > 0 and measured[("tcp", "get", 1)] > 0
     assert "| shm | get | 1 |" in result.with_suffix(".md").read_text()
-    assert {t["target"] for t in data["targets"]} >= {"bulk get 4 MiB / loopback TCP"}
+    assert {t["target"] for t in data["targets"]} >= {
+        "bulk get 4 MiB / loopback TCP",
+        "shm get-batch 4 MiB / memcpy",
+    }
