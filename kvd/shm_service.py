@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,9 +65,11 @@ INLINE_COPY_BYTES = 256 << 10
 # here (server time 0.41 vs 0.60 ms), and a newly arriving request waits at
 # most one such copy (~0.6 ms for 8 MiB).
 IDLE_INLINE_COPY_BYTES = 8 << 20
-# Two copy threads saturate memory bandwidth on small machines (one numpy
-# copy moves ~12 GB/s); more only add contention with the event loop.
-COPY_THREADS = 2
+# One copy thread per two CPUs the daemon may use, 2 to 8: two saturate a
+# small machine's memory bandwidth (one numpy copy moves ~12 GB/s), and more
+# there only contend with the event loop; a many-core server copies for many
+# clients at once.
+COPY_THREADS = max(2, min(8, len(os.sched_getaffinity(0)) // 2))
 BULK_PROTOCOL_VERSION = 1
 
 _CODES: dict[str, int] = {code.name: int(code.value[0]) for code in grpc.StatusCode}
