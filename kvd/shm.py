@@ -331,6 +331,25 @@ def copy_span(
     assert pos >= end, "the value's pages end before the span"
 
 
+def copy_slices(length: int, parts: int) -> list[tuple[int, int]]:
+    """At most ``parts`` slices of ``0..length``, cut at ``PIECE_BYTES`` multiples,
+    for copying one value on several threads at once."""
+    pieces = max(1, -(-length // PIECE_BYTES))
+    per = -(-pieces // max(1, parts))
+    return [
+        (first * PIECE_BYTES, min(length, (first + per) * PIECE_BYTES))
+        for first in range(0, pieces, per)
+    ]
+
+
+def xxh3_of(parts: Sequence[memoryview]) -> int:
+    """The xxh3 of ``parts`` read in order (a value's pages, or its span)."""
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
 def copy_to_pages(src: Bytes, views: Sequence[memoryview]) -> int:
     """Copy ``src`` into pool ``views``; the xxh3 of the bytes as they landed in the pool."""
     hasher = xxhash.xxh3_64()

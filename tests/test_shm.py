@@ -6,6 +6,7 @@ killed while holding regions)."""
 from __future__ import annotations
 
 import fcntl
+import itertools
 import mmap
 import os
 import signal
@@ -20,6 +21,8 @@ import grpc
 import pytest
 
 from kvd.client import Client, InvalidArgument, ResourceExhausted
+from kvd.shm import PIECE_BYTES, copy_slices
+from kvd.shm_service import SPLIT_COPY_BYTES
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
@@ -110,6 +113,37 @@ def test_client_round_trip_through_regions(shm_daemon: DaemonProcess) -> None:
         # The files were unlinked once attached: a crash leaves nothing behind.
         assert os.listdir(_shm_dir_of(shm_daemon)) == ["kvd.sock"]  # only the shm socket
         del buffer
+
+
+def test_large_values_are_copied_by_several_threads(daemon_factory: DaemonFactory) -> None:
+    """Values over SPLIT_COPY_BYTES, alone and in a batch: copied in slices
+    on several threads, hashed after; every byte arrives, both ways."""
+    daemon = daemon_factory("--dram-bytes", "256MiB", "--max-value-bytes", "32MiB")
+    size = SPLIT_COPY_BYTES + (3 << 20) + 5  # not a whole number of pieces
+    values = [os.urandom(size), os.urandom(size)]
+    with Client(daemon.socket_target) as client:
+        room = client.buffer(2 * size)
+        for i, value in enumerate(values):
+            room[:size] = value
+            assert client.put(NS, b"big%d" % i, room[:size]) is False
+        room[:] = bytes(2 * size)
+        assert client.get_into(NS, b"big0", room[:size]) == size  # alone: split
+        assert bytes(room[:size]) == values[0]
+        halves = [room[:size], room[size:]]
+        assert client.get_many_into(NS, [b"big1", b"big0"], halves) == [size, size]
+        assert bytes(halves[0]) == values[1] and bytes(halves[1]) == values[0]
+        assert client.get(NS, b"big1") == values[1]
+        del room, halves
+
+
+def test_copy_slices_cover_the_value_at_piece_boundaries() -> None:
+    for length in (0, 1, PIECE_BYTES, 5 * PIECE_BYTES + 3, 64 * PIECE_BYTES):
+        for parts in (1, 2, 3, 8):
+            slices = copy_slices(length, parts)
+            assert len(slices) <= parts
+            assert slices[0][0] == 0 and slices[-1][1] == length
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(slices))
+            assert all(lo % PIECE_BYTES == 0 for lo, _ in slices)
 
 
 def _shm_dir_of(daemon: DaemonProcess) -> str:
