@@ -11,7 +11,10 @@ same order, so a client may pipeline many requests on one connection.
   times out half-way aborts the ticket: nothing partial becomes visible.
 - GET: the reader pins the value (``store.fetch``) and queues it; the writer
   sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
-  what the socket did not take) and unpins once the last byte left.
+  what the socket did not take), or from a send thread while another
+  connection is sending (``kvd.bulk_send``), and unpins once the last byte
+  left. An answer that cannot leave within ``bulk_frame_timeout_ms`` (a
+  client that stopped reading) closes the connection.
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
   and ``QUEUE_FRAMES_MAX`` answers queued; past that its reader stops reading
   the socket, and TCP flow control slows the client down.
@@ -39,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvd.bulk_send import Sender
 from kvd.checksum import Hasher
 from kvd.errors import DataLoss, KvdError
 from kvd.index import (
@@ -106,8 +110,6 @@ NAME_BY_CODE = {code: name for name, code in CODE_BY_NAME.items()}
 # Answers queued per connection before its reader pauses: 1024 × 40 bytes of
 # put acknowledgements, or as many pinned gets as bulk_inflight_bytes allows.
 QUEUE_FRAMES_MAX = 1024
-# sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
-IOV_MAX = 1024
 # Payload of a request answered with an error is read into this and dropped.
 _DISCARD_BYTES = 1 << 20
 
@@ -224,24 +226,6 @@ async def recv_into_exact(
         if hasher is not None:
             hasher.update(view[pos : pos + n])
         pos += n
-
-
-async def send_parts(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[memoryview]
-) -> None:
-    """Send ``parts`` in order: one sendmsg, then sock_sendall for what is left."""
-    index = 0
-    while index < len(parts):
-        try:
-            sent = sock.sendmsg(parts[index : index + IOV_MAX])
-        except BlockingIOError:
-            sent = 0
-        while index < len(parts) and sent >= len(parts[index]):
-            sent -= len(parts[index])
-            index += 1
-        if index < len(parts):
-            await loop.sock_sendall(sock, parts[index][sent:])
-            index += 1
 
 
 @dataclass(frozen=True)
@@ -474,7 +458,8 @@ class _Connection:
                 parts = [memoryview(header)]
                 if reader is not None:
                     parts.extend(reader.views)
-                await send_parts(self.loop, self.sock, parts)
+                size = reader.size if reader is not None else 0
+                await self.server.sender.send(self.sock, parts, len(header) + size)
             finally:
                 if reader is not None:
                     self.queued_bytes -= reader.size
@@ -513,6 +498,7 @@ class BulkServer:
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self.sender = Sender(limits.frame_timeout_s)
         self.port = 0
 
     @property
@@ -561,3 +547,4 @@ class BulkServer:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=grace_s)
+        self.sender.close()

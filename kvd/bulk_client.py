@@ -31,7 +31,6 @@ from kvd.bulk import (
     CODE_OK,
     CODE_RESOURCE_EXHAUSTED,
     FLAG_EXISTED,
-    IOV_MAX,
     NAME_BY_CODE,
     OP_GET,
     OP_HELLO,
@@ -41,6 +40,7 @@ from kvd.bulk import (
     VERSION,
     encode_request,
 )
+from kvd.bulk_send import IOV_MAX
 from kvd.checksum import Hasher, checksum
 from kvd.errors import BY_CODE_NAME, DataLoss, DeadlineExceeded, KvdError, Unavailable
 

@@ -267,7 +267,7 @@ class Config:
     )
     bulk_frame_timeout_ms: int = _setting(
         30_000,
-        help="time a started bulk frame (header and payload) has to arrive in full",
+        help="time a started bulk frame has to arrive in full, and a GET answer to leave",
         min=10,
         max=3_600_000,
     )

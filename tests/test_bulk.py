@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import urllib.request
 
@@ -31,8 +32,6 @@ def _raw(daemon: DaemonProcess) -> socket.socket:
     sock.sendall(encode_request(OP_HELLO, 0))
     assert len(recv_exact(sock, RESPONSE.size)) == RESPONSE.size
     return sock
-
-
 
 
 def _still_serving(daemon: DaemonProcess) -> None:
@@ -143,3 +142,87 @@ def test_wrong_checksum_is_refused(bulk_daemon: DaemonProcess) -> None:
         assert client.get(NS, b"bad") is None
         client.put(NS, b"good", b"hello")
     sock.close()
+
+
+def test_concurrent_large_gets_are_sent_whole(bulk_daemon: DaemonProcess) -> None:
+    """Eight clients at once get 3 MiB values: sends beyond the first go out
+    from send threads, and every byte arrives in order."""
+    values = {b"big%d" % i: os.urandom(3 << 20) for i in range(4)}
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        for key, value in values.items():
+            client.put(NS, key, value)
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        try:
+            with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+                for n in range(12):
+                    key = b"big%d" % ((seed + n) % 4)
+                    assert client.get(NS, key) == values[key]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors[0]
+
+
+def test_a_client_that_stops_reading_is_dropped(bulk_daemon: DaemonProcess) -> None:
+    """Two clients ask for 24 MiB each and read nothing: the first one's send
+    runs on the event loop, the second one's on a send thread; both give up
+    after the frame timeout (300 ms) and close their connection; everyone
+    else is served meanwhile."""
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        client.put(NS, b"huge", os.urandom(24 << 20))
+    stalled = []
+    for rid in range(2):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        sock.connect(("127.0.0.1", bulk_daemon.bulk_port))
+        sock.sendall(encode_request(OP_HELLO, 0))
+        recv_exact(sock, RESPONSE.size)
+        sock.sendall(encode_request(OP_GET, rid, NS.encode(), b"huge"))
+        stalled.append(sock)
+        time.sleep(0.3)  # the first send is under way (and stuck) before the second starts
+    assert wait_until(
+        lambda: sum("did not read its answer" in line for line in bulk_daemon.log) == 2,
+        timeout_s=5,
+    )
+    _still_serving(bulk_daemon)
+    for sock in stalled:
+        sock.close()
+    assert wait_until(lambda: _metric(bulk_daemon, "kvd_bulk_connections") == 0)
+
+
+def test_sigterm_during_a_stuck_send_thread_stops_promptly(daemon_factory: DaemonFactory) -> None:
+    """With the default 30 s frame timeout, only shutting the socket down ends
+    a send thread that waits for a client that reads nothing."""
+    bulk_daemon = daemon_factory()
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        client.put(NS, b"huge", os.urandom(24 << 20))
+    stalled = []
+    for rid in range(2):  # the second send is on a send thread when SIGTERM comes
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        sock.connect(("127.0.0.1", bulk_daemon.bulk_port))
+        sock.sendall(encode_request(OP_HELLO, 0))
+        recv_exact(sock, RESPONSE.size)
+        sock.sendall(encode_request(OP_GET, rid, NS.encode(), b"huge"))
+        stalled.append(sock)
+        time.sleep(0.1)
+    start = time.monotonic()
+    assert bulk_daemon.stop() == 0
+    assert time.monotonic() - start < 5
+    for sock in stalled:
+        sock.close()
+
+
+def _metric(daemon: DaemonProcess, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
