@@ -12,7 +12,8 @@ same order, so a client may pipeline many requests on one connection.
 - GET: the reader pins the value (``store.fetch``) and queues it; the writer
   sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
   what the socket did not take), or from a send thread while another
-  connection is sending (``kvd.bulk_send``), and unpins once the last byte
+  connection is sending on a machine with cores to spare
+  (``kvd.bulk_send``), and unpins once the last byte
   left. An answer that cannot leave within ``bulk_frame_timeout_ms`` (a
   client that stopped reading) closes the connection.
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload

@@ -4,7 +4,8 @@ The kernel copies a payload into the socket in the thread that calls send:
 ~1 ms per 4 MiB on a small VM. Done on the event loop, that caps all bulk
 connections together at one core's copy rate. So a large payload is sent
 from one of ``SEND_THREADS`` threads while another connection is already
-sending; a lone send stays on the loop, where it costs no hand-off.
+sending, on a machine with cores to spare (``kvd.cpus``); a lone send stays
+on the loop, where it costs no hand-off.
 
 Either way an answer has ``timeout_s`` (``bulk_frame_timeout_ms``) to leave;
 a client that stops reading loses its connection after that. A cancelled
@@ -16,18 +17,18 @@ the payload: the payload is pool pages that are unpinned after the send.
 from __future__ import annotations
 
 import asyncio
-import os
 import select
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvd.cpus import OFFLOAD, WORKER_THREADS
+
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 IOV_MAX = 1024
 # Payloads from this size go to a send thread when another send is under way.
 THREAD_SEND_BYTES = 1 << 20
-# One send thread per two CPUs the daemon may use, 2 to 8 (as copy threads).
-SEND_THREADS = max(2, min(8, len(os.sched_getaffinity(0)) // 2))
+SEND_THREADS = WORKER_THREADS
 _POLL_S = 1.0
 _BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
@@ -89,8 +90,11 @@ def _wait_writable(poller: select.poll, left_s: float, timeout_s: float) -> None
 class Sender:
     """Sends payloads for every connection of one bulk server."""
 
-    def __init__(self, timeout_s: float, threads: int = SEND_THREADS) -> None:
+    def __init__(
+        self, timeout_s: float, threads: int = SEND_THREADS, offload: bool = OFFLOAD
+    ) -> None:
         self.timeout_s = timeout_s
+        self.offload = offload  # kvd.cpus: only where cores are left over
         self.sending = 0  # sends under way, on the loop or on threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvd-send")
 
@@ -99,7 +103,7 @@ class Sender:
         busy = self.sending > 0
         self.sending += 1
         try:
-            if nbytes < THREAD_SEND_BYTES or not busy:
+            if nbytes < THREAD_SEND_BYTES or not busy or not self.offload:
                 await send_parts(loop, sock, parts, self.timeout_s)
                 return
             sending = loop.run_in_executor(self._pool, send_blocking, sock, parts, self.timeout_s)

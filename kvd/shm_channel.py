@@ -11,11 +11,13 @@ work is the gRPC handlers' own (``RegionHandlers.get_into_region`` and
 Server: per connection, a reader task reads frames and starts each op as
 its own task (at most ``PIPELINE_FRAMES`` unanswered), and a writer task
 sends the answers in request order. Ops of one connection therefore run
-concurrently: a batch's copies go to the copy threads together, while a
-lone get still copies on the event loop (the hand-off costs more than a
-few MiB of copying). HELLO first, with the bearer token when auth is on; every
-op then names its namespace and is authorized like a gRPC call, and names
-its region by id and token like ``GetIntoRegion`` does. Bad framing, a
+concurrently: on a machine with cores to spare (``kvd.cpus``) a batch's
+copies go to the copy threads together, while a lone get still copies on
+the event loop (the hand-off costs more than a few MiB of copying).
+
+HELLO first, with the bearer token when auth is on; every op then names its
+namespace and is authorized like a gRPC call, and names its region by id
+and token like ``GetIntoRegion`` does. Bad framing, a
 frame slower than ``bulk_frame_timeout_ms`` or silence past
 ``bulk_idle_timeout_ms`` closes the connection with a logged reason.
 

@@ -18,8 +18,10 @@ serve the shm socket (``kvd.shm_channel``) through ``get_into_region`` and
 
 Batches under ``INLINE_COPY_BYTES`` copy on the event loop thread: handing a
 64 KiB copy (~6 µs) to a thread costs ~50 µs of wake-ups. So do batches up
-to ``IDLE_INLINE_COPY_BYTES`` when no other request is in flight. Larger
-batches go to ``COPY_THREADS`` workers, one group of items per worker.
+to ``IDLE_INLINE_COPY_BYTES`` when no other request is in flight, or on a
+machine without cores to spare (``kvd.cpus``). Larger batches go to
+``COPY_THREADS`` workers, one group of items per worker; a value of
+``SPLIT_COPY_BYTES`` or more is copied by several workers in slices.
 
 ``DescribePaths`` tells clients which fast paths this daemon offers, and
 ``FastPaths`` is what the daemon starts and stops: the region registry, the
@@ -32,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ import numpy as np
 from kvd.auth import Authenticator, check_grpc, request_scope
 from kvd.bulk import BulkLimits, BulkServer
 from kvd.config import parse_address
+from kvd.cpus import OFFLOAD, WORKER_THREADS
 from kvd.errors import DataLoss, InvalidArgument, KvdError, Unavailable
 from kvd.l2.format import BLOCK_BYTES
 from kvd.metrics import Metrics, SnapshotCollector
@@ -74,11 +76,10 @@ INLINE_COPY_BYTES = 256 << 10
 # here (server time 0.41 vs 0.60 ms), and a newly arriving request waits at
 # most one such copy (~0.6 ms for 8 MiB).
 IDLE_INLINE_COPY_BYTES = 8 << 20
-# One copy thread per two CPUs the daemon may use, 2 to 8: two saturate a
-# small machine's memory bandwidth (one numpy copy moves ~12 GB/s), and more
-# there only contend with the event loop; a many-core server copies for many
-# clients at once.
-COPY_THREADS = max(2, min(8, len(os.sched_getaffinity(0)) // 2))
+# kvd.cpus: two copy threads on a small machine (they saturate its memory
+# bandwidth, one numpy copy moving ~12 GB/s), up to 8 on a many-core server,
+# which copies for many clients at once.
+COPY_THREADS = WORKER_THREADS
 # A value this large, in a batch of fewer values than copy threads, is copied
 # by several threads at once in slices, then hashed in one pass while it is
 # still in cache: one thread copying and hashing it moves ~5 GB/s on a server
@@ -204,7 +205,7 @@ class RegionHandlers:
 
     async def _copy(self, jobs: list[_Job], to_pages: bool) -> None:
         total = sum(len(job.span) for job in jobs)
-        alone = self.inflight.requests <= 1 and total <= IDLE_INLINE_COPY_BYTES
+        alone = (self.inflight.requests <= 1 or not OFFLOAD) and total <= IDLE_INLINE_COPY_BYTES
         if total < INLINE_COPY_BYTES or alone or self._copy_pool is None:
             _run_jobs(jobs, to_pages)
             return
