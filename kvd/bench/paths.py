@@ -3,7 +3,9 @@ the ceilings (numpy memcpy into pre-allocated memory, loopback TCP with
 recv_into) and peers (Redis with the hiredis parser, Mooncake Store in TCP
 mode) measured in the same run.
 
-Every kvd and Redis case runs ``clients`` client processes
+The ceilings are measured at the start and again at the end of the run,
+and the higher figure is kept, so a ratio never rests on a ceiling caught in
+a slow moment. Every kvd and Redis case runs ``clients`` client processes
 (``kvd.bench.procs``: one process per client, as engines run one per
 worker), each with its own client and pre-allocated buffer, for
 ``CASE_SECONDS``, and reports aggregate GB/s. Ceilings and Mooncake run in
@@ -437,16 +439,7 @@ def run(
     cold: tuple[str, str] | None = None,
 ) -> list[Row]:
     """Every path and ceiling; ``cold`` is a small-L1 daemon's (tcp, unix) targets."""
-    rows: list[Row] = []
-    loopback = LoopbackServer()
-    try:
-        for size in sizes:
-            progress(f"paths: ceilings {size_label(size)}")
-            rows.append(Row("memcpy", "copy", size, 1, memcpy_gbps(size)))
-            for clients in CLIENTS:
-                rows.append(Row("tcp", "get", size, clients, tcp_gbps(loopback, size, clients)))
-    finally:
-        loopback.close()
+    rows = ceiling_rows(sizes, progress)
     progress(f"paths: starting {max(CLIENTS)} client processes")
     procs = ClientProcesses(max(CLIENTS))
     try:
@@ -464,6 +457,27 @@ def run(
                 rows += cold_rows(path, cold[0], cold[1], size)
     if peers:
         rows += mooncake_rows(sizes, progress)
+    # The ceilings again, keeping the higher figure: this machine's memory and
+    # loopback speed drift within a run, and a ratio to a low ceiling flatters.
+    again = {(r.path, r.size_bytes, r.clients): r for r in ceiling_rows(sizes, progress)}
+    for row in rows:
+        later = again.get((row.path, row.size_bytes, row.clients))
+        if later is not None and row.gbps is not None and later.gbps is not None:
+            row.gbps = max(row.gbps, later.gbps)
+    return rows
+
+
+def ceiling_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
+    rows: list[Row] = []
+    loopback = LoopbackServer()
+    try:
+        for size in sizes:
+            progress(f"paths: ceilings {size_label(size)}")
+            rows.append(Row("memcpy", "copy", size, 1, memcpy_gbps(size)))
+            for clients in CLIENTS:
+                rows.append(Row("tcp", "get", size, clients, tcp_gbps(loopback, size, clients)))
+    finally:
+        loopback.close()
     return rows
 
 
