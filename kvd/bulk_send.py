@@ -45,9 +45,7 @@ async def send_parts(
             sent = sock.sendmsg(parts[index : index + IOV_MAX])
         except BlockingIOError:
             sent = 0
-        while index < len(parts) and sent >= len(parts[index]):
-            sent -= len(parts[index])
-            index += 1
+        index, sent = _skip_sent(parts, index, sent)
         if index < len(parts):
             rest = loop.sock_sendall(sock, parts[index][sent:])
             try:
@@ -72,11 +70,18 @@ def send_blocking(sock: socket.socket, parts: list[memoryview], timeout_s: float
         except BlockingIOError:
             _wait_writable(poller, deadline - time.monotonic(), timeout_s)
             continue
-        while index < len(pending) and sent >= len(pending[index]):
-            sent -= len(pending[index])
-            index += 1
+        index, sent = _skip_sent(pending, index, sent)
         if sent:
             pending[index] = pending[index][sent:]
+
+
+def _skip_sent(parts: list[memoryview], index: int, sent: int) -> tuple[int, int]:
+    """After ``sent`` bytes from ``parts[index:]`` left: the first part not
+    wholly sent, and how many of its bytes did."""
+    while index < len(parts) and sent >= len(parts[index]):
+        sent -= len(parts[index])
+        index += 1
+    return index, sent
 
 
 def _wait_writable(poller: select.poll, left_s: float, timeout_s: float) -> None:

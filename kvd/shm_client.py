@@ -372,18 +372,8 @@ class ShmPath:
             if end == start:
                 raise ResourceExhausted(f"staging region has no {len(buffers[start])} bytes free")
             try:
-                request = pb.GetIntoRegionRequest(
-                    region_id=region.region_id,
-                    token=region.token,
-                    namespace=ns,
-                    items=[
-                        pb.RegionItem(key=key, offset=offset, length=len(buffer))
-                        for key, offset, buffer in zip(
-                            keys[start:end], offsets, buffers[start:end], strict=True
-                        )
-                    ],
-                )
-                results = self._batch("GetIntoRegion", request).results
+                rooms = [len(buffer) for buffer in buffers[start:end]]
+                results = self._get_batch(ns, region, keys[start:end], offsets, rooms)
                 for i, result in enumerate(results):
                     if result.code == _NOT_FOUND:
                         sizes.append(None)
@@ -418,16 +408,8 @@ class ShmPath:
                 raise ResourceExhausted(f"staging region has no {GET_ROOM_BYTES} bytes free")
             end = start + len(room)
             try:
-                request = pb.GetIntoRegionRequest(
-                    region_id=region.region_id,
-                    token=region.token,
-                    namespace=ns,
-                    items=[
-                        pb.RegionItem(key=key, offset=offset, length=GET_ROOM_BYTES)
-                        for key, offset in zip(keys[start:end], room, strict=True)
-                    ],
-                )
-                results = self._batch("GetIntoRegion", request).results
+                rooms = [GET_ROOM_BYTES] * len(room)
+                results = self._get_batch(ns, region, keys[start:end], room, rooms)
                 got: list[bytes | pb.RegionItemResult | None] = []
                 for offset, result in zip(room, results, strict=True):
                     if result.code == _NOT_FOUND:
@@ -448,6 +430,26 @@ class ShmPath:
             start = end
         return values
 
+    def _get_batch(
+        self,
+        ns: str,
+        region: ClientRegion,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        rooms: Sequence[int],
+    ) -> Sequence[pb.RegionItemResult]:
+        """One GetIntoRegion: ``keys[i]`` into ``rooms[i]`` bytes at ``offsets[i]``."""
+        request = pb.GetIntoRegionRequest(
+            region_id=region.region_id,
+            token=region.token,
+            namespace=ns,
+            items=[
+                pb.RegionItem(key=key, offset=offset, length=room)
+                for key, offset, room in zip(keys, offsets, rooms, strict=True)
+            ],
+        )
+        return self._batch("GetIntoRegion", request).results
+
     def _get_one(
         self,
         ns: str,
@@ -457,13 +459,7 @@ class ShmPath:
         room: int,
         want_size: bool = False,
     ) -> pb.RegionItemResult | None:
-        request = pb.GetIntoRegionRequest(
-            region_id=region.region_id,
-            token=region.token,
-            namespace=ns,
-            items=[pb.RegionItem(key=key, offset=offset, length=room)],
-        )
-        result = self._batch("GetIntoRegion", request).results[0]
+        result = self._get_batch(ns, region, [key], [offset], [room])[0]
         if result.code == _NOT_FOUND:
             return None
         if result.code == _RESOURCE_EXHAUSTED and want_size and result.size > room:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import urllib.request
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -28,3 +29,14 @@ def closed_by_daemon(sock: socket.socket) -> bool:
     finally:
         sock.close()
     return True
+
+
+def metric(metrics_port: int, name: str) -> float:
+    """An unlabelled sample of the daemon's /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")

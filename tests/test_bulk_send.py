@@ -35,6 +35,20 @@ def _parts(payload: bytes) -> list[memoryview]:
     return [view[:100], view[100 : 3 << 20], view[3 << 20 :]]  # a header, then pages
 
 
+async def _send_both(
+    sender: Sender, pairs: list[tuple[socket.socket, socket.socket]], payloads: list[bytes]
+) -> list[BaseException | None]:
+    """Both payloads at once, each on its pair's socket: the first on the event
+    loop, the second (another send being under way) on a send thread."""
+    return await asyncio.gather(
+        *(
+            sender.send(ours, _parts(payload), PAYLOAD_BYTES)
+            for (ours, _), payload in zip(pairs, payloads, strict=True)
+        ),
+        return_exceptions=True,
+    )
+
+
 def _read_all(sock: socket.socket, nbytes: int, into: list[bytes]) -> None:
     chunks, got = [], 0
     while got < nbytes:
@@ -57,16 +71,8 @@ def test_two_answers_at_once_arrive_whole(pairs: list[tuple[socket.socket, socke
     for reader in readers:
         reader.start()
     sender = Sender(timeout_s=10, offload=True)
-
-    async def both() -> None:
-        await asyncio.gather(
-            *(
-                sender.send(ours, _parts(payload), PAYLOAD_BYTES)
-                for (ours, _), payload in zip(pairs, payloads, strict=True)
-            )
-        )
-
-    asyncio.run(both())
+    results = asyncio.run(_send_both(sender, pairs, payloads))
+    assert results == [None, None]
     for reader in readers:
         reader.join(10)
     assert [got[0] for got in received] == payloads
@@ -78,16 +84,8 @@ def test_a_client_that_reads_nothing_times_out(
     pairs: list[tuple[socket.socket, socket.socket]],
 ) -> None:
     sender = Sender(timeout_s=0.3, offload=True)
-    payload = bytes(PAYLOAD_BYTES)
-
-    async def both() -> list[BaseException | None]:
-        return await asyncio.gather(
-            *(sender.send(ours, _parts(payload), PAYLOAD_BYTES) for ours, _ in pairs),
-            return_exceptions=True,
-        )
-
     start = time.monotonic()
-    results = asyncio.run(both())
+    results = asyncio.run(_send_both(sender, pairs, [bytes(PAYLOAD_BYTES)] * 2))
     assert all(isinstance(r, TimeoutError) for r in results), results
     assert all("did not read its answer" in str(r) for r in results)
     assert time.monotonic() - start < 3

@@ -57,14 +57,19 @@ def test_lru_order_among_unrelated_blocks() -> None:
     assert drain(policy) == ["b", "d", "a", "c"]
 
 
-@pytest.mark.parametrize("name", POLICIES)
-def test_chain_is_evicted_tail_first(name: str) -> None:
-    policy = make_policy(name)
-    chain = [("ns", i) for i in range(5)]
+def insert_chain(policy: Any, chain: list[Any]) -> None:
+    """Insert a chain head first, each block with its parent, as the store does."""
     parent = None
     for key in chain:
         policy.insert(key, parent)
         parent = key
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_chain_is_evicted_tail_first(name: str) -> None:
+    policy = make_policy(name)
+    chain = [("ns", i) for i in range(5)]
+    insert_chain(policy, chain)
     policy.touch(chain[0])  # the head is the most recently used block
     assert drain(policy) == list(reversed(chain))
 
@@ -271,10 +276,7 @@ def test_pred_learns_reuse_per_class_and_credits_returning_chains() -> None:
     for conversation in range(50):
         chain = [("c", conversation * 10 + i) for i in range(4)]
         policy.on_lookup(chain, 0)
-        parent = None
-        for key in chain:
-            policy.insert(key, parent)
-            parent = key
+        insert_chain(policy, chain)
         policy.on_lookup(chain[:3], 3)  # the next turn re-reads all but the last
     fresh = policy._pending  # nothing announced stays pending once put
     assert not fresh
@@ -387,10 +389,7 @@ def test_hazard_sees_the_next_turn_of_an_evicted_chain() -> None:
     policy = HazardPolicy[int]()
     first = [1, 2, 3, 4]
     policy.on_lookup(first, 0)
-    parent = None
-    for key in first:
-        policy.insert(key, parent)
-        parent = key
+    insert_chain(policy, first)
     for key in reversed(first):
         policy.remove(key)
     assert policy.reuse_share(turn_class(0, 4, 4)) == 0.0
@@ -437,10 +436,7 @@ def test_hazard_same_chain_looked_up_again_is_not_a_deeper_turn() -> None:
     policy = HazardPolicy[int]()
     chain = [1, 2, 3, 4]
     policy.on_lookup(chain, 0)
-    parent = None
-    for key in chain:
-        policy.insert(key, parent)
-        parent = key
+    insert_chain(policy, chain)
     first = turn_class(0, 4, 4)
     for _ in range(3):  # one request looked up again and again (or retried)
         policy.on_lookup(chain, 4)

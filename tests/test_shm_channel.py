@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from kvd.shm_channel import REGION_REF, SOCKET_NAME, TIER_SHIFT
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
-from tests.sockets import closed_by_daemon, recv_exact
+from tests.sockets import closed_by_daemon, metric, recv_exact
 from tests.test_auth import TOKEN_A, token_file
 from tests.test_shm import RawRegion
 
@@ -86,14 +85,6 @@ def _logged(daemon: DaemonProcess, reason: str) -> bool:
     )
 
 
-def _metric(daemon: DaemonProcess, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics").read()
-    for line in text.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
-
-
 def test_client_region_ops_go_over_the_shm_socket(
     channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
 ) -> None:
@@ -109,8 +100,8 @@ def test_client_region_ops_go_over_the_shm_socket(
         buffer[:] = b"\0" * len(value)
         assert client.get_into(NS, b"big", buffer) == len(value)
         assert bytes(buffer) == value
-        assert _metric(channel_daemon, "kvd_shm_connections") >= 1
-    assert wait_until(lambda: _metric(channel_daemon, "kvd_shm_connections") == 0)
+        assert metric(channel_daemon.metrics_port, "kvd_shm_connections") >= 1
+    assert wait_until(lambda: metric(channel_daemon.metrics_port, "kvd_shm_connections") == 0)
 
 
 def test_answers_match_the_grpc_region_calls(
@@ -190,8 +181,8 @@ def test_pipelined_ops_run_together_and_are_answered_in_order(
             assert got_bytes == bytes([rid % 8 + 1]) * length
     assert sock.recv(1) == b""  # then the daemon closes
     sock.close()
-    assert wait_until(lambda: _metric(channel_daemon, "kvd_inflight_requests") == 0)
-    assert _metric(channel_daemon, "kvd_inflight_bytes") == 0
+    assert wait_until(lambda: metric(channel_daemon.metrics_port, "kvd_inflight_requests") == 0)
+    assert metric(channel_daemon.metrics_port, "kvd_inflight_bytes") == 0
 
 
 @pytest.mark.parametrize(
