@@ -182,6 +182,7 @@ class ShmChannel:
         max_value_bytes = self.service.store.limits.max_value_bytes
         answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue(PIPELINE_FRAMES)
         answering: asyncio.Task[None] | None = None
+        running: set[asyncio.Task[bytes]] = set()
         try:
             while answering is None or not answering.done():
                 peer.waiting, peer.since = _IDLE, loop.time()
@@ -209,16 +210,19 @@ class ShmChannel:
                         return
                     answering = asyncio.create_task(self._answer(answers, peer))
                     continue
-                await answers.put(self._start(request, rest, principal, peer))
+                assert answering is not None, "HELLO started the writer"
+                op = self._start(request, rest, principal, peer)
+                running.add(op)
+                op.add_done_callback(running.discard)
+                await _queue(answers, op, answering)
             if answering is not None:
-                await answers.put(None)
+                await _queue(answers, None, answering)  # the end of the answers
                 await answering  # raises what stopped the writer
         finally:
             if answering is not None:
                 answering.cancel()
-                ops = [op for op in _emptied(answers) if op is not None]
                 # Ops already started run to their end: their copies pin pages.
-                await asyncio.gather(answering, *ops, return_exceptions=True)
+                await asyncio.gather(answering, *running, return_exceptions=True)
 
     def _start(
         self, request: Request, rest: bytes, principal: Principal | None, peer: _Peer
@@ -240,12 +244,16 @@ class ShmChannel:
     async def _answer(answers: asyncio.Queue[asyncio.Task[bytes] | None], peer: _Peer) -> None:
         """Send each op's answer in request order; a None ends the connection's answers."""
         loop = asyncio.get_running_loop()
-        while (op := await answers.get()) is not None:
-            peer.writer.write(await op)
-            peer.unanswered -= 1
-            if not peer.unanswered:
-                peer.since = loop.time()  # the idle timeout counts from the last answer
-            await peer.writer.drain()
+        try:
+            while (op := await answers.get()) is not None:
+                peer.writer.write(await op)
+                peer.unanswered -= 1
+                if not peer.unanswered:
+                    peer.since = loop.time()  # the idle timeout counts from the last answer
+                await peer.writer.drain()
+        except Exception:
+            peer.writer.transport.abort()  # the reader stops too
+            raise
 
     def _hello(self, request: Request, token: bytes) -> tuple[Principal | None, bytes]:
         auth = self.service.auth
@@ -328,11 +336,17 @@ class ShmChannel:
         return put.results[0]
 
 
-def _emptied(queue: asyncio.Queue[T]) -> list[T]:
-    items = []
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
+async def _queue(queue: asyncio.Queue[T], item: T, consumer: asyncio.Task[None]) -> bool:
+    """Put ``item``, waiting for room while ``consumer`` runs; False if it stopped first."""
+    if not queue.full():
+        queue.put_nowait(item)
+        return True
+    put = asyncio.ensure_future(queue.put(item))
+    await asyncio.wait({put, consumer}, return_when=asyncio.FIRST_COMPLETED)
+    if put.done():
+        return True
+    put.cancel()
+    return False
 
 
 def _claim(path: str) -> None:

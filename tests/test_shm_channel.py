@@ -185,6 +185,27 @@ def test_pipelined_ops_run_together_and_are_answered_in_order(
     assert metric(channel_daemon.metrics_port, "kvd_inflight_bytes") == 0
 
 
+def test_a_client_that_sends_and_never_reads_is_let_go(
+    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+) -> None:
+    """20,000 pipelined misses and no reads: the daemon stops reading once 16
+    answers wait and the socket is full (bounded), and when the client hangs
+    up, the connection and its ops are cleaned up; others are served."""
+    region = RawRegion(stub, _paths(stub).shm_dir, "mute", 1 << 16)
+    frame = _frame(OP_REGION_GET, region, b"absent", 0, 100)
+    sock, _ = _connect(_paths(stub).shm_socket)
+    sock.settimeout(2)
+    with pytest.raises(TimeoutError):
+        sock.sendall(frame * 20_000)  # blocks: the daemon stopped reading
+    assert metric(channel_daemon.metrics_port, "kvd_shm_connections") == 1
+    sock.close()
+    assert wait_until(lambda: metric(channel_daemon.metrics_port, "kvd_shm_connections") == 0)
+    assert metric(channel_daemon.metrics_port, "kvd_inflight_requests") == 0
+    with Client(channel_daemon.socket_target) as client:
+        client.put(NS, b"after", b"still serving")
+        assert client.get(NS, b"after") == b"still serving"
+
+
 @pytest.mark.parametrize(
     ("frame", "reason"),
     [
