@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -122,6 +122,14 @@ def _run_jobs(jobs: list[_Job], to_pages: bool) -> None:
 def _hash_job(job: _Job, to_pages: bool) -> None:
     """The checksum of a job's bytes where they landed (after a split copy)."""
     job.checksum = xxh3_of(job.views if to_pages else [job.span.data])
+
+
+async def _all_done(copies: Iterable[Awaitable[None]]) -> None:
+    """Wait for every copy, then raise the first failure: a copy still running
+    touches pages that must stay pinned until it stops."""
+    for result in await asyncio.gather(*copies, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
 
 
 def _grouped(jobs: list[_Job], groups: int) -> list[list[_Job]]:
@@ -227,24 +235,16 @@ class RegionHandlers:
         loop = asyncio.get_running_loop()
         if len(jobs) < COPY_THREADS and max(len(job.span) for job in jobs) >= SPLIT_COPY_BYTES:
             parts = COPY_THREADS // len(jobs)
-            await asyncio.gather(
-                *(
-                    loop.run_in_executor(
-                        pool, copy_span, job.views, job.span, lo, hi, to_pages, None
-                    )
-                    for job in jobs
-                    for lo, hi in copy_slices(len(job.span), parts)
-                )
+            await _all_done(
+                loop.run_in_executor(pool, copy_span, job.views, job.span, lo, hi, to_pages, None)
+                for job in jobs
+                for lo, hi in copy_slices(len(job.span), parts)
             )
-            await asyncio.gather(
-                *(loop.run_in_executor(pool, _hash_job, job, to_pages) for job in jobs)
-            )
+            await _all_done(loop.run_in_executor(pool, _hash_job, job, to_pages) for job in jobs)
             return
-        await asyncio.gather(
-            *(
-                loop.run_in_executor(pool, _run_jobs, group, to_pages)
-                for group in _grouped(jobs, COPY_THREADS)
-            )
+        await _all_done(
+            loop.run_in_executor(pool, _run_jobs, group, to_pages)
+            for group in _grouped(jobs, COPY_THREADS)
         )
 
     # ---- regions -------------------------------------------------------------------
