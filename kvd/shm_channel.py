@@ -371,7 +371,9 @@ def _claim(path: str) -> None:
 
 # ---- client ---------------------------------------------------------------------------
 class RegionOps:
-    """``GetIntoRegion``/``PutFromRegion`` batches over the shm socket."""
+    """``GetIntoRegion``/``PutFromRegion`` batches over the shm socket: each batch on
+    one connection (the daemon runs its frames concurrently; spreading it over
+    connections only added client threads), the pool's others for other threads."""
 
     def __init__(self, path: str, token: str | None, timeout_s: float, connections: int = 2):
         self.client = BulkClient(path, 0, token=token, connections=connections, timeout_s=timeout_s)
@@ -417,11 +419,7 @@ class RegionOps:
 
     def _exchange(self, frames: list[bytes]) -> pb.RegionBatchResponse:
         answers: list[Answer | None] = [None] * len(frames)
-
-        def run(start: int, end: int) -> None:
-            self.client.with_connection(lambda conn: _window(conn, frames, start, end, answers))
-
-        self.client.spread(len(frames), run)
+        self.client.with_connection(lambda conn: _window(conn, frames, 0, len(frames), answers))
         results = []
         for answer in answers:
             assert answer is not None, "every frame was answered"
