@@ -32,12 +32,12 @@ from kvd.client_wire import (
     BATCH_ITEMS_MAX,
     BATCH_VALUE_BYTES_MAX,
     BULK_THRESHOLD_BYTES,
-    CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
     INLINE_GET_BYTES_MAX,
     Buffer,
     GetAssembler,
     PutItemLike,
+    Tls,
     batch_get_item,
     batch_put_request,
     batch_put_result,
@@ -46,6 +46,7 @@ from kvd.client_wire import (
     grpc_target,
     lookup_result,
     metadata,
+    open_channel,
     put_items,
     put_requests,
     raise_for,
@@ -84,6 +85,7 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",
+    "Tls",
     "Unauthenticated",
     "Unavailable",
     "chain_keys",
@@ -103,16 +105,23 @@ class Client:
         bulk: bool | None = None,
         bulk_threshold_bytes: int = BULK_THRESHOLD_BYTES,
         bulk_connections: int = DEFAULT_CONNECTIONS,
+        tls: Tls | None = None,
     ) -> None:
+        """``tls``: TLS to a TCP target; then values go over gRPC only, since the
+        bulk TCP port has no TLS (``bulk=True`` with ``tls`` is refused)."""
+        if tls is not None and bulk:
+            raise InvalidArgument(
+                "the bulk TCP port has no TLS: bulk=True would send values in clear"
+            )
         self.target = target
         self.timeout_s = timeout_s
         self._metadata = metadata(token)
         self._token = token
-        self._channel = grpc.insecure_channel(grpc_target(target), options=CHANNEL_OPTIONS)
+        self._channel = open_channel(target, tls)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         unix = grpc_target(target).startswith("unix:")
         self._want_shm = unix if shm is None else shm
-        self._want_bulk = (not unix) if bulk is None else bulk
+        self._want_bulk = (not unix and tls is None) if bulk is None else bulk
         self.bulk_threshold_bytes = bulk_threshold_bytes
         self._bulk_connections = bulk_connections
         self._paths_lock = threading.Lock()
@@ -413,12 +422,17 @@ class AsyncClient:
     """The same calls as ``Client``, for asyncio code."""
 
     def __init__(
-        self, target: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        tls: Tls | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self._metadata = metadata(token)
-        self._channel = grpc.aio.insecure_channel(grpc_target(target), options=CHANNEL_OPTIONS)
+        self._channel = open_channel(target, tls, aio=True)
         self._stub = pb_grpc.KVStoreStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

@@ -6,6 +6,8 @@ blocking ``Client`` and the ``AsyncClient`` in ``kvd.client``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -38,6 +40,49 @@ CHANNEL_OPTIONS = [
 
 Buffer = bytes | bytearray | memoryview
 PutItemLike = tuple[bytes, Buffer] | tuple[bytes, Buffer, bytes]
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS to a daemon's gRPC TCP listener (the daemon's ``tls_cert_file``): the
+    CA bundle to trust (None: the system's roots) and, where the daemon asks
+    for client certificates (``tls_client_ca_file``), this client's
+    certificate chain and key, PEM files all."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise InvalidArgument("tls: cert_file and key_file go together")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.ca_file, "ca_file"),
+            private_key=_pem(self.key_file, "key_file"),
+            certificate_chain=_pem(self.cert_file, "cert_file"),
+        )
+
+
+def _pem(path: str | None, name: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"tls {name} {path}: {exc.strerror}") from None
+
+
+def open_channel(target: str, tls: Tls | None, *, aio: bool = False) -> Any:
+    """A gRPC channel to ``target``: plain, or TLS (TCP targets only: a Unix
+    socket is served without TLS, it never leaves the node)."""
+    address = grpc_target(target)
+    if tls is None:
+        plain = grpc.aio.insecure_channel if aio else grpc.insecure_channel
+        return plain(address, options=CHANNEL_OPTIONS)
+    if address.startswith("unix:"):
+        raise InvalidArgument("tls is for TCP targets: the Unix socket is served without TLS")
+    secure = grpc.aio.secure_channel if aio else grpc.secure_channel
+    return secure(address, tls.credentials(), options=CHANNEL_OPTIONS)
 
 
 def grpc_target(target: str) -> str:

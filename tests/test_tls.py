@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import signal
@@ -16,7 +17,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvd.client import AsyncClient, Client, InvalidArgument, Tls, Unavailable
 from kvd.config import ConfigError, load_config
+from kvd.connectors.common import tls_config
 from kvd.tls import ServerTls
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -206,3 +209,68 @@ def test_tls_settings_go_together() -> None:
         None, {}, {"tls_cert_file": "c", "tls_key_file": "k", "tls_client_ca_file": "ca"}
     )
     assert config.tls_client_ca_file == "ca"
+
+
+def test_client_library_over_tls_and_mtls(
+    daemon_factory: DaemonFactory, tmp_path: Path, pki: Pki
+) -> None:
+    """``Client(tls=...)`` against a TLS daemon, then an mTLS one: values of every
+    size go over gRPC (the bulk port has no TLS); a client without the right
+    certificate or CA is refused; TLS settings that cannot work are refused up front."""
+    cert, key, ca = write_server_files(tmp_path, pki)
+    client_cert, client_key = tmp_path / "client.crt", tmp_path / "client.key"
+    client_cert.write_bytes(pki.client.cert)
+    client_key.write_bytes(pki.client.key)
+    value = bytes(range(256)) * 8192  # 2 MiB: streamed, and would be bulk without TLS
+    daemon = daemon_factory("--tls-cert-file", str(cert), "--tls-key-file", str(key))
+    with Client(daemon.target, tls=Tls(ca_file=str(ca))) as client:
+        assert client.put("t", b"big", value) is False
+        assert client.get("t", b"big") == value
+        room = bytearray(len(value))
+        got = client.get_many_into("t", [b"big", b"no"], [room, bytearray(1)])
+        assert got == [len(value), None]
+        assert room == value
+        assert client._fast_paths() == (None, None)  # no shm, no bulk: only TLS carries values
+
+    async def async_round_trip() -> bytes | None:
+        async with AsyncClient(daemon.target, tls=Tls(ca_file=str(ca))) as client:
+            await client.put("t", b"small", b"x" * 100)
+            return await client.get("t", b"small")
+
+    assert asyncio.run(async_round_trip()) == b"x" * 100
+    with Client(daemon.target, timeout_s=2) as plain, pytest.raises(Unavailable):
+        plain.get("t", b"big")  # a plain client does not get in
+    stranger = tmp_path / "stranger-ca.crt"
+    stranger.write_bytes(make_pki("stranger").ca.cert)
+    wrong_ca = Tls(ca_file=str(stranger))
+    with Client(daemon.target, timeout_s=2, tls=wrong_ca) as client, pytest.raises(Unavailable):
+        client.get("t", b"big")  # the server's certificate is not from this CA
+
+    mutual = daemon_factory(
+        "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-client-ca-file", str(ca)
+    )
+    mtls = Tls(ca_file=str(ca), cert_file=str(client_cert), key_file=str(client_key))
+    with Client(mutual.target, tls=mtls) as client:
+        assert client.put("t", b"m", value) is False
+        assert client.get("t", b"m") == value
+    no_cert = Tls(ca_file=str(ca))
+    with Client(mutual.target, timeout_s=2, tls=no_cert) as client, pytest.raises(Unavailable):
+        client.get("t", b"m")  # no client certificate
+
+    with pytest.raises(InvalidArgument, match="bulk TCP port has no TLS"):
+        Client(daemon.target, tls=Tls(ca_file=str(ca)), bulk=True)
+    with pytest.raises(InvalidArgument, match="Unix socket"):
+        Client(daemon.socket_target, tls=Tls(ca_file=str(ca)))
+    with pytest.raises(InvalidArgument, match="go together"):
+        Client(daemon.target, tls=Tls(ca_file=str(ca), cert_file=str(client_cert)))
+    with pytest.raises(InvalidArgument, match="ca_file"):
+        Client(daemon.target, tls=Tls(ca_file=str(tmp_path / "missing.crt")))
+
+
+def test_connectors_read_tls_settings() -> None:
+    config = {"tls_ca_file": "/etc/kvd/ca.crt", "tls_cert_file": "c", "tls_key_file": "k"}
+    assert tls_config(lambda name, default: config.get(name, default)) == Tls(
+        "/etc/kvd/ca.crt", "c", "k"
+    )
+    assert tls_config(lambda name, default: {"tls": True}.get(name, default)) == Tls()
+    assert tls_config(lambda name, default: default) is None

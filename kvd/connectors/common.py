@@ -13,6 +13,7 @@
 - ``encode_meta()`` / ``decode_meta()``: the small JSON blob kept in a value's
   ``meta`` (shape, dtype, format), bounded by the daemon's 4 KiB.
 - ``get_with_meta()`` reads a value together with its ``meta``.
+- ``tls_config()`` reads a connector's TLS settings for ``Client(tls=...)``.
 - ``load_groups()`` / ``get_prefix_into()``: pages straight into the engine's
   buffers, one batch per ``LOAD_BATCH_BYTES``, counting the leading hits.
 """
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvd.client import Client
+from kvd.client import Client, Tls
 
 log = logging.getLogger("kvd.connectors")
 
@@ -272,3 +273,13 @@ def get_prefix_into(
             raise ValueError(f"{key!r}: {size} bytes stored, {len(view)} expected")
         hits += 1
     return hits
+
+
+def tls_config(get: Callable[[str, Any], Any]) -> Tls | None:
+    """A connector's TLS settings, read with ``get(name, default)``: ``tls``
+    (true: TLS with the system's CA roots), ``tls_ca_file``, ``tls_cert_file``
+    and ``tls_key_file`` (either file set turns TLS on); None without them."""
+    files = {name: get(f"tls_{name}", "") or None for name in ("ca_file", "cert_file", "key_file")}
+    if not get("tls", False) and not any(files.values()):
+        return None
+    return Tls(**files)

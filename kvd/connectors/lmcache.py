@@ -54,6 +54,7 @@ from kvd.connectors.common import (
     namespace,
     parse_target,
     text_key,
+    tls_config,
 )
 
 try:
@@ -189,7 +190,8 @@ class KvdRemoteConnector(RemoteConnector):  # type: ignore[misc]
         self.lease_ms = _extra(config, plugin_name, "lease_ms", DEFAULT_LEASE_MS)
         timeout_s = _extra(config, plugin_name, "timeout_s", DEFAULT_TIMEOUT_S)
         token = _extra(config, plugin_name, "token", "") or None
-        self.client = Client(self.target, token=token, timeout_s=timeout_s)
+        tls = tls_config(lambda name, default: _extra(config, plugin_name, name, default))
+        self.client = Client(self.target, token=token, timeout_s=timeout_s, tls=tls)
         self.guard = Guard(f"lmcache[{plugin_name}]")
         self._executor = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvd-lmcache")
         self._leases: collections.OrderedDict[str, Leases] = collections.OrderedDict()

@@ -41,6 +41,7 @@ from kvd.connectors.common import (
     namespace,
     parse_target,
     text_key,
+    tls_config,
 )
 
 try:
@@ -124,6 +125,7 @@ class KvdHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.target,
             token=config_value(extra, "token", "") or None,
             timeout_s=config_value(extra, "timeout_s", DEFAULT_TIMEOUT_S),
+            tls=tls_config(lambda name, default: config_value(extra, name, default)),
         )
         self.guard = Guard(f"sglang[tp{getattr(storage_config, 'tp_rank', 0)}]")
         self.mem_pool_host: Any = None

@@ -51,6 +51,7 @@ from kvd.connectors.common import (
     load_groups,
     namespace,
     parse_target,
+    tls_config,
 )
 from kvd.keys import chain_keys
 
@@ -140,6 +141,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             parse_target(config_value(extra, "url", "") or None),
             token=config_value(extra, "token", "") or None,
             timeout_s=config_value(extra, "timeout_s", DEFAULT_TIMEOUT_S),
+            tls=tls_config(lambda name, default: config_value(extra, name, default)),
         )
         parallel = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
