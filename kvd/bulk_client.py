@@ -40,7 +40,7 @@ from kvd.bulk import (
     VERSION,
     encode_request,
 )
-from kvd.bulk_send import IOV_MAX
+from kvd.bulk_send import send_all
 from kvd.checksum import Hasher, checksum
 from kvd.errors import BY_CODE_NAME, DataLoss, DeadlineExceeded, KvdError, Unavailable
 
@@ -119,14 +119,7 @@ class Connection:
             # 49 µs a round trip with sendmsg here, 22 µs with sendall.
             self.sock.sendall(parts[0])
             return
-        parts = [part for part in parts if len(part)]
-        while parts:
-            sent = self.sock.sendmsg(parts[:IOV_MAX])
-            while parts and sent >= len(parts[0]):
-                sent -= len(parts[0])
-                parts.pop(0)
-            if sent:
-                parts[0] = parts[0][sent:]
+        send_all(self.sock, parts, _blocking_socket_full)
 
     def recv_into(self, view: memoryview, hasher: Hasher | None = None) -> None:
         pos = 0
@@ -313,6 +306,10 @@ class BulkClient:
 
         self.spread(len(keys), run)
         return [_raise_or(value) for value in out]
+
+
+def _blocking_socket_full() -> None:
+    raise ConnectionError("a blocking socket refused to send")  # pragma: no cover
 
 
 def _raise_or(value: T | KvdError) -> T:

@@ -20,6 +20,7 @@ import asyncio
 import select
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvd.cpus import OFFLOAD, WORKER_THREADS
@@ -51,24 +52,30 @@ async def send_parts(
             try:
                 await asyncio.wait_for(rest, deadline - time.monotonic())
             except TimeoutError:
-                limit = f"{timeout_s:g} s"
-                raise TimeoutError(f"client did not read its answer within {limit}") from None
+                raise _late(timeout_s) from None
             index += 1
 
 
 def send_blocking(sock: socket.socket, parts: list[memoryview], timeout_s: float) -> None:
     """Send ``parts`` in order from a worker thread on a non-blocking socket.
     TimeoutError when they have not all left within ``timeout_s``."""
-    pending = [part for part in parts if len(part)]
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLOUT)
     deadline = time.monotonic() + timeout_s
+    send_all(sock, parts, lambda: _wait_writable(poller, deadline - time.monotonic(), timeout_s))
+
+
+def send_all(sock: socket.socket, parts: list[memoryview], when_full: Callable[[], None]) -> None:
+    """Send ``parts`` in order with sendmsg; ``when_full()`` runs each time the
+    socket takes nothing (a non-blocking one with a full buffer): it waits for
+    room or raises."""
+    pending = [part for part in parts if len(part)]
     index = 0
     while index < len(pending):
         try:
             sent = sock.sendmsg(pending[index : index + IOV_MAX])
         except BlockingIOError:
-            _wait_writable(poller, deadline - time.monotonic(), timeout_s)
+            when_full()
             continue
         index, sent = _skip_sent(pending, index, sent)
         if sent:
@@ -86,10 +93,14 @@ def _skip_sent(parts: list[memoryview], index: int, sent: int) -> tuple[int, int
 
 def _wait_writable(poller: select.poll, left_s: float, timeout_s: float) -> None:
     if left_s <= 0:
-        raise TimeoutError(f"client did not read its answer within {timeout_s:g} s")
+        raise _late(timeout_s)
     for _, events in poller.poll(min(_POLL_S, left_s) * 1000):
         if events & _BROKEN and not events & select.POLLOUT:
             raise ConnectionResetError("connection closed while sending")
+
+
+def _late(timeout_s: float) -> TimeoutError:
+    return TimeoutError(f"client did not read its answer within {timeout_s:g} s")
 
 
 class Sender:
