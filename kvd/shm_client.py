@@ -324,23 +324,7 @@ class ShmPath:
 
     # ---- gets ------------------------------------------------------------------------
     def get_into(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
-        where = self.locate(buffer)
-        if where is not None:
-            result = self._get_one(ns, key, where[0], where[1], len(buffer))
-            return None if result is None else result.size
-        region, spans = self._staging_spans()
-        offset = spans.alloc(len(buffer))
-        if offset is None:
-            raise ResourceExhausted("staging region full")
-        try:
-            result = self._get_one(ns, key, region, offset, len(buffer))
-            if result is None:
-                return None
-            src = np.frombuffer(region.view, dtype=np.uint8)[offset : offset + result.size]
-            np.copyto(np.frombuffer(buffer, dtype=np.uint8)[: result.size], src)
-            return int(result.size)
-        finally:
-            spans.free(offset, len(buffer))
+        return self.get_many_into(ns, [key], [buffer])[0]
 
     def get(self, ns: str, key: bytes) -> bytes | None:
         region, spans = self._staging_spans()
@@ -380,6 +364,8 @@ class ShmPath:
                         continue
                     if result.code:
                         error = _item_error(result, len(buffers[start + i]))
+                        if len(keys) == 1:
+                            raise error
                         raise type(error)(f"item {start + i}: {error}")
                     if staged:
                         src = np.frombuffer(region.view, dtype=np.uint8)
