@@ -100,9 +100,12 @@ class Region:
     retired: bool = False
     closed: bool = field(default=False)
 
+    def holds(self, offset: int, length: int) -> bool:
+        return offset >= 0 and length >= 0 and offset + length <= self.size
+
     def span(self, offset: int, length: int) -> Bytes:
         """The bytes ``[offset, offset+length)``; InvalidArgument outside the region."""
-        if offset < 0 or length < 0 or offset + length > self.size:
+        if not self.holds(offset, length):
             raise InvalidArgument(
                 f"offset {offset} + length {length} is outside the region of {self.size} bytes"
             )

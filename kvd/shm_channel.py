@@ -13,7 +13,9 @@ its own task (at most ``PIPELINE_FRAMES`` unanswered), and a writer task
 sends the answers in request order. Ops of one connection therefore run
 concurrently: on a machine with cores to spare (``kvd.cpus``) a batch's
 copies go to the copy threads together, while a lone get still copies on
-the event loop (the hand-off costs more than a few MiB of copying).
+the event loop (the hand-off costs more than a few MiB of copying). A get
+that arrives with nothing unanswered and needs no waiting (an L1 value
+copied on the loop: ``get_now``) is answered by the reader itself.
 
 HELLO first, with the bearer token when auth is on; every op then names its
 namespace and is authorized like a gRPC call, and names its region by id
@@ -211,6 +213,12 @@ class ShmChannel:
                     answering = asyncio.create_task(self._answer(answers, peer))
                     continue
                 assert answering is not None, "HELLO started the writer"
+                if not peer.unanswered:  # nothing ahead of it: it may answer at once
+                    now = self._op_now(request, rest, principal)
+                    if now is not None:
+                        writer.write(now)
+                        await writer.drain()
+                        continue
                 op = self._start(request, rest, principal, peer)
                 running.add(op)
                 op.add_done_callback(running.discard)
@@ -269,21 +277,54 @@ class ShmChannel:
         return principal, encode_response(OP_HELLO, request.request_id)
 
     async def _op(self, request: Request, rest: bytes, principal: Principal | None) -> bytes:
-        op = _OPS[request.op]
-        service = self.service
         start = time.perf_counter()
-        code = "OK"
         try:
-            result = await self._item(request, rest, principal)
+            ref = self._ref(request, rest, principal)
+            if request.op == OP_REGION_GET:
+                got = await self.service.get_into_region(
+                    pb.GetIntoRegionRequest(
+                        region_id=ref.region_id, token=ref.token, namespace=ref.ns, items=[ref.item]
+                    )
+                )
+                result = got.results[0]
+            else:
+                result = await self._put(request, ref)
         except KvdError as exc:
-            code = exc.code_name
-            service.metrics.refused(code, op, str(exc))
-            return encode_response(
-                request.op, request.request_id, error_code(exc), message=str(exc)
-            )
-        finally:
-            service.metrics.requests.labels(op, code).inc()
-            service.metrics.latency.labels(op).observe(time.perf_counter() - start)
+            return self._refused(request, exc, start)
+        except BaseException:
+            self._count(request, "CANCELLED", start)
+            raise
+        return self._answered(request, result, start)
+
+    def _op_now(self, request: Request, rest: bytes, principal: Principal | None) -> bytes | None:
+        """The answer of a get that needs no waiting (``get_now``), else None:
+        the op then runs as a task. Without a task and the writer's turn a
+        lone get's round trip on a 2-CPU VM fell from ~280 to ~200 µs."""
+        if request.op != OP_REGION_GET:
+            return None
+        start = time.perf_counter()
+        try:
+            ref = self._ref(request, rest, principal)
+            result = self.service.get_now(ref.region_id, ref.token, ref.ns, ref.item)
+        except KvdError as exc:
+            return self._refused(request, exc, start)
+        if result is None:
+            return None
+        return self._answered(request, result, start)
+
+    def _count(self, request: Request, code: str, start: float) -> None:
+        metrics = self.service.metrics
+        op = _OPS[request.op]
+        metrics.requests.labels(op, code).inc()
+        metrics.latency.labels(op).observe(time.perf_counter() - start)
+
+    def _refused(self, request: Request, exc: KvdError, start: float) -> bytes:
+        self.service.metrics.refused(exc.code_name, _OPS[request.op], str(exc))
+        self._count(request, exc.code_name, start)
+        return encode_response(request.op, request.request_id, error_code(exc), message=str(exc))
+
+    def _answered(self, request: Request, result: pb.RegionItemResult, start: float) -> bytes:
+        self._count(request, "OK", start)
         flags = (FLAG_EXISTED if result.existed else 0) | (result.tier << TIER_SHIFT)
         return encode_response(
             request.op,
@@ -296,9 +337,8 @@ class ShmChannel:
             checksum=result.checksum,
         )
 
-    async def _item(
-        self, request: Request, rest: bytes, principal: Principal | None
-    ) -> pb.RegionItemResult:
+    def _ref(self, request: Request, rest: bytes, principal: Principal | None) -> _Ref:
+        """The op's region reference and item, once its namespace is authorized."""
         region_id, offset, token = REGION_REF.unpack_from(rest)
         pos = REGION_REF.size
         fields = []
@@ -314,26 +354,31 @@ class ShmChannel:
             assert principal is not None, "HELLO authenticated the connection"
             auth.authorize(principal, ns, admin=False)
         item = pb.RegionItem(key=fields[1], offset=offset, length=request.length)
-        if request.op == OP_REGION_GET:
-            got = await self.service.get_into_region(
-                pb.GetIntoRegionRequest(
-                    region_id=region_id, token=token, namespace=ns, items=[item]
-                )
-            )
-            return got.results[0]
-        item.parent, item.meta = fields[2], fields[3]
-        if request.flags & FLAG_CHECKSUM:
-            item.checksum = request.checksum
+        if request.op == OP_REGION_PUT:
+            item.parent, item.meta = fields[2], fields[3]
+            if request.flags & FLAG_CHECKSUM:
+                item.checksum = request.checksum
+        return _Ref(region_id, token, ns, item)
+
+    async def _put(self, request: Request, ref: _Ref) -> pb.RegionItemResult:
         put = await self.service.put_from_region(
             pb.PutFromRegionRequest(
-                region_id=region_id,
-                token=token,
-                namespace=ns,
+                region_id=ref.region_id,
+                token=ref.token,
+                namespace=ref.ns,
                 durable=bool(request.flags & FLAG_DURABLE),
-                items=[item],
+                items=[ref.item],
             )
         )
         return put.results[0]
+
+
+@dataclass(frozen=True)
+class _Ref:
+    region_id: int
+    token: bytes
+    ns: str
+    item: pb.RegionItem
 
 
 async def _queue(queue: asyncio.Queue[T], item: T, consumer: asyncio.Task[None]) -> bool:

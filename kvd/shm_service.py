@@ -5,16 +5,13 @@
 and the pool with one RPC. Per item: pin (a ticket or a reader) on the event
 loop, copy on a worker thread, publish or check the checksum back on the loop.
 Items fail alone (a per-item status); only a bad region fails the whole call.
-A get of a value that is only on L2 reads it from the disk straight into
-the region when ``shm_l2_direct_min_bytes`` is set and the value is whole
-4 KiB blocks of at least that size (``_l2_direct``); others are promoted
-into L1 and copied. Off by default: on the development VM (virtio disk,
-4 KiB shared-memory pages) direct reads ran at 1.0-1.1 GB/s against
-1.2-1.5 GB/s through L1's huge pages, since 4 KiB pages split each read
-into more requests; where regions are huge pages or the disk does not
-split, they save a copy and keep cold values out of L1. The same handlers
-serve the shm socket (``kvd.shm_channel``) through ``get_into_region`` and
-``put_from_region``.
+A get of a value only on L2 reads it straight into the region when
+``shm_l2_direct_min_bytes`` is set and the value is whole 4 KiB blocks of
+at least that size (``_l2_direct``); others are promoted into L1 and
+copied. Off by default: on the development VM direct reads into 4 KiB
+shared-memory pages ran at 1.0-1.1 GB/s, reads through L1's huge pages at
+1.2-1.5 GB/s. The same handlers serve the shm socket (``kvd.shm_channel``)
+through ``get_into_region``, ``get_now`` and ``put_from_region``.
 
 Batches under ``INLINE_COPY_BYTES`` copy on the event loop thread: handing a
 64 KiB copy (~6 µs) to a thread costs ~50 µs of wake-ups. So do batches up
@@ -211,13 +208,18 @@ class RegionHandlers:
             raise Unavailable("this daemon has no shared-memory path (shm_dir unusable)")
         return self.regions
 
+    def _copies_on_loop(self, total: int, others: int) -> bool:
+        """Whether ``total`` bytes copy on the loop, ``others`` requests in flight."""
+        alone = (others == 0 or not OFFLOAD) and total <= IDLE_INLINE_COPY_BYTES
+        return total < INLINE_COPY_BYTES or alone or self._copy_pool is None
+
     async def _copy(self, jobs: list[_Job], to_pages: bool) -> None:
         total = sum(len(job.span) for job in jobs)
-        alone = (self.inflight.requests <= 1 or not OFFLOAD) and total <= IDLE_INLINE_COPY_BYTES
-        if total < INLINE_COPY_BYTES or alone or self._copy_pool is None:
+        pool = self._copy_pool
+        if pool is None or self._copies_on_loop(total, self.inflight.requests - 1):
             _run_jobs(jobs, to_pages)
             return
-        copies = asyncio.ensure_future(self._copy_on_threads(self._copy_pool, jobs, to_pages))
+        copies = asyncio.ensure_future(self._copy_on_threads(pool, jobs, to_pages))
         try:
             await asyncio.shield(copies)
         except asyncio.CancelledError:
@@ -384,34 +386,9 @@ class RegionHandlers:
                     results[i] = pb.RegionItemResult(code=_CODES["NOT_FOUND"], message="miss")
                     continue
                 readers.append(reader)
-                if reader.size > item.length:
-                    results[i] = pb.RegionItemResult(
-                        code=_CODES["RESOURCE_EXHAUSTED"],
-                        message=f"value of {reader.size} bytes, room for {item.length}",
-                        size=reader.size,
-                    )
-                    continue
-                try:
-                    self.inflight.acquire(reader.size)
-                except KvdError as exc:
-                    results[i] = _status(exc)
-                    continue
-                span = region.span(item.offset, reader.size)
-                jobs.append(_Job(i, span, reader.views, reader.size))
-                results[i] = pb.RegionItemResult(
-                    size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=pb.TIER_L1
-                )
+                results[i] = self._admit(i, item, reader, region, jobs)
             await self._copy(jobs, to_pages=False)
-            for job in jobs:
-                result = results[job.index]
-                assert result is not None
-                if job.checksum != result.checksum:
-                    results[job.index] = _status(
-                        DataLoss("value copied into the region does not match its checksum")
-                    )
-                    continue
-                self.metrics.hits.labels("shm_get", "l1").inc()
-                self.metrics.bytes.labels("shm_get", "out").inc(job.held_bytes)
+            self._check_copies(jobs, results)
         finally:
             for reader in readers:
                 reader.close()
@@ -419,6 +396,68 @@ class RegionHandlers:
                 self.inflight.release(job.held_bytes)
             registry.leave(region)
         return _response(results)
+
+    def get_now(
+        self, region_id: int, token: bytes, ns: str, item: pb.RegionItem
+    ) -> pb.RegionItemResult | None:
+        """A one-item ``get_into_region`` that needs no waiting, or None when it
+        would (a value not in L1, a copy for threads) or the item is bad.
+        Nothing runs between the check and the copy, so the value found is
+        the value copied. The shm socket answers a lone get this way."""
+        size = self.store.l1_size(ns, item.key)
+        others = self.inflight.requests  # this get is not counted
+        if size is None or size > item.length or not self._copies_on_loop(size, others):
+            return None
+        region = self._registry().checked(region_id, token)
+        if not region.holds(item.offset, item.length):
+            return None  # the batch get words the error
+        start = time.perf_counter()
+        reader = self.store.open(ns, item.key)
+        assert reader is not None, "l1_size saw it and nothing ran since"
+        self.metrics.fetched("shm_get", "l1", start)
+        jobs: list[_Job] = []
+        try:
+            results: list[pb.RegionItemResult | None] = [self._admit(0, item, reader, region, jobs)]
+            _run_jobs(jobs, to_pages=False)
+            self._check_copies(jobs, results)
+        finally:
+            reader.close()
+            for job in jobs:
+                self.inflight.release(job.held_bytes)
+        assert results[0] is not None
+        return results[0]
+
+    def _admit(
+        self, index: int, item: pb.RegionItem, reader: Reader, region: Region, jobs: list[_Job]
+    ) -> pb.RegionItemResult:
+        """The result of a get whose value is pinned, and its copy job when it fits."""
+        if reader.size > item.length:
+            return pb.RegionItemResult(
+                code=_CODES["RESOURCE_EXHAUSTED"],
+                message=f"value of {reader.size} bytes, room for {item.length}",
+                size=reader.size,
+            )
+        try:
+            self.inflight.acquire(reader.size)
+        except KvdError as exc:
+            return _status(exc)
+        jobs.append(_Job(index, region.span(item.offset, reader.size), reader.views, reader.size))
+        return pb.RegionItemResult(
+            size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=pb.TIER_L1
+        )
+
+    def _check_copies(self, jobs: list[_Job], results: list[pb.RegionItemResult | None]) -> None:
+        """Turn a copied get whose bytes do not match the checksum into DATA_LOSS."""
+        for job in jobs:
+            result = results[job.index]
+            assert result is not None
+            if job.checksum != result.checksum:
+                results[job.index] = _status(
+                    DataLoss("value copied into the region does not match its checksum")
+                )
+                continue
+            self.metrics.hits.labels("shm_get", "l1").inc()
+            self.metrics.bytes.labels("shm_get", "out").inc(job.held_bytes)
 
     async def _l2_direct(
         self, region: Region, ns: str, item: pb.RegionItem

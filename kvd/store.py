@@ -377,6 +377,12 @@ class Store(L2Placement):
             return None
         return self._reader(entry, TIER_L1)
 
+    def l1_size(self, ns_name: str, key: bytes) -> int | None:
+        """The size of a value in L1, or None; touches nothing (a get asks
+        it to choose how to copy before it opens the value)."""
+        entry = self._l1(ns_name, key)
+        return None if entry is None else entry.size
+
     def _reader(self, entry: Entry, tier: int) -> Reader:
         entry.ns.hits += 1
         self.counters.hits += 1

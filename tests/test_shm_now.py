@@ -1,0 +1,155 @@
+"""The shm socket's answer-at-once get (``RegionHandlers.get_now``) against the
+batch get it stands in for, in process: the same result and bytes for every
+item it answers; None (the batch get's turn) for a miss, a value without room
+and a copy that belongs on a thread; a value whose pool bytes changed is
+DATA_LOSS; nothing stays pinned or counted in flight."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvd.checksum import checksum
+from kvd.errors import KvdError
+from kvd.metrics import Metrics
+from kvd.pool import PAGE_BYTES, Pool
+from kvd.service import KVStoreService, ServiceLimits
+from kvd.shm import Region, RegionLimits, RegionRegistry
+from kvd.shm_service import IDLE_INLINE_COPY_BYTES
+from kvd.store import Store, StoreLimits
+from kvd.v1 import kvd_pb2 as pb
+
+NS = "now"
+REGION_BYTES = 16 << 20
+CODES = {code.name: int(code.value[0]) for code in grpc.StatusCode}
+
+
+@dataclass
+class Rig:
+    service: KVStoreService
+    region: Region
+    map: mmap.mmap
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    store = Store(Pool((40 << 20) // PAGE_BYTES * PAGE_BYTES), StoreLimits())
+    limits = ServiceLimits(
+        max_message_bytes=4 << 20, max_inflight_bytes=64 << 20, max_batch_items=64
+    )
+    service = KVStoreService(store, limits, Metrics())
+    registry = RegionRegistry(str(tmp_path / "shm"), RegionLimits())
+    registry.open()
+    service.enable_fast_paths(registry, 0)
+    fd = os.open(tmp_path / "shm" / "r", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, REGION_BYTES)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    mapping = mmap.mmap(fd, REGION_BYTES)
+    try:
+        yield Rig(service, registry.attach("test", "r", REGION_BYTES), mapping)
+    finally:
+        service.close_fast_paths()
+        mapping.close()
+        os.close(fd)
+
+
+async def _put(rig: Rig, key: bytes, value: bytes) -> None:
+    await rig.service.store.put(NS, key, value, checksum=checksum(value), hasher=checksum)
+
+
+def _now(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult | int | None:
+    """get_now's result, or the code of the error it raised."""
+    try:
+        return rig.service.get_now(rig.region.region_id, rig.region.token, NS, item)
+    except KvdError as exc:
+        return CODES[exc.code_name]
+
+
+async def _batch(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult | int:
+    request = pb.GetIntoRegionRequest(
+        region_id=rig.region.region_id, token=rig.region.token, namespace=NS, items=[item]
+    )
+    try:
+        return (await rig.service.get_into_region(request)).results[0]
+    except KvdError as exc:
+        return CODES[exc.code_name]
+
+
+def _settled(rig: Rig) -> None:
+    store = rig.service.store
+    assert rig.service.inflight.bytes == 0
+    assert all(
+        entry.readers == 0 for ns in store._namespaces.values() for entry in ns.entries.values()
+    )
+
+
+async def test_what_it_answers_is_what_the_batch_get_answers(rig: Rig) -> None:
+    values = {b"small": b"s" * 100, b"page": os.urandom(64 << 10), b"big": os.urandom(3 << 20)}
+    for key, value in values.items():
+        await _put(rig, key, value)
+    answered = 0
+    for key, offset, length in [
+        (b"small", 0, 100),
+        (b"page", 4096, 1 << 20),  # more room than needed
+        (b"big", 1 << 20, 3 << 20),
+    ]:
+        item = pb.RegionItem(key=key, offset=offset, length=length)
+        now = _now(rig, item)
+        assert now is not None, key
+        got_now = rig.map[offset : offset + len(values[key])] if not isinstance(now, int) else b""
+        rig.map[offset : offset + length] = b"\0" * min(length, REGION_BYTES - offset)
+        batch = await _batch(rig, item)
+        assert now == batch
+        if not isinstance(now, int):
+            assert now.code == 0 and now.tier == pb.TIER_L1
+            assert got_now == values[key] == rig.map[offset : offset + len(values[key])]
+            answered += 1
+        _settled(rig)
+    assert answered == 3
+    hits = rig.service.metrics.hits.labels("shm_get", "l1")._value.get()
+    assert hits == 6  # three items, each got twice
+
+
+async def test_gets_that_would_wait_are_left_to_the_batch_get(rig: Rig) -> None:
+    await _put(rig, b"small", b"s" * 100)
+    huge = os.urandom(IDLE_INLINE_COPY_BYTES + PAGE_BYTES)  # copied on threads
+    await _put(rig, b"huge", huge)
+    for item in [
+        pb.RegionItem(key=b"absent", offset=0, length=100),  # a miss may be on L2
+        pb.RegionItem(key=b"small", offset=0, length=99),  # no room: the batch get says so
+        pb.RegionItem(key=b"huge", offset=0, length=len(huge)),
+        pb.RegionItem(key=b"small", offset=REGION_BYTES - 50, length=100),  # outside the region
+    ]:
+        assert _now(rig, item) is None
+        _settled(rig)
+    batch = await _batch(rig, pb.RegionItem(key=b"huge", offset=0, length=len(huge)))
+    assert not isinstance(batch, int) and batch.code == 0
+    assert rig.map[: len(huge)] == huge
+    no_room = await _batch(rig, pb.RegionItem(key=b"small", offset=0, length=99))
+    assert not isinstance(no_room, int) and no_room.code == CODES["RESOURCE_EXHAUSTED"]
+    outside = await _batch(rig, pb.RegionItem(key=b"small", offset=REGION_BYTES - 50, length=100))
+    assert not isinstance(outside, int) and outside.code == CODES["INVALID_ARGUMENT"]
+
+
+async def test_changed_pool_bytes_are_data_loss_and_a_wrong_token_not_found(rig: Rig) -> None:
+    value = os.urandom(100_000)
+    await _put(rig, b"k", value)
+    entry = rig.service.store._l1(NS, b"k")
+    assert entry is not None
+    view = rig.service.store.pool.views(entry.runs, entry.size)[0]
+    view[7] ^= 0xFF
+    result = _now(rig, pb.RegionItem(key=b"k", offset=0, length=len(value)))
+    assert not isinstance(result, int) and result is not None
+    assert result.code == CODES["DATA_LOSS"]
+    _settled(rig)
+    item = pb.RegionItem(key=b"k", offset=0, length=len(value))
+    with pytest.raises(KvdError) as raised:
+        rig.service.get_now(rig.region.region_id, b"x" * 16, NS, item)
+    assert raised.value.code_name == "NOT_FOUND"
