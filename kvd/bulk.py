@@ -15,7 +15,10 @@ same order, so a client may pipeline many requests on one connection.
   connection is sending on a machine with cores to spare
   (``kvd.bulk_send``), and unpins once the last byte
   left. An answer that cannot leave within ``bulk_frame_timeout_ms`` (a
-  client that stopped reading) closes the connection.
+  client that stopped reading) closes the connection. An answer of up to
+  ``DIRECT_ANSWER_BYTES`` with nothing queued or being sent before it is
+  sent by the reader itself: the writer's turn cost a 64 KiB get ~80 µs
+  of a ~200 µs round trip on a 2-CPU VM.
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
   and ``QUEUE_FRAMES_MAX`` answers queued; past that its reader stops reading
   the socket, and TCP flow control slows the client down.
@@ -111,6 +114,10 @@ NAME_BY_CODE = {code: name for name, code in CODE_BY_NAME.items()}
 # Answers queued per connection before its reader pauses: 1024 × 40 bytes of
 # put acknowledgements, or as many pinned gets as bulk_inflight_bytes allows.
 QUEUE_FRAMES_MAX = 1024
+# Answers up to this size skip the queue when nothing is ahead of them. Larger
+# ones go through the writer, so that the reader meanwhile starts the next
+# pipelined get (an L2 read) and a big send may go to a send thread.
+DIRECT_ANSWER_BYTES = 1 << 20
 # Payload of a request answered with an error is read into this and dropped.
 _DISCARD_BYTES = 1 << 20
 
@@ -253,6 +260,7 @@ class _Connection:
         self.discard = bytearray(0)
         self.token = b""
         self.principal: Principal | None = None
+        self.writing = False  # the writer is sending an answer
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write_loop())
@@ -304,7 +312,7 @@ class _Connection:
             if request.op == OP_PUT:
                 async with asyncio.timeout(limits.frame_timeout_s):
                     answer = await self._put(request, tail)
-                await self.queue.put((answer, None))
+                await self._answer(answer)
             elif request.op == OP_GET:
                 await self._get(request, tail)
             else:
@@ -346,9 +354,9 @@ class _Connection:
                 answer = encode_response(
                     OP_HELLO, request.request_id, error_code(exc), message=str(exc)
                 )
-                await self.queue.put((answer, None))
+                await self._answer(answer)
                 return False
-        await self.queue.put((encode_response(OP_HELLO, request.request_id), None))
+        await self._answer(encode_response(OP_HELLO, request.request_id))
         return True
 
     def _authorize(self, namespace: str) -> None:
@@ -415,13 +423,11 @@ class _Connection:
             )
         except KvdError as exc:
             self.server.metrics.refused(exc.code_name, "bulk_get", str(exc))
-            await self.queue.put(
-                (encode_response(OP_GET, rid, error_code(exc), message=str(exc)), None)
-            )
+            await self._answer(encode_response(OP_GET, rid, error_code(exc), message=str(exc)))
             return
         if reader is None:
             self.server.metrics.misses.labels("bulk_get").inc()
-            await self.queue.put((encode_response(OP_GET, rid, CODE_NOT_FOUND), None))
+            await self._answer(encode_response(OP_GET, rid, CODE_NOT_FOUND))
             return
         try:
             if request.length and reader.size > request.length:
@@ -432,7 +438,7 @@ class _Connection:
                     message=f"value of {reader.size} bytes, room for {request.length}",
                     length=reader.size,
                 )
-                await self.queue.put((answer, None))
+                await self._answer(answer)
                 return
             limit = self.server.limits.inflight_bytes
             while self.queued_bytes and self.queued_bytes + reader.size > limit:
@@ -441,33 +447,50 @@ class _Connection:
             header = encode_response(
                 OP_GET, rid, meta=reader.meta, length=reader.size, checksum=reader.checksum
             )
-            self.queued_bytes += reader.size
-            await self.queue.put((header, reader))
-            reader = None  # the writer closes it
+            pinned, reader = reader, None  # _answer closes it
+            await self._answer(header, pinned)
         finally:
             if reader is not None:
                 reader.close()
 
+    async def _answer(self, header: bytes, reader: Reader | None = None) -> None:
+        """Send an answer (and the value ``reader`` pins, closed once sent) after
+        every earlier one: now, if none waits and it is small, else through the queue."""
+        size = reader.size if reader is not None else 0
+        if self.queue.empty() and not self.writing and size <= DIRECT_ANSWER_BYTES:
+            await self._send(header, reader)
+            return
+        self.queued_bytes += size
+        await self.queue.put((header, reader))
+
     # ---- writing ---------------------------------------------------------------------
     async def _write_loop(self) -> None:
-        metrics = self.server.metrics
         while True:
+            self.writing = False
             header, reader = await self.queue.get()
             if not header:
                 return
+            self.writing = True
             try:
-                parts = [memoryview(header)]
-                if reader is not None:
-                    parts.extend(reader.views)
-                size = reader.size if reader is not None else 0
-                await self.server.sender.send(self.sock, parts, len(header) + size)
+                await self._send(header, reader)
             finally:
                 if reader is not None:
                     self.queued_bytes -= reader.size
-                    reader.close()
                     self.drained.set()
-                    metrics.hits.labels("bulk_get", "l1").inc()
-                    metrics.bytes.labels("bulk_get", "out").inc(reader.size)
+
+    async def _send(self, header: bytes, reader: Reader | None) -> None:
+        try:
+            parts = [memoryview(header)]
+            if reader is not None:
+                parts.extend(reader.views)
+            size = reader.size if reader is not None else 0
+            await self.server.sender.send(self.sock, parts, len(header) + size)
+        finally:
+            if reader is not None:
+                reader.close()
+                metrics = self.server.metrics
+                metrics.hits.labels("bulk_get", "l1").inc()
+                metrics.bytes.labels("bulk_get", "out").inc(reader.size)
 
 
 def _split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes]:

@@ -69,6 +69,53 @@ def test_round_trips_and_codes(bulk_daemon: DaemonProcess) -> None:
         assert client.get_many(NS, keys) == [*values, None]
 
 
+def test_small_answers_never_overtake_queued_ones(bulk_daemon: DaemonProcess) -> None:
+    """Small answers leave straight from the reader only when nothing is queued
+    or being sent: in one pipelined window of 3 MiB values (queued), small
+    ones, misses and puts, every answer comes back in order and whole."""
+    big = [os.urandom(3 << 20) for _ in range(3)]
+    small = [os.urandom(n) for n in (1, 4096, 65536, 1 << 20)]
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port, connections=1) as client:
+        named = {b"big%d" % i: v for i, v in enumerate(big)}
+        named.update({b"small%d" % i: v for i, v in enumerate(small)})
+        client.put_many(NS, [BulkPut(k, memoryview(v)) for k, v in named.items()])
+        keys = []
+        for i in range(40):
+            keys += [b"big%d" % (i % 3), b"small%d" % (i % 4), b"miss%d" % i, b"small%d" % (i % 2)]
+        expected = [named.get(key) for key in keys]
+        for _ in range(3):
+            assert client.get_many(NS, keys) == expected
+        buffers = [memoryview(bytearray(3 << 20)) for _ in keys]
+        sizes = client.get_many_into(NS, keys, buffers)
+        for buffer, size, value in zip(buffers, sizes, expected, strict=True):
+            assert (size is None) == (value is None)
+            assert size is None or bytes(buffer[:size]) == value
+        # Puts answered straight from the reader between queued gets, in one window.
+        fresh = [BulkPut(b"fresh%d" % i, memoryview(os.urandom(100))) for i in range(64)]
+        assert client.put_many(NS, fresh) == [False] * 64
+        assert client.get_many(NS, [p.key for p in fresh]) == [bytes(p.value) for p in fresh]
+
+
+def test_a_small_answer_waits_for_the_send_under_way(bulk_daemon: DaemonProcess) -> None:
+    """A client that reads late: the writer is stuck half-way through a big
+    answer with nothing queued when a small get arrives; the small answer
+    must follow the big one's last byte, not cut into it."""
+    big, tiny = os.urandom(6 << 20), os.urandom(500)
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        client.put(NS, b"big", big)
+        client.put(NS, b"tiny", tiny)
+    sock = _raw(bulk_daemon)
+    sock.sendall(encode_request(OP_GET, 1, NS.encode(), b"big"))
+    time.sleep(0.1)  # the writer fills the socket and waits for room
+    sock.sendall(encode_request(OP_GET, 2, NS.encode(), b"tiny"))
+    time.sleep(0.1)
+    for rid, value in ((1, big), (2, tiny)):
+        header = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+        assert (header[4], header[5], header[8]) == (rid, 0, len(value))
+        assert recv_exact(sock, header[6] + header[7] + len(value))[-len(value) :] == value
+    sock.close()
+
+
 def test_client_uses_bulk_for_large_values_over_tcp(bulk_daemon: DaemonProcess) -> None:
     value = os.urandom(1 << 20)
     with Client(bulk_daemon.target, shm=False) as client:
