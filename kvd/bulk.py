@@ -17,8 +17,8 @@ same order, so a client may pipeline many requests on one connection.
   left. An answer that cannot leave within ``bulk_frame_timeout_ms`` (a
   client that stopped reading) closes the connection. An answer of up to
   ``DIRECT_ANSWER_BYTES`` with nothing queued or being sent before it is
-  sent by the reader itself: the writer's turn cost a 64 KiB get ~80 µs
-  of a ~200 µs round trip on a 2-CPU VM.
+  sent by the reader itself: on a 2-CPU VM the writer's turn cost a lone
+  64 KiB get 40-80 µs of a 180-260 µs round trip (A/B runs).
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
   and ``QUEUE_FRAMES_MAX`` answers queued; past that its reader stops reading
   the socket, and TCP flow control slows the client down.
