@@ -437,6 +437,16 @@ class RegionOps:
         ]
         return self._exchange(frames)
 
+    def get_one(
+        self, region_id: int, token: bytes, ns: str, key: bytes, offset: int, room: int
+    ) -> pb.RegionItemResult:
+        """One get into a region: ``get_into_region`` of one item, with one frame."""
+        frame = _with_ref(
+            encode_request(OP_REGION_GET, 0, ns.encode(), key, length=room),
+            REGION_REF.pack(region_id, offset, token),
+        )
+        return _result(self.client.with_connection(lambda conn: _exchange_one(conn, frame)))
+
     def put_from_region(self, request: pb.PutFromRegionRequest) -> pb.RegionBatchResponse:
         ns = request.namespace.encode()
         frames = []
@@ -468,18 +478,28 @@ class RegionOps:
         results = []
         for answer in answers:
             assert answer is not None, "every frame was answered"
-            results.append(
-                pb.RegionItemResult(
-                    code=answer.code,
-                    message=answer.message,
-                    size=answer.length,
-                    checksum=answer.checksum,
-                    existed=bool(answer.flags & FLAG_EXISTED),
-                    meta=answer.meta,
-                    tier=answer.flags >> TIER_SHIFT,  # type: ignore[arg-type]
-                )
-            )
+            results.append(_result(answer))
         return pb.RegionBatchResponse(results=results)
+
+
+def _result(answer: Answer) -> pb.RegionItemResult:
+    return pb.RegionItemResult(
+        code=answer.code,
+        message=answer.message,
+        size=answer.length,
+        checksum=answer.checksum,
+        existed=bool(answer.flags & FLAG_EXISTED),
+        meta=answer.meta,
+        tier=answer.flags >> TIER_SHIFT,  # type: ignore[arg-type]
+    )
+
+
+def _exchange_one(conn: Connection, frame: bytes) -> Answer:
+    conn.send([memoryview(frame)])
+    answer = conn.answer()
+    if answer.request_id != 0:
+        raise ConnectionError(f"answer {answer.request_id} to request 0: out of order")
+    return answer
 
 
 def _with_ref(frame: bytes, ref: bytes) -> bytes:

@@ -324,7 +324,17 @@ class ShmPath:
 
     # ---- gets ------------------------------------------------------------------------
     def get_into(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
-        return self.get_many_into(ns, [key], [buffer])[0]
+        where = self.locate(buffer) if self._ops is not None else None
+        if where is None:  # staging, or gRPC region calls: the batch's way
+            return self.get_many_into(ns, [key], [buffer])[0]
+        assert self._ops is not None
+        region, offset = where
+        result = self._ops.get_one(region.region_id, region.token, ns, key, offset, len(buffer))
+        if result.code == _NOT_FOUND:
+            return None
+        if result.code:
+            raise _item_error(result, len(buffer))
+        return int(result.size)
 
     def get(self, ns: str, key: bytes) -> bytes | None:
         region, spans = self._staging_spans()

@@ -94,6 +94,11 @@ def test_client_round_trip_through_regions(shm_daemon: DaemonProcess) -> None:
         assert client.get_into(NS, b"k", plain) == len(value) and plain == value
         with pytest.raises(InvalidArgument):
             client.get_into(NS, b"k", bytearray(10))
+        with pytest.raises(InvalidArgument):  # in a region too (one frame, no batch)
+            client.get_into(NS, b"k", buffer[:10])
+        assert client.get_into(NS, b"missing", buffer) is None
+        assert client.get_into(NS, b"k", buffer[4096:]) == len(value)  # at an offset
+        assert bytes(buffer[4096 : 4096 + len(value)]) == value
         buffer[:5] = b"hello"
         assert client.put(NS, b"from-buffer", buffer[:5]) is False
         items = [(b"a", value), (b"b", b"x" * 1000), (b"c", buffer[:5])]
