@@ -42,7 +42,14 @@ from kvd.bulk import (
 )
 from kvd.bulk_send import send_all
 from kvd.checksum import Hasher, checksum
-from kvd.errors import BY_CODE_NAME, DataLoss, DeadlineExceeded, KvdError, Unavailable
+from kvd.errors import (
+    BY_CODE_NAME,
+    DataLoss,
+    DeadlineExceeded,
+    InvalidArgument,
+    KvdError,
+    Unavailable,
+)
 
 # Requests in flight per connection before the first answer is read: 64 GET
 # headers are ~6 KiB, far below a socket buffer, so sending them never blocks
@@ -377,9 +384,11 @@ def _get_window(
             results[done] = None
             continue
         if answer.code != CODE_OK:
-            if answer.code == CODE_RESOURCE_EXHAUSTED and buffers is not None:
-                results[done] = _error(
-                    answer.code, f"buffer of {len(buffers[done])} bytes is too small"
+            room = len(buffers[done]) if buffers is not None else 0
+            if answer.code == CODE_RESOURCE_EXHAUSTED and room and answer.length > room:
+                # The caller's buffer, not the daemon, is short: as on the other paths.
+                results[done] = InvalidArgument(
+                    f"buffer of {room} bytes is too small for {answer.length}"
                 )
             else:
                 results[done] = _error(answer.code, answer.message)

@@ -11,12 +11,12 @@ Targets are ``host:port`` or ``unix:///path``.
 
 Fast paths (``Client`` only): on a Unix-socket target the client moves values
 through shared-memory regions (``shm=True`` is then the default), and on a
-TCP target it sends values of ``bulk_threshold_bytes`` or more, and all gets,
-over the daemon's bulk TCP port. Both are found with one DescribePaths call
-on first use; a daemon without them (or a shm directory this process cannot
-reach) leaves the client on gRPC, the universal fallback. ``buffer(nbytes)``
-hands out memory inside a region: a put from it or a get into it is the
-daemon's only copy.
+TCP target it sends single puts, all gets and any ``put_many`` holding a
+value of ``bulk_threshold_bytes`` or more over the daemon's bulk TCP port.
+Both are found with one DescribePaths call on first use; a daemon without
+them (or a shm directory this process cannot reach) leaves the client on
+gRPC, the universal fallback. ``buffer(nbytes)`` hands out memory inside a
+region: a put from it or a get into it is the daemon's only copy.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class Client:
             stored = shm.put_many(ns, [(key, view, meta)], parent, chained=True, durable=durable)
             if stored[0] is not None:
                 return stored[0]
-        if bulk is not None and len(view) >= self.bulk_threshold_bytes:
+        if bulk is not None:
             return bulk.put(ns, key, view, meta, parent, durable=durable)
         small = small_put_request(ns, key, value, meta, parent, durable)
         if small is not None:
@@ -273,7 +273,7 @@ class Client:
         view = memoryview(buffer).cast("B")
         if shm is not None:
             return shm.get_into(ns, key, view)
-        if bulk is not None and len(view) >= self.bulk_threshold_bytes:
+        if bulk is not None:
             return bulk.get_into(ns, key, view)
         item = self._call(self._stub.BatchGet, single_get_request(ns, key)).items[0]
         value = batch_get_item(item)
@@ -339,7 +339,7 @@ class Client:
         views = [memoryview(buffer).cast("B") for buffer in buffers]
         if shm is not None:
             return shm.get_many_into(ns, keys, views)
-        if bulk is not None and any(len(view) >= self.bulk_threshold_bytes for view in views):
+        if bulk is not None:
             return bulk.get_many_into(ns, keys, views)
         return [self.get_into(ns, key, view) for key, view in zip(keys, views, strict=True)]
 

@@ -9,13 +9,12 @@ import os
 import socket
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from kvd.bulk import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from kvd.bulk_client import BulkClient, BulkPut
-from kvd.client import AlreadyExists, Client, InvalidArgument, ResourceExhausted
+from kvd.client import AlreadyExists, Client, InvalidArgument
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.sockets import closed_by_daemon, metric, recv_exact
 
@@ -58,7 +57,7 @@ def test_round_trips_and_codes(bulk_daemon: DaemonProcess) -> None:
         assert client.get(NS, b"nope") is None
         buffer = bytearray(len(value) + 10)
         assert client.get_into(NS, b"k", buffer) == len(value) and buffer[: len(value)] == value
-        with pytest.raises(ResourceExhausted):
+        with pytest.raises(InvalidArgument, match="too small"):
             client.get_into(NS, b"k", bytearray(100))
         with pytest.raises(InvalidArgument):
             client.put("", b"k", b"x")  # answered with a code; the connection stays
@@ -116,18 +115,31 @@ def test_a_small_answer_waits_for_the_send_under_way(bulk_daemon: DaemonProcess)
     sock.close()
 
 
-def test_client_uses_bulk_for_large_values_over_tcp(bulk_daemon: DaemonProcess) -> None:
+def test_client_uses_bulk_over_tcp(bulk_daemon: DaemonProcess) -> None:
+    """Single puts and gets of any size and put_many with a large value go
+    over the bulk port; a put_many of small values is one gRPC BatchPut."""
     value = os.urandom(1 << 20)
+    port = bulk_daemon.metrics_port
+
+    def moved(op: str, direction: str) -> float:
+        return metric(port, f'kvd_bytes_total{{direction="{direction}",op="{op}"}}')
+
     with Client(bulk_daemon.target, shm=False) as client:
         client.put(NS, b"big", value)
         client.put_many(NS, [(b"c1", value), (b"c2", b"small")], chained=True)
         assert client.get(NS, b"big") == value
         assert client.get_many(NS, [b"c1", b"c2"]) == [value, b"small"]
-    url = f"http://127.0.0.1:{bulk_daemon.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        metrics = response.read().decode()
-    assert 'kvd_bytes_total{direction="in",op="bulk_put"}' in metrics
-    assert 'kvd_bytes_total{direction="out",op="bulk_get"}' in metrics
+        assert moved("bulk_put", "in") == (2 << 20) + 5
+        client.put(NS, b"tiny", b"t" * 10, b"meta", parent=b"big")
+        assert moved("bulk_put", "in") == (2 << 20) + 15
+        buffer = bytearray(100)
+        assert client.get_into(NS, b"tiny", buffer) == 10 and buffer[:10] == b"t" * 10
+        assert client.get_many_into(NS, [b"tiny", b"none"], [buffer, bytearray(5)]) == [10, None]
+        assert moved("bulk_get", "out") == (2 << 20) + 5 + 20
+        assert client.get_with_meta(NS, b"tiny") == (b"t" * 10, b"meta")
+        client.put_many(NS, [(b"s1", b"x"), (b"s2", b"y")])
+        assert moved("bulk_put", "in") == (2 << 20) + 15
+        assert moved("batch_put", "in") == 2
 
 
 def test_wrong_magic_closes_the_connection(bulk_daemon: DaemonProcess) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -104,11 +105,23 @@ def paged_caches(seed: int | None) -> dict[str, Any]:
     return {name: torch.randn(shape, generator=generator).half() for name in LAYERS}
 
 
+_made: list[KvdConnector] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_connectors() -> Iterator[None]:
+    """vLLM calls ``shutdown()`` when a worker exits; so do the tests."""
+    yield
+    while _made:
+        _made.pop().shutdown()
+
+
 def pair(target: str) -> tuple[KvdConnector, KvdConnector]:
     config = vllm_config(target)
     kv_config = SimpleNamespace(num_blocks=NUM_BLOCKS)
     scheduler = KvdConnector(config, SimpleNamespace(name="SCHEDULER"), kv_config)
     worker = KvdConnector(config, SimpleNamespace(name="WORKER"), kv_config)
+    _made.extend((scheduler, worker))
     return scheduler, worker
 
 
