@@ -283,7 +283,16 @@ class BulkClient:
     # ---- gets ----------------------------------------------------------------------
     def get_into(self, ns: str, key: bytes, buffer: Buffer) -> int | None:
         """Read a value into ``buffer``; its size, or None on a miss."""
-        return self.get_many_into(ns, [key], [memoryview(buffer).cast("B")])[0]
+        view = memoryview(buffer).cast("B")
+        frame = memoryview(encode_request(OP_GET, 0, ns.encode(), key, length=len(view)))
+
+        def one(conn: Connection) -> int | bytes | KvdError | None:
+            conn.send([frame])
+            return _received(conn, 0, view)
+
+        got = _raise_or(self.with_connection(one))
+        assert not isinstance(got, bytes), "read into the buffer"
+        return got
 
     def get(self, ns: str, key: bytes) -> bytes | None:
         return self.get_many(ns, [key])[0]
@@ -377,29 +386,28 @@ def _get_window(
             room = len(buffers[sent]) if buffers is not None else 0
             conn.send([memoryview(encode_request(OP_GET, sent, ns, keys[sent], length=room))])
             sent += 1
-        answer = conn.answer()
-        if answer.op != OP_GET or answer.request_id != done:
-            raise ConnectionError(f"answer {answer.request_id} to request {done}: out of order")
-        if answer.code == CODE_NOT_FOUND:
-            results[done] = None
-            continue
-        if answer.code != CODE_OK:
-            room = len(buffers[done]) if buffers is not None else 0
-            if answer.code == CODE_RESOURCE_EXHAUSTED and room and answer.length > room:
-                # The caller's buffer, not the daemon, is short: as on the other paths.
-                results[done] = InvalidArgument(
-                    f"buffer of {room} bytes is too small for {answer.length}"
-                )
-            else:
-                results[done] = _error(answer.code, answer.message)
-            continue
-        if buffers is not None:
-            target = buffers[done][: answer.length]
-        else:
-            target = memoryview(bytearray(answer.length))
-        hasher = Hasher()
-        conn.recv_into(target, hasher)
-        if hasher.value() != answer.checksum:
-            results[done] = DataLoss("value does not match its checksum")
-            continue
-        results[done] = answer.length if buffers is not None else bytes(target)
+        results[done] = _received(conn, done, buffers[done] if buffers is not None else None)
+
+
+def _received(
+    conn: Connection, request_id: int, buffer: memoryview | None
+) -> int | bytes | KvdError | None:
+    """The answer to get ``request_id``: its value's size (read into ``buffer``),
+    its bytes (without a buffer), None for a miss, or the error."""
+    answer = conn.answer()
+    if answer.op != OP_GET or answer.request_id != request_id:
+        raise ConnectionError(f"answer {answer.request_id} to request {request_id}: out of order")
+    if answer.code == CODE_NOT_FOUND:
+        return None
+    if answer.code != CODE_OK:
+        room = len(buffer) if buffer is not None else 0
+        if answer.code == CODE_RESOURCE_EXHAUSTED and room and answer.length > room:
+            # The caller's buffer, not the daemon, is short: as on the other paths.
+            return InvalidArgument(f"buffer of {room} bytes is too small for {answer.length}")
+        return _error(answer.code, answer.message)
+    target = buffer[: answer.length] if buffer is not None else memoryview(bytearray(answer.length))
+    hasher = Hasher()
+    conn.recv_into(target, hasher)
+    if hasher.value() != answer.checksum:
+        return DataLoss("value does not match its checksum")
+    return answer.length if buffer is not None else bytes(target)
