@@ -162,3 +162,13 @@ def check_key(key: bytes) -> None:
         raise InvalidArgument("key is empty")
     if len(key) > KEY_BYTES_MAX:
         raise InvalidArgument(f"key of {len(key)} bytes is longer than {KEY_BYTES_MAX}")
+
+
+def check_put_names(ns_name: str, key: bytes, parent: bytes | None, meta: bytes) -> None:
+    """A put's namespace, key, parent key and meta are within their limits."""
+    check_namespace(ns_name)
+    check_key(key)
+    if parent is not None and len(parent) > KEY_BYTES_MAX:
+        raise InvalidArgument(f"parent key longer than {KEY_BYTES_MAX} bytes")
+    if len(meta) > META_BYTES_MAX:
+        raise InvalidArgument(f"meta of {len(meta)} bytes is over {META_BYTES_MAX}")

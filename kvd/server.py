@@ -34,13 +34,13 @@ from kvd import __version__, crashpoints, faults, logs
 from kvd.auth import Authenticator
 from kvd.config import SETTINGS, ConfigError, is_loopback_host, parse_address
 from kvd.eviction import make_policy
+from kvd.fast_paths import FastPaths
 from kvd.grpc_handlers import add_kvstore
 from kvd.iobackend import open_backend
 from kvd.l2 import DeviceSet, L2Tier
 from kvd.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
 from kvd.pool import Pool
 from kvd.service import KVStoreService, ServiceLimits
-from kvd.shm_service import FastPaths
 from kvd.store import Store, StoreLimits
 from kvd.tls import ServerTls
 from kvd.v1 import kvd_pb2

@@ -20,17 +20,14 @@ machine without cores to spare (``kvd.cpus``). Larger batches go to
 ``COPY_THREADS`` workers, one group of items per worker; a value of
 ``SPLIT_COPY_BYTES`` or more is copied by several workers in slices.
 
-``DescribePaths`` tells clients which fast paths this daemon offers, and
-``FastPaths`` is what the daemon starts and stops: the region registry, the
-task that frees regions of clients that exited, the shm socket and the bulk
-TCP server.
+``DescribePaths`` tells clients which fast paths this daemon offers;
+``kvd.fast_paths`` starts and stops what serves them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,15 +38,12 @@ import grpc
 import numpy as np
 
 from kvd.auth import Authenticator, check_grpc, request_scope
-from kvd.bulk import BulkLimits, BulkServer
-from kvd.config import parse_address
 from kvd.cpus import OFFLOAD, WORKER_THREADS
 from kvd.errors import DataLoss, InvalidArgument, KvdError, Unavailable
 from kvd.l2.format import BLOCK_BYTES
-from kvd.metrics import Metrics, SnapshotCollector
+from kvd.metrics import Metrics
 from kvd.shm import (
     Region,
-    RegionLimits,
     RegionRegistry,
     copy_from_pages,
     copy_slices,
@@ -57,15 +51,11 @@ from kvd.shm import (
     copy_to_pages,
     xxh3_of,
 )
-from kvd.shm_channel import ShmChannel, socket_path
 from kvd.store import TIER_NAMES, PutResult, PutTicket, Reader, Store
 from kvd.v1 import kvd_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvd.config import Config
     from kvd.service import InflightBytes, ServiceLimits
-
-log = logging.getLogger("kvd.fastpaths")
 
 INLINE_COPY_BYTES = 256 << 10
 # When no other request is in flight, batches up to this size copy on the
@@ -89,6 +79,11 @@ _CODES: dict[str, int] = {code.name: int(code.value[0]) for code in grpc.StatusC
 
 def _status(exc: KvdError) -> pb.RegionItemResult:
     return pb.RegionItemResult(code=_CODES.get(exc.code_name, _CODES["UNKNOWN"]), message=str(exc))
+
+
+def _existed(result: PutResult, item: pb.RegionItem) -> pb.RegionItemResult:
+    """The answer of a put whose key already holds these bytes."""
+    return pb.RegionItemResult(existed=True, checksum=result.checksum, size=item.length)
 
 
 def _response(results: list[pb.RegionItemResult | None]) -> pb.RegionBatchResponse:
@@ -336,7 +331,7 @@ class RegionHandlers:
         checksum = item.checksum if item.HasField("checksum") else None
         ticket = await self.store.begin_put(ns, item.key, item.length, item.meta, parent, checksum)
         if isinstance(ticket, PutResult):
-            return pb.RegionItemResult(existed=True, checksum=ticket.checksum, size=item.length)
+            return _existed(ticket, item)
         try:
             self.inflight.acquire(item.length)
         except KvdError:
@@ -349,10 +344,50 @@ class RegionHandlers:
             result = await self.store.publish(ticket, job.checksum, durable)
         except KvdError as exc:
             return _status(exc)
+        return self._stored(ticket, result)
+
+    def _stored(self, ticket: PutTicket, result: PutResult) -> pb.RegionItemResult:
         self.metrics.bytes.labels("shm_put", "in").inc(ticket.size)
         return pb.RegionItemResult(
             size=ticket.size, checksum=result.checksum, existed=result.existed
         )
+
+    def put_now(
+        self, region_id: int, token: bytes, ns: str, item: pb.RegionItem, durable: bool
+    ) -> pb.RegionItemResult | None:
+        """A one-item ``put_from_region`` that needs no waiting, or None when it
+        would (a durable put, a copy for threads, room only after write-back)
+        or the item is bad: the batch put then answers. Like ``get_now``."""
+        if durable or not self._copies_on_loop(item.length, self.inflight.requests):
+            return None
+        region = self._registry().checked(region_id, token)
+        if not region.holds(item.offset, item.length):
+            return None
+        checksum = item.checksum if item.HasField("checksum") else None
+        try:
+            ticket = self.store.begin_put_now(
+                ns, item.key, item.length, item.meta, item.parent or None, checksum
+            )
+        except KvdError as exc:
+            return _status(exc)
+        if ticket is None or isinstance(ticket, PutResult):
+            return None if ticket is None else _existed(ticket, item)
+        try:
+            self.inflight.acquire(item.length)
+        except KvdError as exc:
+            self.store.abort_put(ticket)
+            return _status(exc)
+        job = _Job(0, region.span(item.offset, item.length), ticket.views, item.length)
+        try:
+            _run_jobs([job], to_pages=True)
+            try:
+                result = self.store.publish_now(ticket, job.checksum)
+            except KvdError as exc:
+                return _status(exc)
+            return self._stored(ticket, result)
+        finally:
+            self.store.abort_put(ticket)  # nothing, once published
+            self.inflight.release(item.length)
 
     # ---- get -----------------------------------------------------------------------
     @_rpc("shm_get")
@@ -498,103 +533,3 @@ class RegionHandlers:
         reader = await self.store.fetch(ns, item.key)
         self.metrics.fetched("shm_get", TIER_NAMES[reader.tier] if reader else "miss", start)
         return reader
-
-
-class FastPaths:
-    """The daemon's shared-memory registry, its reaper task and the bulk TCP server."""
-
-    def __init__(self, service: RegionHandlers, regions: RegionRegistry | None) -> None:
-        self.service = service
-        self.regions = regions
-        self.bulk: BulkServer | None = None
-        self.bulk_address = ""
-        self.channel: ShmChannel | None = None
-        self._reaper: asyncio.Task[None] | None = None
-
-    @classmethod
-    async def start(cls, config: Config, service: RegionHandlers, metrics: Metrics) -> FastPaths:
-        regions: RegionRegistry | None = RegionRegistry(
-            config.shm_dir,
-            RegionLimits(
-                max_regions_per_client=config.max_regions_per_client,
-                max_regions=config.max_regions,
-                max_region_bytes=config.max_region_bytes,
-            ),
-        )
-        assert regions is not None
-        try:
-            regions.open()
-        except OSError as exc:
-            # A host without /dev/shm still serves gRPC and bulk TCP.
-            log.warning(
-                "shared-memory path off", extra={"shm_dir": config.shm_dir, "reason": str(exc)}
-            )
-            regions = None
-        paths = cls(service, regions)
-        limits = BulkLimits(
-            max_connections=config.bulk_max_connections,
-            inflight_bytes=config.bulk_inflight_bytes,
-            frame_timeout_s=config.bulk_frame_timeout_ms / 1000,
-            idle_timeout_s=config.bulk_idle_timeout_ms / 1000,
-        )
-        if regions is not None:
-            channel = ShmChannel(service, socket_path(regions.shm_dir, config.shm_socket), limits)
-            try:
-                await channel.start()
-                paths.channel = channel
-                service.shm_socket = channel.path
-            except OSError as exc:
-                # Region ops then go over gRPC: slower, same results.
-                log.warning("shm socket off", extra={"path": channel.path, "reason": str(exc)})
-        if config.bulk_listen:
-            host, port = parse_address(config.bulk_listen)
-            paths.bulk = BulkServer(service.store, limits, metrics, service.auth)
-            bound = await paths.bulk.start(host, port)
-            paths.bulk_address = f"{host}:{bound}"
-        service.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
-        service.l2_direct_min_bytes = config.shm_l2_direct_min_bytes
-        metrics.add_collector(
-            SnapshotCollector(paths._snapshot, _FAST_PATH_GAUGES, _FAST_PATH_COUNTERS)
-        )
-        if regions is not None:
-            paths._reaper = asyncio.create_task(
-                _reap_forever(regions, config.region_check_ms / 1000)
-            )
-        return paths
-
-    def _snapshot(self) -> dict[str, int]:
-        regions = self.service.regions
-        return {
-            "regions": regions.count if regions else 0,
-            "region_bytes": regions.mapped_bytes if regions else 0,
-            "regions_reaped": regions.reaped if regions else 0,
-            "bulk_connections": self.bulk.connection_count if self.bulk else 0,
-            "shm_connections": self.channel.connection_count if self.channel else 0,
-        }
-
-    async def stop(self, grace_s: float) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
-        if self.bulk is not None:
-            await self.bulk.stop(grace_s)
-        if self.channel is not None:
-            await self.channel.stop()
-        self.service.close_fast_paths()
-
-
-_FAST_PATH_GAUGES = {
-    "regions": ("kvd_regions", "Shared-memory regions attached"),
-    "region_bytes": ("kvd_region_bytes", "Bytes of shared-memory regions mapped"),
-    "bulk_connections": ("kvd_bulk_connections", "Bulk TCP connections open"),
-    "shm_connections": ("kvd_shm_connections", "shm socket connections open"),
-}
-_FAST_PATH_COUNTERS = {
-    "regions_reaped": ("kvd_regions_reaped", "Regions freed because their owner exited"),
-}
-
-
-async def _reap_forever(regions: RegionRegistry, interval_s: float) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        regions.reap()

@@ -26,6 +26,7 @@ This module imports neither grpc nor metrics.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -60,6 +61,7 @@ from kvd.index import (
     StoreLimits,
     check_key,
     check_namespace,
+    check_put_names,
 )
 from kvd.l2 import L2Record, L2Tier
 from kvd.leases import LeaseTable
@@ -160,12 +162,43 @@ class Store(L2Placement):
         Returns a ``PutResult(existed=True)`` when the key already holds a value
         with the given checksum; raises ``AlreadyExists`` when it holds another.
         """
-        check_namespace(ns_name)
-        check_key(key)
-        if parent is not None and len(parent) > KEY_BYTES_MAX:
-            raise InvalidArgument(f"parent key longer than {KEY_BYTES_MAX} bytes")
-        if len(meta) > META_BYTES_MAX:
-            raise InvalidArgument(f"meta of {len(meta)} bytes is over {META_BYTES_MAX}")
+        while (begun := self.begin_put_now(ns_name, key, size, meta, parent, checksum)) is None:
+            await self._write_back_progress(size, ns_name)
+        return begun
+
+    def begin_put_now(
+        self,
+        ns_name: str,
+        key: bytes,
+        size: int,
+        meta: bytes = b"",
+        parent: bytes | None = None,
+        checksum: int | None = None,
+    ) -> PutTicket | PutResult | None:
+        """``begin_put`` without waiting: None where room needs write-back first."""
+        existed = self._check_put(ns_name, key, size, meta, parent, checksum)
+        if existed is not None:
+            return existed
+        if not self._l1_quota_room(ns_name, size):
+            return None
+        runs = self._alloc_now(size)
+        if runs is None:
+            return None
+        return PutTicket(
+            ns_name, key, size, meta, parent or None, checksum, runs, self.pool.views(runs, size)
+        )
+
+    def _check_put(
+        self,
+        ns_name: str,
+        key: bytes,
+        size: int,
+        meta: bytes,
+        parent: bytes | None,
+        checksum: int | None,
+    ) -> PutResult | None:
+        """Validate a put; its answer when the key already holds these bytes."""
+        check_put_names(ns_name, key, parent, meta)
         if size < 0 or size > self.limits.max_value_bytes:
             raise InvalidArgument(
                 f"value of {size} bytes is over max_value_bytes={self.limits.max_value_bytes}"
@@ -178,11 +211,7 @@ class Store(L2Placement):
             stored = self._stored_checksum(ns_name, key)
             if stored is not None:
                 return self._same_or_conflict(stored, checksum)
-        await self._within_l1_quota(ns_name, size)
-        runs = await self._alloc(size)
-        return PutTicket(
-            ns_name, key, size, meta, parent or None, checksum, runs, self.pool.views(runs, size)
-        )
+        return None
 
     def _same_or_conflict(self, stored: int, checksum: int) -> PutResult:
         if stored != checksum:
@@ -237,10 +266,9 @@ class Store(L2Placement):
         if durable and self.writeback is None:
             self.abort_put(ticket)
             raise Unavailable("durable put: this daemon has no L2 tier (ssd_path)")
-        result = self.finish_put(ticket, checksum, queue=not durable)
         if not durable:
-            crashpoints.hit("after_publish")
-            return result
+            return self.publish_now(ticket, checksum)
+        result = self.finish_put(ticket, checksum, queue=False)
         assert self.writeback is not None
         entry = self._l1(ticket.ns_name, ticket.key)  # None: the key is only on L2
         try:
@@ -249,6 +277,12 @@ class Store(L2Placement):
             if entry is not None and not result.existed:
                 await self._withdraw(entry)
             raise
+        crashpoints.hit("after_publish")
+        return result
+
+    def publish_now(self, ticket: PutTicket, checksum: int) -> PutResult:
+        """``publish`` of a put that is not durable: it needs no waiting."""
+        result = self.finish_put(ticket, checksum)
         crashpoints.hit("after_publish")
         return result
 
@@ -286,42 +320,54 @@ class Store(L2Placement):
         return await self.publish(ticket, hasher(value), durable)
 
     # ---- room in L1 ------------------------------------------------------------
-    async def _within_l1_quota(self, ns_name: str, size: int) -> None:
-        """Make room under the namespace's L1 quota by evicting its own oldest values."""
+    async def _write_back_progress(self, size: int, ns_name: str = "") -> None:
+        """Wait until write-back unpinned some values; ResourceExhausted when it
+        cannot, naming the namespace's quota or the pool as what is full."""
+        wb = self.writeback
+        if wb is not None and wb.can_make_progress() and await wb.wait_progress():
+            return
+        self.counters.eviction_failures += 1
+        quota = self.limits.namespace_l1_quota_bytes
+        ns = self._namespaces.get(ns_name)
+        if quota and ns is not None and ns.bytes_stored + size > quota:
+            raise ResourceExhausted(
+                f"namespace {ns_name!r} is at its L1 quota ({quota} bytes) and its values are "
+                "pinned by readers, leases or write-back"
+            )
+        raise ResourceExhausted(
+            f"pool full: {pages_for(size)} pages needed, {self.pool.free_pages} free, "
+            "the rest pinned by readers, leases or write-back"
+        )
+
+    def _l1_quota_room(self, ns_name: str, size: int) -> bool:
+        """Room for ``size`` more bytes under the namespace's L1 quota, after
+        evicting what of its own can go at once; False when the rest is pinned."""
         quota = self.limits.namespace_l1_quota_bytes
         if not quota:
-            return
+            return True
         if size > quota:
             raise ResourceExhausted(f"value of {size} bytes is over the namespace's L1 quota")
         ns = self._namespaces.get(ns_name)
         while ns is not None and ns.bytes_stored + size > quota:
             victim = next((e for e in ns.entries.values() if self._evictable(e)), None)
-            if victim is not None:
-                self._evict(victim)
-                continue
-            wb = self.writeback
-            if wb is not None and wb.can_make_progress() and await wb.wait_progress():
-                continue
-            self.counters.eviction_failures += 1
-            raise ResourceExhausted(
-                f"namespace {ns_name!r} is at its L1 quota ({quota} bytes) and its values are "
-                "pinned by readers, leases or write-back"
-            )
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
 
     async def _alloc(self, size: int) -> list[Run]:
+        while (runs := self._alloc_now(size)) is None:
+            await self._write_back_progress(size)
+        return runs
+
+    def _alloc_now(self, size: int) -> list[Run] | None:
+        """Pages for ``size`` bytes, after evicting what can go at once; None
+        when too much of the rest is pinned."""
         self.leases.expire()
         need = pages_for(size)
         while self.pool.free_pages < need:
-            if self._evict_one():
-                continue
-            wb = self.writeback
-            if wb is not None and wb.can_make_progress() and await wb.wait_progress():
-                continue
-            self.counters.eviction_failures += 1
-            raise ResourceExhausted(
-                f"pool full: {need} pages needed, {self.pool.free_pages} free, "
-                "the rest pinned by readers, leases or write-back"
-            )
+            if not self._evict_one():
+                return None
         try:
             return self.pool.alloc(size)
         except PoolFull as exc:  # cannot happen after the loop above
@@ -519,8 +565,8 @@ class Store(L2Placement):
     # ---- stats -----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Plain integers only: the metrics thread calls this while the loop runs."""
-        c = self.counters
         values = {
+            **dataclasses.asdict(self.counters),  # hits, misses, puts, evictions, ...
             "pool_bytes": self.pool.capacity_bytes,
             "pool_used_bytes": self.pool.used_bytes,
             "pool_free_bytes": self.pool.free_bytes,
@@ -530,19 +576,6 @@ class Store(L2Placement):
             "leases_active": len(self.leases),
             "leases_granted": self.leases.granted,
             "leases_expired": self.leases.expired,
-            "hits": c.hits,
-            "l2_hits": c.l2_hits,
-            "misses": c.misses,
-            "puts": c.puts,
-            "put_existed": c.put_existed,
-            "put_conflicts": c.put_conflicts,
-            "evictions": c.evictions,
-            "eviction_failures": c.eviction_failures,
-            "bytes_in": c.bytes_in,
-            "bytes_out": c.bytes_out,
-            "promotions": c.promotions,
-            "promotion_failures": c.promotion_failures,
-            "l2_reinserted": c.l2_reinserted,
             "l2_prefetches": self.prefetcher.started if self.prefetcher is not None else 0,
         }
         if self.l2 is not None and self.writeback is not None:

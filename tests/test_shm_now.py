@@ -1,8 +1,10 @@
-"""The shm socket's answer-at-once get (``RegionHandlers.get_now``) against the
-batch get it stands in for, in process: the same result and bytes for every
-item it answers; None (the batch get's turn) for a miss, a value without room
-and a copy that belongs on a thread; a value whose pool bytes changed is
-DATA_LOSS; nothing stays pinned or counted in flight."""
+"""The shm socket's answer-at-once ops (``RegionHandlers.get_now`` and
+``put_now``) against the batch calls they stand in for, in process: the same
+result and bytes for every item they answer; None (the batch call's turn)
+for a miss, a value without room, a copy that belongs on a thread, a durable
+put and a put that must wait for pinned pages; a value whose pool bytes
+changed is DATA_LOSS, a put whose bytes do not match its checksum leaves
+nothing; nothing stays pinned or counted in flight."""
 
 from __future__ import annotations
 
@@ -153,3 +155,74 @@ async def test_changed_pool_bytes_are_data_loss_and_a_wrong_token_not_found(rig:
     with pytest.raises(KvdError) as raised:
         rig.service.get_now(rig.region.region_id, b"x" * 16, NS, item)
     assert raised.value.code_name == "NOT_FOUND"
+
+
+def _put_now(rig: Rig, item: pb.RegionItem, durable: bool = False) -> pb.RegionItemResult | None:
+    return rig.service.put_now(rig.region.region_id, rig.region.token, NS, item, durable)
+
+
+async def _batch_put(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult:
+    request = pb.PutFromRegionRequest(
+        region_id=rig.region.region_id, token=rig.region.token, namespace=NS, items=[item]
+    )
+    return (await rig.service.put_from_region(request)).results[0]
+
+
+async def test_put_now_stores_and_answers_as_the_batch_put_does(rig: Rig) -> None:
+    value = os.urandom(300_000)
+    rig.map[: len(value)] = value
+    now = _put_now(rig, pb.RegionItem(key=b"a", offset=0, length=len(value), parent=b"p"))
+    batch = await _batch_put(rig, pb.RegionItem(key=b"b", offset=0, length=len(value)))
+    assert now == batch and now is not None
+    assert (now.code, now.size, now.checksum, now.existed) == (
+        0,
+        len(value),
+        checksum(value),
+        False,
+    )
+    _settled(rig)
+    got = await rig.service.store.fetch(NS, b"a")
+    assert got is not None and b"".join(got.views) == value
+    got.close()
+    again = _put_now(rig, pb.RegionItem(key=b"a", offset=0, length=len(value)))
+    assert again is not None and again.existed and again.code == 0
+    rig.map[:1] = b"\0" if value[:1] != b"\0" else b"\1"
+    sent = pb.RegionItem(key=b"a", offset=0, length=len(value), checksum=checksum(value))
+    assert _put_now(rig, sent) == await _batch_put(rig, sent)  # bytes not what the put said
+    conflict = _put_now(rig, pb.RegionItem(key=b"a", offset=0, length=len(value)))
+    assert conflict is not None and conflict.code == CODES["ALREADY_EXISTS"]
+    wrong = pb.RegionItem(key=b"c", offset=0, length=len(value), checksum=checksum(value))
+    bad = _put_now(rig, wrong)
+    assert bad is not None and bad.code == CODES["DATA_LOSS"]
+    assert rig.service.store.l1_size(NS, b"c") is None  # nothing visible
+    moved = rig.service.metrics.bytes.labels("shm_put", "in")._value.get()
+    assert moved == 3 * len(value)  # a, b, and a again (received, then found stored)
+    _settled(rig)
+
+
+async def test_puts_that_would_wait_are_left_to_the_batch_put(rig: Rig) -> None:
+    store = rig.service.store
+    free = store.pool.free_bytes
+    for item, durable in [
+        (pb.RegionItem(key=b"d", offset=0, length=100), True),  # waits for L2
+        (pb.RegionItem(key=b"h", offset=0, length=IDLE_INLINE_COPY_BYTES + 1), False),
+        (pb.RegionItem(key=b"o", offset=REGION_BYTES - 50, length=100), False),
+    ]:
+        assert _put_now(rig, item, durable) is None
+    assert store.pool.free_bytes == free
+    big = 9 << 20
+    readers = []
+    for i in range(4):  # 36 of the pool's 40 MiB, all pinned by readers
+        await _put(rig, b"pin%d" % i, os.urandom(big))
+        reader = store.open(NS, b"pin%d" % i)
+        assert reader is not None
+        readers.append(reader)
+    item = pb.RegionItem(key=b"late", offset=0, length=5 << 20)
+    assert _put_now(rig, item) is None
+    full = await _batch_put(rig, item)
+    assert full.code == CODES["RESOURCE_EXHAUSTED"]
+    for reader in readers:
+        reader.close()
+    stored = _put_now(rig, item)  # now the pinned values can go
+    assert stored is not None and stored.code == 0
+    _settled(rig)

@@ -157,6 +157,34 @@ def test_reader_pins_entry_against_eviction_and_delete() -> None:
     assert store.pool.used_bytes == used - PAGE_BYTES
 
 
+def test_room_without_waiting_and_what_is_full_when_there_is_none() -> None:
+    """begin_put_now evicts what can go at once and gives None, not an error,
+    when the rest is pinned; the waiting begin_put then names the limit hit."""
+    store, _ = make_store(pages=4, namespace_l1_quota_bytes=2 * PAGE_BYTES)
+    put(store, b"a", b"A" * PAGE_BYTES)
+    put(store, b"b", b"B" * PAGE_BYTES)
+    ticket = store.begin_put_now("ns", b"c", PAGE_BYTES)  # evicts a, under the quota
+    assert isinstance(ticket, PutTicket) and store.exists("ns", [b"a"]) == [False]
+    store.abort_put(ticket)
+    readers = [store.open("ns", b"b")]
+    put(store, b"c", b"C" * PAGE_BYTES)
+    readers.append(store.open("ns", b"c"))
+    assert store.begin_put_now("ns", b"d", PAGE_BYTES) is None  # quota: b and c pinned
+    with pytest.raises(ResourceExhausted, match="L1 quota"):
+        run(store.begin_put("ns", b"d", PAGE_BYTES))
+    for other in (b"x", b"y"):  # the other namespace fills the pool
+        put(store, other, b"X" * PAGE_BYTES, ns="other")
+        readers.append(store.open("other", other))
+    assert store.begin_put_now("third", b"e", PAGE_BYTES) is None
+    with pytest.raises(ResourceExhausted, match="pool full"):
+        run(store.begin_put("third", b"e", PAGE_BYTES))
+    assert store.counters.eviction_failures == 2
+    for reader in readers:
+        assert reader is not None
+        reader.close()
+    assert isinstance(run(store.begin_put("third", b"e", PAGE_BYTES)), PutTicket)
+
+
 def test_lookup_prefix_and_lease_protects_from_eviction() -> None:
     store, clock = make_store(pages=4)
     chain = [b"c0", b"c1", b"c2"]
