@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import struct
@@ -118,6 +119,9 @@ QUEUE_FRAMES_MAX = 1024
 # ones go through the writer, so that the reader meanwhile starts the next
 # pipelined get (an L2 read) and a big send may go to a send thread.
 DIRECT_ANSWER_BYTES = 1 << 20
+# Requests one connection serves before letting the others run: buffered
+# frames are read and answered without the reader ever waiting.
+FAIR_SHARE_REQUESTS = 16
 # Payload of a request answered with an error is read into this and dropped.
 _DISCARD_BYTES = 1 << 20
 
@@ -304,7 +308,9 @@ class _Connection:
             raise ProtocolError("the first frame must be HELLO")
         if not await self._hello(hello[0]):
             return  # refused: the answer is flushed, then the connection closes
-        while True:
+        for served in itertools.count(1):
+            if served % FAIR_SHARE_REQUESTS == 0:
+                await asyncio.sleep(0)  # buffered requests never wait: let others run
             got = await self._next_request(limits.idle_timeout_s)
             if got is None:
                 return

@@ -8,9 +8,11 @@ nothing; nothing stays pinned or counted in flight."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import mmap
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +20,18 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvd.bulk import OP_HELLO, OP_REGION_GET, REQUEST, RESPONSE, BulkLimits, encode_request
 from kvd.checksum import checksum
 from kvd.errors import KvdError
 from kvd.metrics import Metrics
 from kvd.pool import PAGE_BYTES, Pool
 from kvd.service import KVStoreService, ServiceLimits
 from kvd.shm import Region, RegionLimits, RegionRegistry
+from kvd.shm_channel import PIPELINE_FRAMES, REGION_REF, ShmChannel
 from kvd.shm_service import IDLE_INLINE_COPY_BYTES
 from kvd.store import Store, StoreLimits
 from kvd.v1 import kvd_pb2 as pb
+from tests.sockets import recv_exact
 
 NS = "now"
 REGION_BYTES = 16 << 20
@@ -226,3 +231,50 @@ async def test_puts_that_would_wait_are_left_to_the_batch_put(rig: Rig) -> None:
     stored = _put_now(rig, item)  # now the pinned values can go
     assert stored is not None and stored.code == 0
     _settled(rig)
+
+
+async def test_a_burst_of_buffered_gets_lets_other_work_run(rig: Rig, tmp_path: Path) -> None:
+    """2,000 gets sent in one write are answered at once, one after the other
+    from the socket buffer; every PIPELINE_FRAMES of them the connection lets
+    the event loop run other work (here a probe that counts answers)."""
+    await _put(rig, b"k", b"v" * 100)
+    channel = ShmChannel(rig.service, str(tmp_path / "s.sock"), BulkLimits())
+    await channel.start()
+    answered = rig.service.metrics.requests.labels("shm_get", "OK")
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def probe() -> None:
+        last = answered._value.get()
+        while not stop.is_set():
+            await asyncio.sleep(0)
+            now = answered._value.get()
+            gaps.append(now - last)
+            last = now
+
+    def client() -> None:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(10)
+            sock.connect(channel.path)
+            sock.sendall(encode_request(OP_HELLO, 0))
+            recv_exact(sock, RESPONSE.size)
+            ref = REGION_REF.pack(rig.region.region_id, 0, rig.region.token)
+            frames = []
+            for i in range(2000):
+                header = encode_request(OP_REGION_GET, i + 1, NS.encode(), b"k", length=100)
+                frames.append(header[: REQUEST.size] + ref + header[REQUEST.size :])
+            sock.sendall(b"".join(frames))
+            for _ in range(2000):
+                head = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+                assert head[5] == 0  # code
+                recv_exact(sock, head[6] + head[7])
+
+    watcher = asyncio.create_task(probe())
+    try:
+        await asyncio.to_thread(client)
+    finally:
+        stop.set()
+        await watcher
+        await channel.stop()
+    assert answered._value.get() == 2000
+    assert max(gaps) <= PIPELINE_FRAMES
