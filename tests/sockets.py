@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import urllib.request
+from collections.abc import Callable
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -40,3 +42,27 @@ def metric(metrics_port: int, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exported")
+
+
+async def most_between_turns(count: Callable[[], float], work: Callable[[], None]) -> float:
+    """Run blocking ``work`` in a thread while a task on this event loop reads
+    ``count()`` at each of its turns; the largest growth between two turns,
+    i.e. the most the daemon's loop did without letting other work run."""
+    gaps: list[float] = [0.0]
+    stop = asyncio.Event()
+
+    async def probe() -> None:
+        last = count()
+        while not stop.is_set():
+            await asyncio.sleep(0)
+            now = count()
+            gaps.append(now - last)
+            last = now
+
+    watcher = asyncio.create_task(probe())
+    try:
+        await asyncio.to_thread(work)
+    finally:
+        stop.set()
+        await watcher
+    return max(gaps)
