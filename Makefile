@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_NATIVE := $(VENV)/.stamp-native
-GENERATED := kvd/v1/kvd_pb2.py kvd/v1/kvd_pb2.pyi kvd/v1/kvd_pb2_grpc.py
+GENERATED := kvd/v1/kvd_pb2.py kvd/v1/kvd_pb2.pyi
 NATIVE_SOURCES := $(wildcard native/*.c native/*.h)
 
 # First interpreter on PATH that is Python >= 3.11.
@@ -34,7 +34,7 @@ $(STAMP_INSTALL): $(VENV)/bin/python pyproject.toml setup.py | liburing
 proto: $(GENERATED)
 
 $(GENERATED) &: proto/kvd/v1/kvd.proto | $(STAMP_INSTALL)
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. \
 		proto/kvd/v1/kvd.proto
 	touch $(GENERATED)
 

@@ -1,8 +1,10 @@
 """Build steps that pyproject.toml cannot declare.
 
-1. build_py generates kvd/v1/kvd_pb2*.py(i) from proto/kvd/v1/kvd.proto with
-   grpc_tools.protoc, into the source tree, so normal and editable installs
-   (and a plain checkout after `make proto`) all have it.
+1. build_py generates kvd/v1/kvd_pb2.py(i), the messages, from
+   proto/kvd/v1/kvd.proto with grpc_tools.protoc, into the source tree, so
+   normal and editable installs (and a plain checkout after `make proto`) all
+   have it. The service's stub and handlers are built from its descriptor
+   (kvd/grpc_handlers.py).
 2. The C extension kvd._uring (native/kvd_uring.c, linked with liburing) is
    optional: when the source, the liburing headers or a compiler are missing,
    the build prints one line and goes on; kvd then uses its thread-pool I/O.
@@ -19,7 +21,7 @@ ROOT = Path(__file__).resolve().parent
 PROTO_DIR = ROOT / "proto"
 PROTO_FILE = PROTO_DIR / "kvd" / "v1" / "kvd.proto"
 GENERATED = [
-    ROOT / "kvd" / "v1" / name for name in ("kvd_pb2.py", "kvd_pb2.pyi", "kvd_pb2_grpc.py")
+    ROOT / "kvd" / "v1" / name for name in ("kvd_pb2.py", "kvd_pb2.pyi")
 ]
 NATIVE_SOURCE = ROOT / "native" / "kvd_uring.c"
 
@@ -38,7 +40,6 @@ def generate_proto() -> None:
         f"-I{include}",
         f"--python_out={ROOT}",
         f"--pyi_out={ROOT}",
-        f"--grpc_python_out={ROOT}",
         str(PROTO_FILE),
     ]
     if protoc.main(args) != 0:

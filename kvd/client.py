@@ -66,12 +66,12 @@ from kvd.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvd.grpc_handlers import KVStoreStub
 from kvd.index import LookupResult
 from kvd.keys import chain_keys
 from kvd.shm_channel import RegionOps
 from kvd.shm_client import ShmPath
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 __all__ = [
     "AlreadyExists",
@@ -118,7 +118,7 @@ class Client:
         self._metadata = metadata(token)
         self._token = token
         self._channel = open_channel(target, tls)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._stub = KVStoreStub(self._channel)
         unix = grpc_target(target).startswith("unix:")
         self._want_shm = unix if shm is None else shm
         self._want_bulk = (not unix and tls is None) if bulk is None else bulk
@@ -433,7 +433,7 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self._metadata = metadata(token)
         self._channel = open_channel(target, tls, aio=True)
-        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._stub = KVStoreStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -1,10 +1,15 @@
-"""Registration of the KVStore service with the gRPC server.
+"""The KVStore service on both ends of gRPC, built from its descriptor in
+``kvd_pb2`` (protoc generates only the messages; its ``--grpc_python_out``
+stubs, one hand-unrolled block per method, are not used).
 
-The generated ``add_KVStoreServicer_to_server`` parses requests before any
-kvd code runs, and grpcio answers bytes that do not parse with UNKNOWN
-("Unexpected DecodeError"). Here every method takes raw bytes and parses them
-itself, so such a request gets INVALID_ARGUMENT, as the contract says for
-bad input. Responses are serialized as usual.
+Server: ``add_kvstore``. protoc's ``add_KVStoreServicer_to_server`` parses
+requests before any kvd code runs, and grpcio answers bytes that do not parse
+with UNKNOWN ("Unexpected DecodeError"). Here every method takes raw bytes and
+parses them itself, so such a request gets INVALID_ARGUMENT, as the contract
+says for bad input. Responses are serialized as usual.
+
+Client: ``KVStoreStub(channel)``, one callable per method named as in the
+.proto, on a blocking or an asyncio channel alike.
 """
 
 from __future__ import annotations
@@ -84,3 +89,26 @@ def add_kvstore(servicer: Any, server: Any) -> None:
                 _unary(fn, request_type), response_serializer=serialize
             )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+class KVStoreStub:
+    """What protoc's generated stub offers: ``stub.Put``, ``stub.Get``, ..."""
+
+    def __init__(self, channel: Any) -> None:
+        for method in kvd_pb2.DESCRIPTOR.services_by_name["KVStore"].methods:
+            streams = (method.client_streaming, method.server_streaming)
+            make = {
+                (False, False): channel.unary_unary,
+                (False, True): channel.unary_stream,
+                (True, False): channel.stream_unary,
+                (True, True): channel.stream_stream,
+            }[streams]
+            call = make(
+                f"/{SERVICE}/{method.name}",
+                request_serializer=getattr(kvd_pb2, method.input_type.name).SerializeToString,
+                response_deserializer=getattr(kvd_pb2, method.output_type.name).FromString,
+            )
+            setattr(self, method.name, call)
+
+    def __getattr__(self, name: str) -> Any:  # the methods above, for the type checker
+        raise AttributeError(f"KVStore has no method {name}")

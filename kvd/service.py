@@ -28,7 +28,6 @@ from kvd.pool import ViewWriter, chunked
 from kvd.shm_service import RegionHandlers
 from kvd.store import TIER_NAMES, PutResult, Store
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 # 1 MiB messages: server-streamed 1 MiB chunks carry ~0.9 GB/s here, against
 # ~0.56 GB/s for one 4 MiB message and ~0.1 GB/s for 64 KiB ones.
@@ -111,7 +110,7 @@ def _unary(op: str) -> Callable[[Handler], Handler]:
     return wrap
 
 
-class KVStoreService(RegionHandlers, pb_grpc.KVStoreServicer):
+class KVStoreService(RegionHandlers):
     def __init__(
         self,
         store: Store,

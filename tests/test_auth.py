@@ -26,8 +26,8 @@ from kvd.auth import (
 from kvd.bulk_client import BulkClient
 from kvd.client import Client, PermissionDenied, Unauthenticated
 from kvd.config import ConfigError, load_config
+from kvd.grpc_handlers import KVStoreStub
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonProcess, wait_until
 
 TOKEN_A = "token-for-team-a"
@@ -161,9 +161,9 @@ def secured(tmp_path_factory: pytest.TempPathFactory, tokens_path: Path) -> Iter
 
 
 @pytest.fixture(scope="module")
-def stub(secured: DaemonProcess) -> Iterator[pb_grpc.KVStoreStub]:
+def stub(secured: DaemonProcess) -> Iterator[KVStoreStub]:
     with grpc.insecure_channel(secured.target) as channel:
-        yield pb_grpc.KVStoreStub(channel)
+        yield KVStoreStub(channel)
 
 
 def bearer(token: str) -> list[tuple[str, str]]:
@@ -175,7 +175,7 @@ def put_stream(ns: str) -> Iterator[pb.PutRequest]:
     yield pb.PutRequest(data=b"x")
 
 
-def calls(stub: pb_grpc.KVStoreStub, ns: str) -> dict[str, Callable[[Any], Any]]:
+def calls(stub: KVStoreStub, ns: str) -> dict[str, Callable[[Any], Any]]:
     """Every KVStore RPC, called on ``ns`` with the given metadata."""
     region = {"region_id": 1, "token": b"t" * 16, "namespace": ns}
     return {
@@ -219,7 +219,7 @@ def code_of(call: Callable[[Any], Any], metadata: Any) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_every_rpc_needs_a_token(stub: pb_grpc.KVStoreStub) -> None:
+def test_every_rpc_needs_a_token(stub: KVStoreStub) -> None:
     every = calls(stub, NS_A)
     assert set(every) == set(pb.DESCRIPTOR.services_by_name["KVStore"].methods_by_name)
     for name, call in every.items():
@@ -232,13 +232,13 @@ NAMESPACED_RPCS = ["Get", "Lookup", "Exists", "Delete", "Stats", "Put", "BatchPu
 
 
 @pytest.mark.parametrize("rpc", NAMESPACED_RPCS)
-def test_a_token_reaches_only_its_namespaces(stub: pb_grpc.KVStoreStub, rpc: str) -> None:
+def test_a_token_reaches_only_its_namespaces(stub: KVStoreStub, rpc: str) -> None:
     assert code_of(calls(stub, NS_B)[rpc], bearer(TOKEN_A)) == grpc.StatusCode.PERMISSION_DENIED
     assert code_of(calls(stub, NS_A)[rpc], bearer(TOKEN_A)) != grpc.StatusCode.PERMISSION_DENIED
     assert code_of(calls(stub, NS_B)[rpc], bearer(TOKEN_ADMIN)) != grpc.StatusCode.PERMISSION_DENIED
 
 
-def test_admin_calls_need_the_admin_token(stub: pb_grpc.KVStoreStub) -> None:
+def test_admin_calls_need_the_admin_token(stub: KVStoreStub) -> None:
     delete_all = pb.DeleteRequest(namespace=NS_A, all_keys=True)
     with pytest.raises(grpc.RpcError) as caught:
         stub.Delete(delete_all, metadata=bearer(TOKEN_A))

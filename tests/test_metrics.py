@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.client import Client
+from kvd.grpc_handlers import KVStoreStub
 from kvd.logs import Throttle
 from kvd.metrics import NamespaceCollector
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import REPO, DaemonFactory, DaemonProcess
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvd-dashboard.json"
@@ -67,7 +67,7 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     with Client(daemon.socket_target) as client:
         assert client.get("medium", b"k0") == value_bytes
     with grpc.insecure_channel(daemon.target) as channel:  # plain gRPC, no fast path
-        stub = pb_grpc.KVStoreStub(channel)
+        stub = KVStoreStub(channel)
         for key in (b"k0", b"absent"):
             list(stub.Get(pb.GetRequest(namespace="big", key=key), timeout=10))
     yield daemon

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.checksum import checksum
 from kvd.client import Client
+from kvd.grpc_handlers import KVStoreStub
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 from .conftest import DaemonProcess, wait_until
 
@@ -25,9 +25,9 @@ Code = grpc.StatusCode
 
 
 @pytest.fixture(scope="module")
-def stub(shared_daemon: DaemonProcess) -> Iterator[pb_grpc.KVStoreStub]:
+def stub(shared_daemon: DaemonProcess) -> Iterator[KVStoreStub]:
     with grpc.insecure_channel(shared_daemon.target) as channel:
-        yield pb_grpc.KVStoreStub(channel)
+        yield KVStoreStub(channel)
 
 
 def put_stream(
@@ -45,7 +45,7 @@ def code_of(call: object) -> Code:
     return info.value.code()  # type: ignore[no-any-return]
 
 
-def test_put_get_stream_round_trip(stub: pb_grpc.KVStoreStub) -> None:
+def test_put_get_stream_round_trip(stub: KVStoreStub) -> None:
     value = bytes(range(256)) * 12288  # 3 MiB: three 1 MiB messages back
     response = stub.Put(put_stream("t", b"rt", [value[:1000], value[1000:]], meta=b"m"))
     assert not response.existed and response.checksum == checksum(value)
@@ -56,7 +56,7 @@ def test_put_get_stream_round_trip(stub: pb_grpc.KVStoreStub) -> None:
     assert len(parts) == 3
 
 
-def test_get_miss_is_not_an_error(stub: pb_grpc.KVStoreStub) -> None:
+def test_get_miss_is_not_an_error(stub: KVStoreStub) -> None:
     parts = list(stub.Get(pb.GetRequest(namespace="nobody", key=b"k")))
     assert len(parts) == 1 and not parts[0].header.found
 
@@ -72,7 +72,7 @@ def test_get_miss_is_not_an_error(stub: pb_grpc.KVStoreStub) -> None:
     ],
 )
 def test_bad_put_header_is_invalid_argument(
-    stub: pb_grpc.KVStoreStub, ns: str, key: bytes, size: int, meta: bytes
+    stub: KVStoreStub, ns: str, key: bytes, size: int, meta: bytes
 ) -> None:
     assert code_of(lambda: stub.Put(put_stream(ns, key, [], size=size, meta=meta))) == (
         Code.INVALID_ARGUMENT
@@ -82,12 +82,12 @@ def test_bad_put_header_is_invalid_argument(
 def test_value_larger_than_pool_is_invalid_argument(daemon_factory: object) -> None:
     daemon = daemon_factory("--dram-bytes", "2MiB", "--max-value-bytes", "2MiB")  # type: ignore[operator]
     with grpc.insecure_channel(daemon.target) as channel:
-        stub = pb_grpc.KVStoreStub(channel)
+        stub = KVStoreStub(channel)
         code = code_of(lambda: stub.Put(put_stream("t", b"k", [], size=3 << 20)))
     assert code in (Code.INVALID_ARGUMENT,)
 
 
-def test_chunks_not_adding_up_are_refused_and_leave_nothing(stub: pb_grpc.KVStoreStub) -> None:
+def test_chunks_not_adding_up_are_refused_and_leave_nothing(stub: KVStoreStub) -> None:
     assert code_of(lambda: stub.Put(put_stream("t", b"short", [b"abc"], size=10))) == (
         Code.INVALID_ARGUMENT
     )
@@ -100,20 +100,20 @@ def test_chunks_not_adding_up_are_refused_and_leave_nothing(stub: pb_grpc.KVStor
     ]
 
 
-def test_stream_without_header_or_with_two(stub: pb_grpc.KVStoreStub) -> None:
+def test_stream_without_header_or_with_two(stub: KVStoreStub) -> None:
     assert code_of(lambda: stub.Put(iter([pb.PutRequest(data=b"x")]))) == Code.INVALID_ARGUMENT
     assert code_of(lambda: stub.Put(iter([]))) == Code.INVALID_ARGUMENT
     twice = [pb.PutRequest(header=pb.PutHeader(namespace="t", key=b"2h", size=2))] * 2
     assert code_of(lambda: stub.Put(iter(twice))) == Code.INVALID_ARGUMENT
 
 
-def test_wrong_checksum_is_data_loss(stub: pb_grpc.KVStoreStub) -> None:
+def test_wrong_checksum_is_data_loss(stub: KVStoreStub) -> None:
     bad = put_stream("t", b"crc", [b"hello"], checksum=checksum(b"hellO"))
     assert code_of(lambda: stub.Put(bad)) == Code.DATA_LOSS
     assert list(stub.Exists(pb.ExistsRequest(namespace="t", keys=[b"crc"])).exists) == [False]
 
 
-def test_write_once_conflict_is_already_exists(stub: pb_grpc.KVStoreStub) -> None:
+def test_write_once_conflict_is_already_exists(stub: KVStoreStub) -> None:
     stub.Put(put_stream("t", b"once", [b"first"]))
     assert stub.Put(put_stream("t", b"once", [b"first"], checksum=checksum(b"first"))).existed
     assert stub.Put(put_stream("t", b"once", [b"first"])).existed
@@ -129,7 +129,7 @@ def test_client_disconnect_mid_put_leaves_nothing(shared_daemon: DaemonProcess) 
         gate.wait(5)
 
     channel = grpc.insecure_channel(shared_daemon.target)
-    future = pb_grpc.KVStoreStub(channel).Put.future(stream())
+    future = KVStoreStub(channel).Put.future(stream())
     with Client(shared_daemon.target) as client:
         assert wait_until(lambda: client.stats()["inflight_bytes"] > 0)
         future.cancel()
@@ -140,7 +140,7 @@ def test_client_disconnect_mid_put_leaves_nothing(shared_daemon: DaemonProcess) 
         assert client.get("t", b"cut") is None
 
 
-def test_lookup_limits_and_lease_bound(stub: pb_grpc.KVStoreStub) -> None:
+def test_lookup_limits_and_lease_bound(stub: KVStoreStub) -> None:
     assert code_of(lambda: stub.Lookup(pb.LookupRequest(namespace="t", keys=[]))) == (
         Code.INVALID_ARGUMENT
     )
@@ -150,7 +150,7 @@ def test_lookup_limits_and_lease_bound(stub: pb_grpc.KVStoreStub) -> None:
     assert code_of(lambda: stub.Lookup(long_lease)) == Code.INVALID_ARGUMENT
 
 
-def test_batch_limits(stub: pb_grpc.KVStoreStub) -> None:
+def test_batch_limits(stub: KVStoreStub) -> None:
     items = [pb.PutItem(key=b"b%d" % i, value=b"v") for i in range(1025)]
     assert code_of(lambda: stub.BatchPut(pb.BatchPutRequest(namespace="t", items=items))) == (
         Code.INVALID_ARGUMENT
@@ -161,7 +161,7 @@ def test_batch_limits(stub: pb_grpc.KVStoreStub) -> None:
     assert statuses[1].code == Code.INVALID_ARGUMENT.value[0] and statuses[1].message
 
 
-def test_delete_keys_and_all(stub: pb_grpc.KVStoreStub) -> None:
+def test_delete_keys_and_all(stub: KVStoreStub) -> None:
     stub.BatchPut(
         pb.BatchPutRequest(
             namespace="del",

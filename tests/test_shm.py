@@ -21,10 +21,10 @@ import grpc
 import pytest
 
 from kvd.client import Client, InvalidArgument, ResourceExhausted
+from kvd.grpc_handlers import KVStoreStub
 from kvd.shm import PIECE_BYTES, copy_slices
 from kvd.shm_service import SPLIT_COPY_BYTES
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 
 NS = "shm-test"
@@ -36,15 +36,15 @@ def shm_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
 
 
 @pytest.fixture
-def stub(shm_daemon: DaemonProcess) -> Iterator[pb_grpc.KVStoreStub]:
+def stub(shm_daemon: DaemonProcess) -> Iterator[KVStoreStub]:
     with grpc.insecure_channel(shm_daemon.socket_target) as channel:
-        yield pb_grpc.KVStoreStub(channel)
+        yield KVStoreStub(channel)
 
 
 class RawRegion:
     """A region made by hand: file, flock, mapping, attach; nothing unlinked."""
 
-    def __init__(self, stub: pb_grpc.KVStoreStub, shm_dir: str, name: str, size: int) -> None:
+    def __init__(self, stub: KVStoreStub, shm_dir: str, name: str, size: int) -> None:
         self.path = os.path.join(shm_dir, name)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(self.fd, size)
@@ -53,7 +53,7 @@ class RawRegion:
         response = stub.AttachRegion(pb.AttachRegionRequest(name=name, size=size))
         self.region_id, self.token = response.region_id, response.token
 
-    def put(self, stub: pb_grpc.KVStoreStub, key: bytes, offset: int, length: int) -> int:
+    def put(self, stub: KVStoreStub, key: bytes, offset: int, length: int) -> int:
         request = pb.PutFromRegionRequest(
             region_id=self.region_id,
             token=self.token,
@@ -62,7 +62,7 @@ class RawRegion:
         )
         return int(stub.PutFromRegion(request).results[0].code)
 
-    def get(self, stub: pb_grpc.KVStoreStub, key: bytes, offset: int, length: int) -> Any:
+    def get(self, stub: KVStoreStub, key: bytes, offset: int, length: int) -> Any:
         request = pb.GetIntoRegionRequest(
             region_id=self.region_id,
             token=self.token,
@@ -72,11 +72,11 @@ class RawRegion:
         return stub.GetIntoRegion(request).results[0]
 
 
-def _shm_dir(stub: pb_grpc.KVStoreStub) -> str:
+def _shm_dir(stub: KVStoreStub) -> str:
     return str(stub.DescribePaths(pb.DescribePathsRequest()).shm_dir)
 
 
-def _attached(stub: pb_grpc.KVStoreStub) -> int:
+def _attached(stub: KVStoreStub) -> int:
     return int(stub.DescribePaths(pb.DescribePathsRequest()).regions_attached)
 
 
@@ -155,7 +155,7 @@ def _shm_dir_of(daemon: DaemonProcess) -> str:
     return str(daemon.workdir / "shm")
 
 
-def test_offsets_outside_the_region_are_refused_per_item(stub: pb_grpc.KVStoreStub) -> None:
+def test_offsets_outside_the_region_are_refused_per_item(stub: KVStoreStub) -> None:
     region = RawRegion(stub, _shm_dir(stub), "r1", 1 << 20)
     invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert region.put(stub, b"k", (1 << 20) - 10, 11) == invalid
@@ -168,7 +168,7 @@ def test_offsets_outside_the_region_are_refused_per_item(stub: pb_grpc.KVStoreSt
     assert region.get(stub, b"k", 0, 2).code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
-def test_detached_and_foreign_regions_are_not_found(stub: pb_grpc.KVStoreStub) -> None:
+def test_detached_and_foreign_regions_are_not_found(stub: KVStoreStub) -> None:
     region = RawRegion(stub, _shm_dir(stub), "r2", 1 << 16)
     request = pb.GetIntoRegionRequest(region_id=region.region_id, token=b"x" * 16, namespace=NS)
     with pytest.raises(grpc.RpcError) as foreign:
@@ -181,7 +181,7 @@ def test_detached_and_foreign_regions_are_not_found(stub: pb_grpc.KVStoreStub) -
     assert _attached(stub) == 0
 
 
-def test_attach_checks_name_size_lock_and_limits(stub: pb_grpc.KVStoreStub) -> None:
+def test_attach_checks_name_size_lock_and_limits(stub: KVStoreStub) -> None:
     shm_dir = _shm_dir(stub)
     for name, size in (("../escape", 4096), (".hidden", 4096)):
         with pytest.raises(grpc.RpcError) as bad:
@@ -203,7 +203,7 @@ def test_attach_checks_name_size_lock_and_limits(stub: pb_grpc.KVStoreStub) -> N
     assert len(regions) == _attached(stub) == 4
 
 
-def test_region_file_deleted_or_shrunk_under_the_daemon(stub: pb_grpc.KVStoreStub) -> None:
+def test_region_file_deleted_or_shrunk_under_the_daemon(stub: KVStoreStub) -> None:
     region = RawRegion(stub, _shm_dir(stub), "r3", 1 << 16)
     region.map[:3] = b"abc"
     os.unlink(region.path)  # the mapping keeps the memory: still usable
@@ -219,7 +219,7 @@ def test_region_file_deleted_or_shrunk_under_the_daemon(stub: pb_grpc.KVStoreStu
 
 
 def test_regions_of_a_killed_client_are_freed(
-    shm_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub, tmp_path: Path
+    shm_daemon: DaemonProcess, stub: KVStoreStub, tmp_path: Path
 ) -> None:
     script = textwrap.dedent(
         f"""
@@ -259,7 +259,7 @@ def test_regions_of_a_killed_client_are_freed(
 
 
 def test_region_limit_is_per_process_on_a_shared_unix_socket(
-    shm_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+    shm_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     """Every client of a Unix socket has the same gRPC peer string: the
     per-client limit counts regions per process (the flock holder) instead."""

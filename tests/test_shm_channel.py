@@ -25,9 +25,9 @@ from kvd.bulk import (
 from kvd.bulk_client import BulkClient
 from kvd.client import Client
 from kvd.errors import PermissionDenied, Unauthenticated, Unavailable
+from kvd.grpc_handlers import KVStoreStub
 from kvd.shm_channel import REGION_REF, SOCKET_NAME, TIER_SHIFT
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.sockets import closed_by_daemon, metric, recv_exact
 from tests.test_auth import TOKEN_A, token_file
@@ -43,12 +43,12 @@ def channel_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
 
 
 @pytest.fixture
-def stub(channel_daemon: DaemonProcess) -> Iterator[pb_grpc.KVStoreStub]:
+def stub(channel_daemon: DaemonProcess) -> Iterator[KVStoreStub]:
     with grpc.insecure_channel(channel_daemon.socket_target) as ch:
-        yield pb_grpc.KVStoreStub(ch)
+        yield KVStoreStub(ch)
 
 
-def _paths(stub: pb_grpc.KVStoreStub) -> pb.DescribePathsResponse:
+def _paths(stub: KVStoreStub) -> pb.DescribePathsResponse:
     return stub.DescribePaths(pb.DescribePathsRequest())
 
 
@@ -86,7 +86,7 @@ def _logged(daemon: DaemonProcess, reason: str) -> bool:
 
 
 def test_client_region_ops_go_over_the_shm_socket(
-    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+    channel_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     path = _paths(stub).shm_socket
     assert path == str(channel_daemon.workdir / "shm" / SOCKET_NAME)
@@ -105,7 +105,7 @@ def test_client_region_ops_go_over_the_shm_socket(
 
 
 def test_answers_match_the_grpc_region_calls(
-    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+    channel_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     region = RawRegion(stub, _paths(stub).shm_dir, "c1", 1 << 20)
     sock, code = _connect(_paths(stub).shm_socket)
@@ -139,7 +139,7 @@ def test_answers_match_the_grpc_region_calls(
 
 
 def test_pipelined_ops_run_together_and_are_answered_in_order(
-    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+    channel_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     """16 frames in one send (hits of different sizes, misses, a bad offset):
     the daemon starts them together, and the answers come back in request
@@ -186,7 +186,7 @@ def test_pipelined_ops_run_together_and_are_answered_in_order(
 
 
 def test_a_client_that_sends_and_never_reads_is_let_go(
-    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+    channel_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     """20,000 pipelined misses and no reads: the daemon stops reading once 16
     answers wait and the socket is full (bounded), and when the client hangs
@@ -214,7 +214,7 @@ def test_a_client_that_sends_and_never_reads_is_let_go(
     ],
 )
 def test_bad_first_frames_close_the_connection(
-    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub, frame: bytes, reason: str
+    channel_daemon: DaemonProcess, stub: KVStoreStub, frame: bytes, reason: str
 ) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
@@ -228,7 +228,7 @@ def test_bad_first_frames_close_the_connection(
 
 
 def test_truncated_and_slow_frames_leave_nothing(
-    channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+    channel_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     region = RawRegion(stub, _paths(stub).shm_dir, "c3", 1 << 16)
     region.map[:5] = b"hello"
@@ -274,13 +274,13 @@ def test_tokens_and_namespaces_are_checked(daemon_factory: DaemonFactory, tmp_pa
 
 
 def test_a_socket_held_by_another_daemon_leaves_region_ops_on_grpc(
-    daemon_factory: DaemonFactory, channel_daemon: DaemonProcess, stub: pb_grpc.KVStoreStub
+    daemon_factory: DaemonFactory, channel_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     taken = _paths(stub).shm_socket
     second = daemon_factory("--shm-socket", taken)
     assert wait_until(lambda: any("shm socket off" in line for line in second.log))
     with grpc.insecure_channel(second.socket_target) as ch:
-        assert pb_grpc.KVStoreStub(ch).DescribePaths(pb.DescribePathsRequest()).shm_socket == ""
+        assert KVStoreStub(ch).DescribePaths(pb.DescribePathsRequest()).shm_socket == ""
     with Client(second.socket_target) as client:
         buffer = client.buffer(1 << 20)
         buffer[:] = b"z" * (1 << 20)

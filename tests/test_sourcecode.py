@@ -44,7 +44,7 @@ def _python_files() -> list[Path]:
     return sorted(
         path
         for path in PACKAGE.rglob("*.py")
-        if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+        if not path.name.endswith("_pb2.py")
     )
 
 

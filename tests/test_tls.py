@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.client import AsyncClient, Client, InvalidArgument, Tls, Unavailable
 from kvd.config import ConfigError, load_config
 from kvd.connectors.common import tls_config
+from kvd.grpc_handlers import KVStoreStub
 from kvd.tls import ServerTls
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 
 CALL_TIMEOUT_S = 5
@@ -138,7 +138,7 @@ def test_tls_serves_tls_clients_only(
     assert any("tls=tls" in line for line in daemon.log if "kvd started" in line)
     with channel(daemon, pki, client_cert=False) as ch:
         assert healthy(ch)
-        stub = pb_grpc.KVStoreStub(ch)
+        stub = KVStoreStub(ch)
         stub.BatchPut(
             pb.BatchPutRequest(namespace="n", items=[pb.PutItem(key=b"k", value=b"v")]),
             timeout=CALL_TIMEOUT_S,

@@ -39,10 +39,10 @@ from kvd import bulk
 from kvd.client import Client
 from kvd.client_wire import GetAssembler
 from kvd.errors import KvdError
+from kvd.grpc_handlers import KVStoreStub
 from kvd.l2 import format as l2format
 from kvd.shm_channel import REGION_REF
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from tests.conftest import DaemonProcess
 from tests.test_shm import RawRegion
 
@@ -425,7 +425,7 @@ def shm_frames(rng: random.Random, region_id: int, token: bytes) -> bytes:
 def test_shm_socket_frames(shared_daemon: DaemonProcess) -> None:
     rng = random.Random(13)
     with grpc.insecure_channel(shared_daemon.socket_target) as channel:
-        stub = pb_grpc.KVStoreStub(channel)
+        stub = KVStoreStub(channel)
         paths = stub.DescribePaths(pb.DescribePathsRequest())
         region = RawRegion(stub, paths.shm_dir, "fuzz-region", 1 << 20)
 
