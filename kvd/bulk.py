@@ -467,7 +467,13 @@ class _Connection:
             await self._send(header, reader)
             return
         self.queued_bytes += size
-        await self.queue.put((header, reader))
+        try:
+            await self.queue.put((header, reader))
+        except BaseException:  # cancelled while the queue was full: unpin here
+            self.queued_bytes -= size
+            if reader is not None:
+                reader.close()
+            raise
 
     # ---- writing ---------------------------------------------------------------------
     async def _write_loop(self) -> None:
