@@ -297,7 +297,8 @@ class ShmPath:
         staged: list[tuple[_Spans, int, int]] = []
         if first is not None:
             region = first[0]
-            for view in views[start : start + BATCH_ITEMS_MAX]:
+            offsets.append(first[1])
+            for view in views[start + 1 : start + BATCH_ITEMS_MAX]:
                 where = self.locate(view)
                 if where is None or where[0] is not region:
                     break
