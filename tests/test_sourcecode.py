@@ -41,11 +41,7 @@ def test_mypy() -> None:
 
 
 def _python_files() -> list[Path]:
-    return sorted(
-        path
-        for path in PACKAGE.rglob("*.py")
-        if not path.name.endswith("_pb2.py")
-    )
+    return sorted(path for path in PACKAGE.rglob("*.py") if not path.name.endswith("_pb2.py"))
 
 
 def _violations(tree: ast.AST) -> list[str]:

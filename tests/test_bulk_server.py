@@ -1,0 +1,93 @@
+"""The bulk port's server in process. A client's pipelined requests that are
+already buffered are served one after the other without the reader waiting,
+so every ``FAIR_SHARE_REQUESTS`` of them the connection lets the event loop
+run other work (a probe task counts the answers sent between its turns). A
+connection closed while its reader waits for room in a full answer queue
+leaves no value pinned."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+from kvd.bulk import (
+    FAIR_SHARE_REQUESTS,
+    OP_GET,
+    OP_HELLO,
+    QUEUE_FRAMES_MAX,
+    RESPONSE,
+    BulkLimits,
+    BulkServer,
+    encode_request,
+)
+from kvd.checksum import checksum
+from kvd.metrics import Metrics
+from kvd.pool import Pool
+from kvd.store import Store, StoreLimits
+from tests.sockets import most_between_turns, recv_exact
+
+REQUESTS = 2000
+VALUE = os.urandom(100)
+
+
+async def test_a_burst_of_buffered_gets_lets_other_work_run() -> None:
+    store = Store(Pool(16 << 20), StoreLimits())
+    await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
+    metrics = Metrics()
+    server = BulkServer(store, BulkLimits(), metrics)
+    port = await server.start("127.0.0.1", 0)
+    sent = metrics.bytes.labels("bulk_get", "out")
+
+    def client() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(encode_request(OP_HELLO, 0))
+            recv_exact(sock, RESPONSE.size)
+            frames = [encode_request(OP_GET, i, b"ns", b"k") for i in range(REQUESTS)]
+            sock.sendall(b"".join(frames))
+            for i in range(REQUESTS):
+                head = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+                assert (head[4], head[5]) == (i, 0)  # in order, OK
+                assert recv_exact(sock, head[6] + head[7] + head[8])[-len(VALUE) :] == VALUE
+
+    try:
+        most = await most_between_turns(lambda: sent._value.get() / len(VALUE), client)
+        for _ in range(500):  # the client hung up: the connection ends by itself
+            if not server.connection_count:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await server.stop()
+    assert sent._value.get() == REQUESTS * len(VALUE)
+    assert most <= FAIR_SHARE_REQUESTS
+
+
+async def test_closing_with_a_full_answer_queue_leaves_nothing_pinned() -> None:
+    store = Store(Pool(16 << 20), StoreLimits())
+    big = os.urandom(6 << 20)
+    await store.put("ns", b"big", big, checksum=checksum(big), hasher=checksum)
+    await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
+    server = BulkServer(store, BulkLimits(), Metrics())
+    port = await server.start("127.0.0.1", 0)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        sock.sendall(encode_request(OP_HELLO, 0))
+        await asyncio.to_thread(recv_exact, sock, RESPONSE.size)  # the loop must answer
+        # The big answer fills the socket and the writer waits (nothing is read);
+        # the small ones then fill the answer queue and the reader waits too.
+        frames = [encode_request(OP_GET, 0, b"ns", b"big")]
+        frames += [encode_request(OP_GET, i, b"ns", b"k") for i in range(1, QUEUE_FRAMES_MAX + 50)]
+        await asyncio.to_thread(sock.sendall, b"".join(frames))
+        entry = store._l1("ns", b"k")
+        assert entry is not None
+        for _ in range(200):
+            if entry.readers > QUEUE_FRAMES_MAX:
+                break
+            await asyncio.sleep(0.01)
+        assert entry.readers == QUEUE_FRAMES_MAX + 1  # queued ones and the one waiting
+    finally:
+        await server.stop()
+        sock.close()
+    assert entry.readers == 0
+    big_entry = store._l1("ns", b"big")
+    assert big_entry is not None and big_entry.readers == 0
