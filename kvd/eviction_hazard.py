@@ -5,8 +5,9 @@ next turn.
 A chain lookup is one turn of a conversation. The policy puts the turn in a
 class (continuation depth x new blocks x chain length, as ``pred`` does) and
 gives every block of the chain, hit or about to be put, the deadline
-``now + R[class]``. ``now`` counts lookups (a logical clock: replays run at
-any speed and give the same victims). Victims are the earliest deadlines,
+``now + R[class]``, or keeps the later deadline it already had (a hit never
+shortens what an earlier turn planned). ``now`` counts lookups (a logical
+clock: replays run at any speed and give the same victims). Victims are the earliest deadlines,
 chain tails first (kvd.eviction's contract). A chain's last block is
 partial, the next turn re-reads everything but it, so its retention is 0.
 
@@ -86,6 +87,7 @@ _LOG_LAMBDA = (-20.0, 5.0)
 _BISECT_STEPS = 30
 # Keys announced by lookups and not yet put; oldest dropped past this bound.
 _PENDING_MAX = 1 << 16
+_ACCESS_MASK = (1 << 64) - 1  # a priority's low bits: the access order
 # Chains being put whose latest block is protected until its child arrives
 # (as in ``pred``): one per chain in flight.
 _FILLING_MAX = 1024
@@ -219,7 +221,7 @@ class HazardPolicy(_ChainPolicy[K]):
             if isinstance(node, _HazardNode):
                 node.klass = klass
                 node.depth = depth
-                node.priority = self._deadline(klass)
+                node.priority = self._extended(node)
                 self._push(key, node)
         for position in range(hits, n):
             self._pending[keys[position]] = (_LAST if position == n - 1 else klass, depth)
@@ -252,7 +254,7 @@ class HazardPolicy(_ChainPolicy[K]):
 
     def _priority_on_touch(self, node: _Node[K]) -> float:
         assert isinstance(node, _HazardNode)
-        return self._deadline(node.klass)
+        return self._extended(node)
 
     def _on_remove(self, key: K, node: _Node[K], evicted: bool) -> None:
         self._filling.pop(key, None)
@@ -269,6 +271,16 @@ class HazardPolicy(_ChainPolicy[K]):
         self._accesses += 1
         retention = 0 if klass == _LAST else self._retention[klass]
         return ((self._now + retention) << 64) | self._accesses
+
+    def _extended(self, node: _HazardNode[K]) -> int:
+        """A hit block's new priority: its class's deadline from now, but
+        never earlier than the deadline it already had (an earlier turn that
+        promised to keep it longer still counts); the access order is new."""
+        fresh = self._deadline(node.klass)
+        kept = int(node.priority) >> 64
+        if kept <= fresh >> 64:
+            return fresh
+        return (kept << 64) | (fresh & _ACCESS_MASK)
 
     def _start_turn(self, keys: Sequence[K], klass: int, depth: int) -> None:
         now = self._now

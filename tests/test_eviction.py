@@ -447,3 +447,25 @@ def test_hazard_same_chain_looked_up_again_is_not_a_deeper_turn() -> None:
     policy.on_lookup([1, 2, 3, 5], 3)
     node = policy._nodes[1]
     assert (node.depth, node.klass) == (1, turn_class(1, 1, 4))  # type: ignore[attr-defined]
+
+
+def test_hazard_hit_never_shortens_a_deadline() -> None:
+    policy = HazardPolicy[int]()
+    kept, brief = turn_class(0, 3, 3), turn_class(1, 2, 4)
+    policy._retention[kept] = 1000
+    policy._retention[brief] = 0
+    policy.on_lookup([1, 2, 3], 0)
+    insert_chain(policy, [1, 2, 3])
+    planned = policy._nodes[1].priority
+    assert int(planned) >> 64 == 1 + 1000
+    # The next turn re-reads 1-2 as a class with no retention: the blocks keep
+    # the deadline the first turn planned, with a newer access order.
+    policy.on_lookup([1, 2, 7, 8], 2)
+    policy.touch(1)
+    node = policy._nodes[1]
+    assert node.klass == brief  # type: ignore[attr-defined]
+    assert int(node.priority) >> 64 == 1 + 1000 and node.priority > planned
+    # A new block of the brief class goes first, as it would without the hit.
+    policy.insert(7, 2)
+    policy.remove(3)
+    assert drain(policy) == [7, 2, 1]
