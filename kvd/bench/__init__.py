@@ -110,8 +110,9 @@ def _paths(args: argparse.Namespace) -> int:
         try:
             cold = (cold_daemon.target, cold_daemon.socket_target) if cold_daemon else None
             rows = paths.run(
-                tcp_target, unix_target, sizes, _progress, peers=not args.no_peers, cold=cold
-            )
+                tcp_target, unix_target, sizes, _progress, peers=not args.no_peers, cold=cold,
+                cold_dir=str(Path(tmp) / "cold") if cold_daemon else None,
+            )  # fmt: skip
         finally:
             for spawned in (daemon, cold_daemon):
                 if spawned is not None:

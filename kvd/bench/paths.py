@@ -1,7 +1,9 @@
 """Data-path throughput: kvd over shared memory, bulk TCP and gRPC, next to
 the ceilings (numpy memcpy into pre-allocated memory, loopback TCP with
 recv_into) and peers (Redis with the hiredis parser, Mooncake Store in TCP
-mode) measured in the same run.
+mode) measured in the same run. The L2-cold gets come with their own
+ceiling from the same run: fio random reads (io_uring, O_DIRECT) of each
+size on the cold daemon's file system.
 
 The ceilings are measured at the start and again at the end of the run,
 and the higher figure is kept, so a ratio never rests on a ceiling caught in
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvd.bench.procs import Case, ClientProcesses, expect_size, kvd_client, value_bytes
+from kvd.bench_io import fio_randread
 from kvd.client import Client
 
 SIZES_BYTES = (64 << 10, 1 << 20, 4 << 20, 32 << 20)
@@ -254,6 +257,38 @@ def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[R
     return [Row(path, "get-cold", size, 1, gbps, f"{done} L2 reads")]
 
 
+# fio's file for the L2 ceiling: larger than any value, small enough to lay
+# out in a second or two.
+FIO_FILE_BYTES = 512 << 20
+FIO_SECONDS = 1.0
+FIO_DEPTHS = (1, 32)
+
+
+def fio_rows(directory: str, sizes: tuple[int, ...], progress: Progress) -> list[Row]:
+    """The ceiling of the L2-cold rows: fio io_uring O_DIRECT random reads of
+    each size in ``directory`` (the cold daemon's file system), at queue depth
+    1 (one read at a time, as one client's gets) and 32 (what the device gives)."""
+    path = os.path.join(directory, "fio-ceiling")
+    rows: list[Row] = []
+    try:
+        for size in sizes:
+            progress(f"paths: fio {size_label(size)}")
+            for depth in FIO_DEPTHS:
+                gbps = fio_randread(
+                    path,
+                    block_bytes=size,
+                    queue_depth=depth,
+                    seconds=FIO_SECONDS,
+                    file_bytes=max(FIO_FILE_BYTES, 2 * size),
+                )
+                note = "" if gbps is not None else "skipped: fio not installed"
+                rows.append(Row("fio", f"read QD{depth}", size, 1, gbps, note))
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return rows
+
+
 # ---- peers ----------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -447,8 +482,10 @@ def run(
     progress: Progress = print,
     peers: bool = True,
     cold: tuple[str, str] | None = None,
+    cold_dir: str | None = None,
 ) -> list[Row]:
-    """Every path and ceiling; ``cold`` is a small-L1 daemon's (tcp, unix) targets."""
+    """Every path and ceiling; ``cold`` is a small-L1 daemon's (tcp, unix)
+    targets, ``cold_dir`` a directory on its file system for the fio ceiling."""
     rows = ceiling_rows(sizes, progress)
     progress(f"paths: starting {max(CLIENTS)} client processes")
     procs = ClientProcesses(max(CLIENTS))
@@ -465,6 +502,8 @@ def run(
             for size in sizes:
                 progress(f"paths: {path} {size_label(size)} L2-cold")
                 rows += cold_rows(path, cold[0], cold[1], size)
+        if cold_dir is not None:
+            rows += fio_rows(cold_dir, sizes, progress)
     if peers:
         rows += mooncake_rows(sizes, progress)
     # The ceilings again, keeping the higher figure: this machine's memory and
