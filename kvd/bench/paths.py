@@ -240,6 +240,7 @@ def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[R
     with Client(tcp_target, timeout_s=120, shm=False, bulk=True) as filler:
         for key in keys:
             filler.put(ns, key, value.data)
+        _wait_written_back(filler)
     cold = keys[: count * 2 // 3]
     with kvd_client(path, tcp_target, unix_target) as client:
         buffer = client.buffer(size)
@@ -255,6 +256,17 @@ def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[R
         client.delete_namespace(ns)
         del buffer
     return [Row(path, "get-cold", size, 1, gbps, f"{done} L2 reads")]
+
+
+def _wait_written_back(client: Client, limit_s: float = 60.0) -> None:
+    """Wait until the daemon's write-back is idle, so cold reads do not share
+    the disk with the fill's last writes (the fio ceiling has it alone)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if not stats["writeback_queue"] and not stats["writeback_writing"]:
+            return
+        time.sleep(0.05)
 
 
 # fio's file for the L2 ceiling: larger than any value, small enough to lay
