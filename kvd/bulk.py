@@ -161,20 +161,9 @@ def encode_request(
 ) -> bytes:
     """Header and the variable fields; the payload (``length`` bytes) follows."""
     flags = (FLAG_DURABLE if durable else 0) | (FLAG_CHECKSUM if checksum is not None else 0)
-    header = REQUEST.pack(
-        REQUEST_MAGIC,
-        VERSION,
-        op,
-        flags,
-        request_id,
-        len(ns),
-        len(key),
-        len(parent),
-        len(meta),
-        length,
-        checksum or 0,
-    )
-    return b"".join((header, ns, key, parent, meta))
+    fields = (ns, key, parent, meta)
+    head = (REQUEST_MAGIC, VERSION, op, flags, request_id, *map(len, fields))
+    return b"".join((REQUEST.pack(*head, length, checksum or 0), *fields))
 
 
 def decode_request(
@@ -286,17 +275,26 @@ class _Connection:
         finally:
             for task in (reader, writer):
                 task.cancel()
-            await asyncio.gather(reader, writer, return_exceptions=True)
-            self._drop_queued()
-            self.sock.close()
+            # Both end before this task does (then _end runs), even if stop() cancels it here.
+            ended = asyncio.gather(reader, writer, return_exceptions=True)
+            cancelled: asyncio.CancelledError | None = None
+            while not ended.done():
+                try:
+                    await asyncio.shield(ended)
+                except asyncio.CancelledError as exc:
+                    cancelled = exc
+            if cancelled is not None:
+                raise cancelled
         if reason:
             log.warning("bulk connection closed", extra={"peer": self.peer, "reason": reason})
 
-    def _drop_queued(self) -> None:
+    def _end(self, _task: asyncio.Task[None]) -> None:
+        """Once the connection's task ended, however (even cancelled before it ran)."""
         while not self.queue.empty():
             _, reader = self.queue.get_nowait()
             if reader is not None:
                 reader.close()
+        self.sock.close()
 
     # ---- reading ---------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -517,6 +515,15 @@ def _split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes
     return ns, tail[a:b], tail[b:c], tail[c:]
 
 
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready = asyncio.Event()
+    loop.add_reader(sock, ready.set)
+    try:
+        await ready.wait()
+    finally:
+        loop.remove_reader(sock)
+
+
 class BulkServer:
     """The listener and its connections."""
 
@@ -554,9 +561,14 @@ class BulkServer:
         return self.port
 
     async def _accept_loop(self, listener: socket.socket) -> None:
+        # Not loop.sock_accept: cancelled (stop()) as a client connects, it can drop the socket.
         loop = asyncio.get_running_loop()
         while True:
-            sock, address = await loop.sock_accept(listener)
+            try:
+                sock, address = listener.accept()
+            except BlockingIOError:
+                await _readable(loop, listener)
+                continue
             peer = f"{address[0]}:{address[1]}"
             if len(self._connections) >= self.limits.max_connections:
                 sock.close()
@@ -567,9 +579,11 @@ class BulkServer:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = asyncio.create_task(_Connection(self, sock, peer).serve())
+            connection = _Connection(self, sock, peer)
+            task = asyncio.create_task(connection.serve())
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
+            task.add_done_callback(connection._end)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         if self._accept_task is not None:

@@ -3,13 +3,16 @@ already buffered are served one after the other without the reader waiting,
 so every ``FAIR_SHARE_REQUESTS`` of them the connection lets the event loop
 run other work (a probe task counts the answers sent between its turns). A
 connection closed while its reader waits for room in a full answer queue
-leaves no value pinned."""
+leaves no value pinned. stop() at any turn of the loop, while a connection
+that hung up ends or while one is being accepted, closes every socket."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
+import warnings
 
 from kvd.bulk import (
     FAIR_SHARE_REQUESTS,
@@ -52,10 +55,6 @@ async def test_a_burst_of_buffered_gets_lets_other_work_run() -> None:
 
     try:
         most = await most_between_turns(lambda: sent._value.get() / len(VALUE), client)
-        for _ in range(500):  # the client hung up: the connection ends by itself
-            if not server.connection_count:
-                break
-            await asyncio.sleep(0.01)
     finally:
         await server.stop()
     assert sent._value.get() == REQUESTS * len(VALUE)
@@ -91,3 +90,34 @@ async def test_closing_with_a_full_answer_queue_leaves_nothing_pinned() -> None:
     assert entry.readers == 0
     big_entry = store._l1("ns", b"big")
     assert big_entry is not None and big_entry.readers == 0
+
+
+async def _stop_at_each_turn(hello: bool) -> list[str]:
+    """For 0..39 turns of the loop after a client connected (and, with
+    ``hello``, was answered and hung up): stop the server; the unclosed-socket
+    warnings meanwhile."""
+    store = Store(Pool(1 << 20), StoreLimits())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for turns in range(40):
+            server = BulkServer(store, BulkLimits(), Metrics())
+            port = await server.start("127.0.0.1", 0)
+            await asyncio.sleep(0)  # the server waits for a connection
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                if hello:
+                    sock.sendall(encode_request(OP_HELLO, 0))
+                    await asyncio.to_thread(recv_exact, sock, RESPONSE.size)
+                    sock.close()
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                await server.stop()
+            gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+async def test_stop_as_a_hung_up_connection_ends_closes_its_socket() -> None:
+    assert await _stop_at_each_turn(hello=True) == []
+
+
+async def test_stop_as_a_client_connects_closes_its_socket() -> None:
+    assert await _stop_at_each_turn(hello=False) == []
