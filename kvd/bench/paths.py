@@ -260,7 +260,7 @@ def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[R
 
 def _wait_written_back(client: Client, limit_s: float = 60.0) -> None:
     """Wait until the daemon's write-back is idle, so cold reads do not share
-    the disk with the fill's last writes (the fio ceiling has it alone)."""
+    the disk with earlier writes (the fio ceiling has it alone)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         stats = client.stats()
@@ -272,7 +272,7 @@ def _wait_written_back(client: Client, limit_s: float = 60.0) -> None:
 # fio's file for the L2 ceiling: larger than any value, small enough to lay
 # out in a second or two.
 FIO_FILE_BYTES = 512 << 20
-FIO_SECONDS = 1.0
+FIO_SECONDS = 2.0
 FIO_DEPTHS = (1, 32)
 
 
@@ -510,6 +510,9 @@ def run(
     finally:
         procs.close()
     if cold is not None:
+        # The puts above leave the main daemon writing back to the same disk.
+        with Client(tcp_target, timeout_s=60, shm=False, bulk=False) as main:
+            _wait_written_back(main)
         for path in ("shm", "bulk", "grpc"):
             for size in sizes:
                 progress(f"paths: {path} {size_label(size)} L2-cold")

@@ -17,6 +17,7 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paths, "CLIENTS", (1, 2))
     monkeypatch.setattr(paths, "FILL_BYTES", 1 << 20)
     monkeypatch.setattr(paths, "FIO_FILE_BYTES", 16 << 20)
+    monkeypatch.setattr(paths, "FIO_SECONDS", 1.0)
     assert main(["--out", str(tmp_path), "paths", "--sizes", "65536", "--no-peers"]) == 0
     [result] = tmp_path.glob("*-paths.json")
     data = json.loads(result.read_text())
