@@ -144,6 +144,17 @@ class Client:
         if shm is not None:
             shm.timeout_s = value
 
+    @property
+    def paths(self) -> frozenset[str]:
+        """The data paths this client uses besides gRPC: ``shm`` (regions),
+        ``shm-socket`` (region ops on the daemon's shm socket rather than
+        gRPC) and ``bulk`` (the bulk TCP port)."""
+        shm, bulk = self._fast_paths()
+        found = {"bulk"} if bulk is not None else set()
+        if shm is not None:
+            found |= {"shm", "shm-socket"} if shm.over_socket else {"shm"}
+        return frozenset(found)
+
     def _fast_paths(self) -> tuple[ShmPath | None, BulkClient | None]:
         """The daemon's fast paths this client uses, found once (DescribePaths)."""
         if self._paths_known or not (self._want_shm or self._want_bulk):

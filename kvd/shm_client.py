@@ -178,6 +178,11 @@ class ShmPath:
                 self._ops = None
 
     @property
+    def over_socket(self) -> bool:
+        """Whether region ops go over the daemon's shm socket (else gRPC)."""
+        return self._ops is not None
+
+    @property
     def timeout_s(self) -> float | None:
         return self._ops.client.timeout_s if self._ops is not None else None
 

@@ -281,3 +281,21 @@ def test_region_limit_is_per_process_on_a_shared_unix_socket(
         )
         assert done.stdout.strip() == "limited", done.stderr
         assert len(held) == 3
+
+
+def test_client_reports_the_paths_it_uses(
+    shm_daemon: DaemonProcess, daemon_factory: DaemonFactory
+) -> None:
+    with Client(shm_daemon.socket_target) as client:
+        assert client.paths == {"shm", "shm-socket"}
+    with Client(shm_daemon.target) as client:
+        assert client.paths == {"bulk"}
+    with Client(shm_daemon.target, shm=False, bulk=False) as client:
+        assert client.paths == frozenset()
+    # A second daemon on the same shm directory cannot have its shm socket
+    # (the first holds it): its clients' region ops go over gRPC, and say so.
+    second = daemon_factory("--shm-dir", _shm_dir_of(shm_daemon))
+    with Client(second.socket_target) as client:
+        assert client.paths == {"shm"}
+        assert client.put(NS, b"k", b"v" * 5000) is False
+        assert client.get(NS, b"k") == b"v" * 5000

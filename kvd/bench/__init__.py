@@ -91,7 +91,8 @@ def _paths(args: argparse.Namespace) -> int:
 
     sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
     daemon = None
-    shm_dir = paths.temp_shm_dir()
+    # Each daemon its own shm directory: the shm socket lives there, one per daemon.
+    shm_dir, cold_shm_dir = paths.temp_shm_dir(), paths.temp_shm_dir()
     tcp_target, unix_target = args.target, args.socket_target
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
@@ -104,7 +105,7 @@ def _paths(args: argparse.Namespace) -> int:
             tcp_target, unix_target = daemon.target, daemon.socket_target
             (Path(tmp) / "cold").mkdir()
             cold_daemon = SpawnedDaemon(
-                Path(tmp) / "cold", paths.bench_daemon_args(shm_dir), dram=paths.COLD_DRAM,
+                Path(tmp) / "cold", paths.bench_daemon_args(cold_shm_dir), dram=paths.COLD_DRAM,
                 max_value="32MiB", ssd=paths.COLD_SSD,
             )  # fmt: skip
         try:
@@ -117,7 +118,8 @@ def _paths(args: argparse.Namespace) -> int:
             for spawned in (daemon, cold_daemon):
                 if spawned is not None:
                     spawned.stop()
-            shutil.rmtree(shm_dir, ignore_errors=True)
+            for directory in (shm_dir, cold_shm_dir):
+                shutil.rmtree(directory, ignore_errors=True)
     table = paths_report.markdown(rows)
     data = {
         "suite": "paths",

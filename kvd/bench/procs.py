@@ -45,12 +45,21 @@ class Case:
     batch: int = 1  # kvd get-batch: values a call
 
 
+# What each measured path must really use: a figure taken on a fallback
+# (region ops over gRPC, gRPC instead of bulk) would be reported under the
+# wrong name.
+_EXPECTED_PATHS = {"shm": {"shm", "shm-socket"}, "bulk": {"bulk"}, "grpc": set()}
+
+
 def kvd_client(path: str, tcp_target: str, unix_target: str) -> Client:
     if path == "shm":
-        return Client(unix_target, timeout_s=60)
-    if path == "bulk":
-        return Client(tcp_target, timeout_s=60, shm=False, bulk=True)
-    return Client(tcp_target, timeout_s=60, shm=False, bulk=False)
+        client = Client(unix_target, timeout_s=60)
+    else:
+        client = Client(tcp_target, timeout_s=60, shm=False, bulk=path == "bulk")
+    if client.paths != _EXPECTED_PATHS[path]:
+        client.close()
+        raise RuntimeError(f"{path} client uses {sorted(client.paths)}, not the {path} path")
+    return client
 
 
 def expect_size(got: object, size: int) -> None:
