@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvd.aio import settle
 from kvd.bulk_send import Sender
 from kvd.checksum import Hasher
 from kvd.errors import DataLoss, KvdError
@@ -276,15 +277,7 @@ class _Connection:
             for task in (reader, writer):
                 task.cancel()
             # Both end before this task does (then _end runs), even if stop() cancels it here.
-            ended = asyncio.gather(reader, writer, return_exceptions=True)
-            cancelled: asyncio.CancelledError | None = None
-            while not ended.done():
-                try:
-                    await asyncio.shield(ended)
-                except asyncio.CancelledError as exc:
-                    cancelled = exc
-            if cancelled is not None:
-                raise cancelled
+            await settle([reader, writer])
         if reason:
             log.warning("bulk connection closed", extra={"peer": self.peer, "reason": reason})
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvd.aio import settle
 from kvd.cpus import OFFLOAD, WORKER_THREADS
 
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
@@ -126,15 +127,13 @@ class Sender:
             try:
                 await asyncio.shield(sending)
             except asyncio.CancelledError:
-                # The payload is pool pages: wait until the thread let go of them.
+                # The payload is pool pages: wait until the thread let go of
+                # them (the shutdown ends its send at once; its error is dropped).
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass  # already closed by the client
-                try:
-                    await sending
-                except OSError:
-                    pass  # the send the shutdown broke
+                await settle([sending])
                 raise
         finally:
             self.sending -= 1

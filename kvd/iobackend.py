@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvd.aio import settle
+
 try:
     from kvd import _uring
 except ImportError as exc:  # the extension is optional (built only where liburing is)
@@ -100,25 +102,10 @@ class IoBackend(Protocol):
 
 
 async def _settle(futs: Sequence[asyncio.Future[int]]) -> list[int]:
-    """Wait for every future; if cancelled, keep waiting, then re-raise.
-
-    The futures stand for ops the kernel (or a worker thread) is running on
-    caller buffers, so returning early would hand those buffers back while
-    they are still being written.
-    """
-    cancelled: asyncio.CancelledError | None = None
-    # Each pass either finishes or absorbs one cancel request; the ops end
-    # when the device answers, which bounds the number of passes.
-    while True:
-        pending = [f for f in futs if not f.done()]
-        if not pending:
-            break
-        try:
-            await asyncio.wait(pending)
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is not None:
-        raise cancelled
+    """The ops' results once every one ended, even if cancelled meanwhile: they
+    run on caller buffers (kernel or worker thread), so returning early would
+    hand those buffers back while they are still being written."""
+    await settle(futs)
     return [f.result() for f in futs]
 
 

@@ -27,7 +27,6 @@ machine without cores to spare (``kvd.cpus``). Larger batches go to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
+from kvd.aio import settle
 from kvd.auth import Authenticator, check_grpc, request_scope
 from kvd.cpus import OFFLOAD, WORKER_THREADS
 from kvd.errors import DataLoss, InvalidArgument, KvdError, Unavailable
@@ -215,14 +215,10 @@ class RegionHandlers:
             _run_jobs(jobs, to_pages)
             return
         copies = asyncio.ensure_future(self._copy_on_threads(pool, jobs, to_pages))
-        try:
-            await asyncio.shield(copies)
-        except asyncio.CancelledError:
-            # A cancelled call must not unpin pages that a worker still copies
-            # to or from: they could be handed to another value meanwhile.
-            with contextlib.suppress(BaseException):
-                await copies
-            raise
+        # A cancelled call must not unpin pages that a worker still copies
+        # to or from: they could be handed to another value meanwhile.
+        await settle([copies])
+        copies.result()
 
     @staticmethod
     async def _copy_on_threads(pool: ThreadPoolExecutor, jobs: list[_Job], to_pages: bool) -> None:
