@@ -123,6 +123,8 @@ DIRECT_ANSWER_BYTES = 1 << 20
 # Requests one connection serves before letting the others run: buffered
 # frames are read and answered without the reader ever waiting.
 FAIR_SHARE_REQUESTS = 16
+# A failed accept (no descriptor or memory left) is tried again after this.
+ACCEPT_RETRY_S = 0.1
 # Payload of a request answered with an error is read into this and dropped.
 _DISCARD_BYTES = 1 << 20
 
@@ -561,6 +563,10 @@ class BulkServer:
                 sock, address = listener.accept()
             except BlockingIOError:
                 await _readable(loop, listener)
+                continue
+            except OSError as exc:  # out of descriptors or memory: keep the port, retry
+                log.warning("bulk accept failed", extra={"reason": str(exc)})
+                await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             peer = f"{address[0]}:{address[1]}"
             if len(self._connections) >= self.limits.max_connections:

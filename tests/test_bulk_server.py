@@ -4,11 +4,13 @@ so every ``FAIR_SHARE_REQUESTS`` of them the connection lets the event loop
 run other work (a probe task counts the answers sent between its turns). A
 connection closed while its reader waits for room in a full answer queue
 leaves no value pinned. stop() at any turn of the loop, while a connection
-that hung up ends or while one is being accepted, closes every socket."""
+that hung up ends or while one is being accepted, closes every socket. An
+accept that fails (no descriptor left) does not close the port."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import os
 import socket
@@ -121,3 +123,35 @@ async def test_stop_as_a_hung_up_connection_ends_closes_its_socket() -> None:
 
 async def test_stop_as_a_client_connects_closes_its_socket() -> None:
     assert await _stop_at_each_turn(hello=False) == []
+
+
+class _OutOfDescriptors(socket.socket):
+    """The server's own listening socket, whose first accepts fail as they do
+    when the process has no descriptor left."""
+
+    failures = 3
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+async def test_the_port_outlives_accepts_that_fail() -> None:
+    server = BulkServer(Store(Pool(1 << 20), StoreLimits()), BulkLimits(), Metrics())
+    port = await server.start("127.0.0.1", 0)
+    assert server._accept_task is not None and server._listener is not None
+    server._accept_task.cancel()
+    await asyncio.gather(server._accept_task, return_exceptions=True)
+    listener = _OutOfDescriptors(fileno=server._listener.detach())
+    server._listener = listener
+    server._accept_task = asyncio.create_task(server._accept_loop(listener))
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(encode_request(OP_HELLO, 0))
+            answer = await asyncio.to_thread(recv_exact, sock, RESPONSE.size)
+        assert RESPONSE.unpack(answer)[5] == 0  # served once descriptors are back
+        assert listener.failures == 0 and not server._accept_task.done()
+    finally:
+        await server.stop()
