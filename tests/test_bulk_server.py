@@ -5,7 +5,8 @@ run other work (a probe task counts the answers sent between its turns). A
 connection closed while its reader waits for room in a full answer queue
 leaves no value pinned. stop() at any turn of the loop, while a connection
 that hung up ends or while one is being accepted, closes every socket. An
-accept that fails (no descriptor left) does not close the port."""
+accept that fails (no descriptor left) does not close the port, and the
+connections a stall leaves in the backlog do not crowd out new ones."""
 
 from __future__ import annotations
 
@@ -153,5 +154,21 @@ async def test_the_port_outlives_accepts_that_fail() -> None:
             answer = await asyncio.to_thread(recv_exact, sock, RESPONSE.size)
         assert RESPONSE.unpack(answer)[5] == 0  # served once descriptors are back
         assert listener.failures == 0 and not server._accept_task.done()
+    finally:
+        await server.stop()
+
+
+async def test_connections_left_behind_by_a_stall_do_not_crowd_out_new_ones() -> None:
+    limits = BulkLimits(max_connections=8)
+    server = BulkServer(Store(Pool(1 << 20), StoreLimits()), limits, Metrics())
+    port = await server.start("127.0.0.1", 0)
+    try:
+        # The loop is stuck (a stalled daemon): clients connect, give up, close.
+        for _ in range(40):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(encode_request(OP_HELLO, 0))
+            answer = await asyncio.to_thread(recv_exact, sock, RESPONSE.size)
+        assert RESPONSE.unpack(answer)[5] == 0  # served, not refused as over the limit
     finally:
         await server.stop()
