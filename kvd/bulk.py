@@ -559,6 +559,7 @@ class BulkServer:
         # Not loop.sock_accept: cancelled (stop()) as a client connects, it can drop the socket.
         loop = asyncio.get_running_loop()
         while True:
+            await asyncio.sleep(0)  # after a stall, the backlog's dead connections end meanwhile
             try:
                 sock, address = listener.accept()
             except BlockingIOError:
@@ -583,7 +584,6 @@ class BulkServer:
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
             task.add_done_callback(connection._end)
-            await asyncio.sleep(0)  # after a stall, the backlog's dead connections end meanwhile
 
     async def stop(self, grace_s: float = 5.0) -> None:
         if self._accept_task is not None:

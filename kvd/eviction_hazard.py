@@ -7,8 +7,8 @@ class (continuation depth x new blocks x chain length, as ``pred`` does) and
 gives every block of the chain, hit or about to be put, the deadline
 ``now + R[class]``, or keeps the later deadline it already had (a hit never
 shortens what an earlier turn planned). ``now`` counts lookups (a logical
-clock: replays run at any speed and give the same victims). Victims are the earliest deadlines,
-chain tails first (kvd.eviction's contract). A chain's last block is
+clock: replays run at any speed and give the same victims). Victims are the
+earliest deadlines, chain tails first (kvd.eviction's contract). A chain's last block is
 partial, the next turn re-reads everything but it, so its retention is 0.
 
 What it learns. Each lookup records its turn in a bounded history under the
