@@ -298,7 +298,8 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             view.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
             for view in self._block_views(block_id)
         ]
-        return torch.cat(parts).numpy().tobytes()
+        data: bytes = torch.cat(parts).numpy().tobytes()
+        return data
 
     def _block_meta(self) -> bytes:
         first = self._block_views(0)
