@@ -175,3 +175,27 @@ def _validate_l2(config: Config) -> None:
             "raise ssd_segment_bytes or lower max_value_bytes",
             key="max_value_bytes",
         )
+
+
+def l2_capacity_warning(
+    dram_bytes: int, l2_capacity_bytes: int, logical_segment_bytes: int
+) -> str | None:
+    """A start-up warning when L2 cannot keep what L1 holds, else None.
+
+    L2 keeps at most its capacity less one segment (the one being filled
+    again after a reclaim); when that is below ``dram_bytes``, reclaim keeps
+    meeting values still in L1. They are rewritten only within write-back's
+    rewrite credit (L2 writes stay within 1.5x the bytes put); the others
+    live in L1 only and do not survive a restart. Not refused: the daemon
+    works, its L2 is just too small to help.
+    """
+    keeps = l2_capacity_bytes - logical_segment_bytes
+    if keeps >= dram_bytes:
+        return None
+    return (
+        f"L2 holds less than L1: ssd_bytes gives {format_size(l2_capacity_bytes)} of L2, which "
+        f"keeps {format_size(max(0, keeps))} between reclaims (one "
+        f"{format_size(logical_segment_bytes)} segment is refilled), below dram_bytes "
+        f"{format_size(dram_bytes)}: values beyond it live in L1 only and are lost on restart; "
+        "raise ssd_bytes above dram_bytes plus one segment"
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -145,7 +145,7 @@ class SnapshotCollector(Collector):
 
     def __init__(
         self,
-        read: Callable[[], dict[str, int]],
+        read: Callable[[], Mapping[str, float]],
         gauges: dict[str, tuple[str, str]],
         counters: dict[str, tuple[str, str]],
     ) -> None:

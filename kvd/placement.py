@@ -1,8 +1,9 @@
 """Placement between L1 and L2: promotion of an L2 hit into L1 (shared by
 concurrent gets of one key), prefetch after a Lookup, explicit eviction,
-re-queueing of values whose L2 record was dropped, and withdrawal of a
-durable put that failed. A mixin of ``kvd.store.Store``: the store's index
-and pool are declared here only for the type checker.
+rewrites of values whose L2 record was dropped (within write-back's
+credit), and withdrawal of a durable put that failed. A mixin of
+``kvd.store.Store``: the store's index and pool are declared here only for
+the type checker.
 """
 
 from __future__ import annotations
@@ -167,10 +168,12 @@ class L2Placement:
         return True
 
     def _on_l2_drop(self, record: L2Record) -> None:
-        """L2 forgot a record (reclaim, bad checksum): an L1 copy is written again."""
+        """L2 forgot a record (reclaim, bad checksum): an L1 copy stays in L1,
+        clean (evictable, as before), and is written again if write-back's
+        rewrite credit allows. It is not marked dirty: a dirty value cannot
+        leave L1, and re-queueing every one made each reclaim force the next."""
         entry = self._l1(record.namespace, record.key)
         if entry is not None and entry.l2 is record and self.writeback is not None:
             entry.l2 = None
-            entry.dirty = True
-            self.writeback.enqueue(entry)
-            self.counters.l2_reinserted += 1
+            if self.writeback.reinsert(entry):
+                self.counters.l2_reinserted += 1

@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from kvd import __version__, crashpoints, faults, logs
 from kvd.auth import Authenticator
 from kvd.config import SETTINGS, ConfigError, is_loopback_host, parse_address
+from kvd.config_rules import l2_capacity_warning
 from kvd.eviction import make_policy
 from kvd.fast_paths import FastPaths
 from kvd.grpc_handlers import add_kvstore
@@ -70,6 +71,10 @@ _L2_GAUGES = {
     "writeback_queue": ("kvd_writeback_queue", "Values waiting for their L2 write"),
     "writeback_writing": ("kvd_writeback_inflight", "L2 writes in flight"),
     "writeback_backlog_bytes": ("kvd_writeback_backlog_bytes", "Value bytes waiting for L2"),
+    "l2_write_amplification": (
+        "kvd_l2_write_amplification",
+        "Value bytes written to L2 over bytes of puts written to L2 (1 before any; at most 1.5)",
+    ),
 }
 _L2_COUNTERS = {
     "checksum_failures": ("kvd_checksum_failures", "L2 reads whose bytes failed their checksum"),
@@ -81,6 +86,12 @@ _L2_COUNTERS = {
     "l2_read_errors": ("kvd_l2_read_errors", "L2 reads that failed"),
     "l2_reclaims": ("kvd_l2_reclaims", "L2 segments reclaimed"),
     "l2_reclaimed_records": ("kvd_l2_reclaimed_records", "Records dropped by reclaim"),
+    "l2_rewrites": ("kvd_l2_rewrites", "Reclaimed records still in L1 written again"),
+    "l2_rewrite_bytes": ("kvd_l2_rewrite_bytes", "Value bytes written again after a reclaim"),
+    "l2_rewrites_skipped": (
+        "kvd_l2_rewrites_skipped",
+        "Reclaimed records still in L1 left there only (rewrite credit spent)",
+    ),
     "l1_dropped_unwritten": ("kvd_l1_dropped_unwritten", "L1 values evicted before reaching L2"),
     "promotions": ("kvd_l2_promotions", "Values read from L2 into L1"),
 }
@@ -99,6 +110,11 @@ def open_l2(config: Config) -> L2Tier | None:
     devices = DeviceSet(
         config.ssd_path, config.ssd_bytes, config.ssd_segment_bytes, config.ssd_stripe_bytes
     )
+    small = l2_capacity_warning(
+        config.dram_bytes, devices.capacity_bytes, devices.logical_segment_bytes
+    )
+    if small is not None:
+        log.warning(small)
     try:
         io = open_backend(config.io_backend, depth=config.io_depth, threads=config.io_threads)
         if config.io_faults:
@@ -129,6 +145,7 @@ class Daemon:
             max_leases=config.max_leases,
             namespace_l1_quota_bytes=config.namespace_l1_quota_bytes,
             namespace_l2_quota_bytes=config.namespace_l2_quota_bytes,
+            uploads_max_bytes=config.uploads_max_bytes or config.dram_bytes // 2,
         )
         crashpoints.configure(config.test_crash_point, config.test_crash_after)
         self.l2 = open_l2(config)
@@ -141,6 +158,7 @@ class Daemon:
                 max_message_bytes=config.max_message_bytes,
                 max_inflight_bytes=config.max_inflight_bytes,
                 max_batch_items=config.max_batch_items,
+                put_timeout_s=config.grpc_put_timeout_ms / 1000,
             ),
             self.metrics,
             self.auth,
@@ -168,10 +186,14 @@ class Daemon:
         values["inflight_requests"] = self.service.inflight.requests
         return values
 
-    def _l2_snapshot(self) -> dict[str, int]:
-        values = self.store.stats()
+    def _l2_snapshot(self) -> dict[str, float]:
+        values: dict[str, float] = dict(self.store.stats())
         writeback = self.store.writeback
         values["writeback_backlog_bytes"] = writeback.backlog_bytes if writeback else 0
+        first = values["l2_first_write_bytes"]
+        values["l2_write_amplification"] = (
+            (first + values["l2_rewrite_bytes"]) / first if first else 1.0
+        )
         return values
 
     def _namespace_rows(self) -> list[NamespaceRow]:

@@ -16,6 +16,9 @@ are dropped and counted). A get that misses L1 but hits L2 reads the record
 into fresh pool pages (promotion), verifying its checksum; concurrent gets
 of one key share one read.
 
+A put whose bytes are still arriving (a stream) reserves pages as they
+come instead (``kvd.uploads``): nothing is evicted for bytes not yet sent.
+
 Keys are write-once: a second put of a key with the same checksum is a no-op,
 with a different one it is ``AlreadyExists``. Two puts of one key may run at
 once; the first to finish publishes, the second compares checksums.
@@ -68,6 +71,7 @@ from kvd.leases import LeaseTable
 from kvd.placement import L2Placement
 from kvd.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
 from kvd.prefetch import Prefetcher
+from kvd.uploads import Uploads
 from kvd.writeback import WriteBack
 
 __all__ = [  # the records live in kvd.index; importers may keep using kvd.store
@@ -76,7 +80,7 @@ __all__ = [  # the records live in kvd.index; importers may keep using kvd.store
 ]  # fmt: skip
 
 
-class Store(L2Placement):
+class Store(L2Placement, Uploads):
     def __init__(
         self,
         pool: Pool,
@@ -96,6 +100,7 @@ class Store(L2Placement):
         self._ns_ids = itertools.count(1)
         self.leases = LeaseTable(self.limits.max_leases, clock, self._pin, self._unpin_lease)
         self.entry_count = 0
+        self.upload_bytes = 0
         self.l2 = l2
         self.writeback: WriteBack | None = None
         self.prefetcher: Prefetcher | None = None
@@ -226,7 +231,9 @@ class Store(L2Placement):
         With an L2 the entry is dirty and, with ``queue``, queued for write-back.
         """
         assert not ticket.done, "ticket finished twice"
+        assert ticket.covered_bytes == ticket.size or not ticket.upload, "upload not complete"
         ticket.done = True
+        self._upload_ended(ticket)
         if ticket.checksum is not None and ticket.checksum != checksum:
             self.pool.free(ticket.runs)
             raise DataLoss(
@@ -290,6 +297,7 @@ class Store(L2Placement):
         """Give a ticket's pages back (idempotent; safe after finish_put)."""
         if not ticket.done:
             ticket.done = True
+            self._upload_ended(ticket)
             self.pool.free(ticket.runs)
 
     async def put(
@@ -570,6 +578,7 @@ class Store(L2Placement):
             "pool_bytes": self.pool.capacity_bytes,
             "pool_used_bytes": self.pool.used_bytes,
             "pool_free_bytes": self.pool.free_bytes,
+            "upload_bytes": self.upload_bytes,
             "page_bytes": PAGE_BYTES,
             "entries": self.entry_count,
             "namespaces": len(self._namespaces),
@@ -580,8 +589,5 @@ class Store(L2Placement):
         }
         if self.l2 is not None and self.writeback is not None:
             values.update(self.l2.stats())
-            values["writeback_queue"] = self.writeback.queue_depth
-            values["writeback_writing"] = self.writeback.writing
-            values["writeback_errors"] = self.writeback.errors
-            values["l1_dropped_unwritten"] = self.writeback.dropped_unwritten
+            values.update(self.writeback.stats())
         return values
