@@ -40,6 +40,7 @@ class StoreLimits:
     max_leases: int = 65536
     namespace_l1_quota_bytes: int = 0  # 0: no quota
     namespace_l2_quota_bytes: int = 0
+    uploads_max_bytes: int = 0  # 0: no cap (the daemon passes its setting)
 
 
 @dataclass(eq=False, slots=True)
@@ -84,6 +85,10 @@ class PutTicket:
     runs: list[Run]
     views: list[memoryview]
     done: bool = False
+    # A put whose bytes are still arriving (``Store.begin_upload``): its pages
+    # cover the first ``covered_bytes`` of the value, and grow as more arrive.
+    upload: bool = False
+    covered_bytes: int = 0
 
 
 @dataclass(eq=False, slots=True)

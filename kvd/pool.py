@@ -147,6 +147,23 @@ class Pool:
         assert left <= 0, "runs shorter than the value"
         return out
 
+    def views_between(self, runs: Sequence[Run], start: int, end: int) -> list[memoryview]:
+        """Writable slices of the arena covering bytes ``start..end`` of ``runs``
+        (a value's pages in order): where a put that grows receives next."""
+        out: list[memoryview] = []
+        offset = 0  # of the current run's first byte, within the value
+        for first, count in runs:
+            run_end = offset + count * PAGE_BYTES
+            lo, hi = max(start, offset), min(end, run_end)
+            if lo < hi:
+                base = first * PAGE_BYTES - offset
+                out.append(self._view[base + lo : base + hi])
+            offset = run_end
+            if offset >= end:
+                break
+        assert offset >= end, "runs shorter than the range"
+        return out
+
     def close(self) -> None:
         # Views handed out (to readers, io ops) may outlive the pool object in
         # finished bookkeeping; then the arena is unmapped with the last one.

@@ -10,6 +10,7 @@ RESOURCE_EXHAUSTED at once rather than queued.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from google.protobuf.message import Message
 from kvd import __version__
 from kvd.auth import Authenticator, bearer_token, check_grpc, request_scope
 from kvd.checksum import Hasher, checksum
-from kvd.errors import InvalidArgument, KvdError, ResourceExhausted
+from kvd.errors import DeadlineExceeded, InvalidArgument, KvdError, ResourceExhausted
 from kvd.metrics import Metrics
 from kvd.pool import ViewWriter, chunked
 from kvd.shm_service import RegionHandlers
@@ -53,6 +54,7 @@ class ServiceLimits:
     max_message_bytes: int
     max_inflight_bytes: int
     max_batch_items: int
+    put_timeout_s: float = 30.0  # grpc_put_timeout_ms
 
 
 class InflightBytes:
@@ -129,39 +131,60 @@ class KVStoreService(RegionHandlers):
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutRequest], context: Any
     ) -> pb.PutResponse:
+        try:
+            async with asyncio.timeout(self.limits.put_timeout_s):
+                return await self._put_stream(request_iterator, context)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"Put stream not complete within grpc_put_timeout_ms="
+                f"{self.limits.put_timeout_s * 1000:g}"
+            ) from None
+
+    async def _put_stream(
+        self, request_iterator: AsyncIterator[pb.PutRequest], context: Any
+    ) -> pb.PutResponse:
+        """Pages are reserved, and bytes counted in flight, as each chunk
+        arrives (``Store.grow_put``): a stream that declares 64 MiB and stalls
+        holds what it sent, not what it declared."""
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("header"):
             raise InvalidArgument("a Put stream starts with a header")
         h = first.header
         check_grpc(self.auth, context, h.namespace)
         checksum_sent = h.checksum if h.HasField("checksum") else None
-        ticket = await self.store.begin_put(
+        ticket = self.store.begin_upload(
             h.namespace, h.key, h.size, h.meta, h.parent or None, checksum_sent
         )
         if isinstance(ticket, PutResult):
             return pb.PutResponse(existed=True, checksum=ticket.checksum)
-        self.inflight.acquire(h.size)
+        held = 0
         try:
-            writer = ViewWriter(ticket.views)
             hasher = Hasher()
+            if h.size == 0:
+                await self.store.grow_put(ticket, 0)  # an empty value's one page
             async for message in _prepend(first, request_iterator):
                 if message is not first and message.HasField("header"):
                     raise InvalidArgument("a Put stream has one header")
                 data = message.data
-                if writer.written + len(data) > h.size:
+                if ticket.covered_bytes + len(data) > h.size:
                     raise InvalidArgument(
                         f"Put chunks add up to more than the declared {h.size} bytes"
                     )
-                writer.write(data)
+                if not data:
+                    continue
+                self.inflight.acquire(len(data))
+                held += len(data)
+                ViewWriter(await self.store.grow_put(ticket, len(data))).write(data)
                 hasher.update(data)
-            if writer.written != h.size:
+            if ticket.covered_bytes != h.size:
                 raise InvalidArgument(
-                    f"Put chunks add up to {writer.written} bytes, the header declared {h.size}"
+                    f"Put chunks add up to {ticket.covered_bytes} bytes, the header declared "
+                    f"{h.size}"
                 )
             result = await self.store.publish(ticket, hasher.value(), h.durable)
         finally:
             self.store.abort_put(ticket)
-            self.inflight.release(h.size)
+            self.inflight.release(held)
         self.metrics.bytes.labels("put", "in").inc(h.size)
         return pb.PutResponse(existed=result.existed, checksum=result.checksum)
 
