@@ -1,7 +1,7 @@
 """Bulk TCP data port: values stream between sockets and pool pages.
 
-The frame format is docs/bulk-protocol.md; this module holds its codec
-(shared with ``kvd.bulk_client``) and the server. Per connection, a reader
+The frame format is docs/bulk-protocol.md, its codec ``kvd.bulk_wire``
+(shared with ``kvd.bulk_client``); this module is the server. Per connection, a reader
 task parses requests in order and a writer task sends the answers in the
 same order, so a client may pipeline many requests on one connection.
 
@@ -9,6 +9,12 @@ same order, so a client may pipeline many requests on one connection.
   piece as it lands (cache-hot); published only once the whole payload
   arrived and matches the checksum sent with it. A connection that dies or
   times out half-way aborts the ticket: nothing partial becomes visible.
+  A payload already all in the socket's receive queue gets its pages at
+  once; any other takes pages only for the bytes that arrived
+  (``kvd.uploads``), so a sender that declares 64 MiB and stalls holds what
+  it sent, not what it declared.
+- Admission (``kvd.bulk_admission``): caps per peer address and on
+  connections without HELLO, which have ``bulk_hello_timeout_ms`` to send it.
 - GET: the reader pins the value (``store.fetch``) and queues it; the writer
   sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
   what the socket did not take), or from a send thread while another
@@ -39,79 +45,74 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import logging
 import socket
 import struct
+import termios
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd.aio import settle
+from kvd.bulk_admission import Admission, Slot
 from kvd.bulk_send import Sender
+from kvd.bulk_wire import (
+    CODE_BY_NAME,
+    CODE_INTERNAL,
+    CODE_NOT_FOUND,
+    CODE_OK,
+    CODE_RESOURCE_EXHAUSTED,
+    FLAG_CHECKSUM,
+    FLAG_DURABLE,
+    FLAG_EXISTED,
+    MESSAGE_BYTES_MAX,
+    NAME_BY_CODE,
+    OP_GET,
+    OP_HELLO,
+    OP_PUT,
+    OP_REGION_GET,
+    OP_REGION_PUT,
+    OPS,
+    REQUEST,
+    REQUEST_MAGIC,
+    RESPONSE,
+    RESPONSE_MAGIC,
+    TOKEN_BYTES_MAX,
+    VERSION,
+    ProtocolError,
+    Request,
+    decode_request,
+    encode_request,
+    encode_response,
+    error_code,
+)
 from kvd.checksum import Hasher
 from kvd.errors import DataLoss, KvdError
 from kvd.index import (
-    KEY_BYTES_MAX,
-    META_BYTES_MAX,
-    NAMESPACE_BYTES_MAX,
     TIER_NAMES,
     PutResult,
+    PutTicket,
     Reader,
 )
 
 if TYPE_CHECKING:
     from kvd.auth import Authenticator, Principal
+    from kvd.config import Config
     from kvd.metrics import Metrics
     from kvd.store import Store
 
+__all__ = [  # the codec's names (kvd.bulk_wire) stay importable from here
+    "CODE_BY_NAME", "CODE_INTERNAL", "CODE_NOT_FOUND", "CODE_OK", "CODE_RESOURCE_EXHAUSTED",
+    "FLAG_CHECKSUM", "FLAG_DURABLE", "FLAG_EXISTED", "MESSAGE_BYTES_MAX", "NAME_BY_CODE",
+    "OPS", "OP_GET", "OP_HELLO", "OP_PUT", "OP_REGION_GET", "OP_REGION_PUT", "REQUEST",
+    "REQUEST_MAGIC", "RESPONSE", "RESPONSE_MAGIC", "TOKEN_BYTES_MAX", "VERSION",
+    "BulkLimits", "BulkServer", "ProtocolError", "Request", "decode_request",
+    "encode_request", "encode_response", "error_code", "recv_into_exact",
+]  # fmt: skip
+
 log = logging.getLogger("kvd.bulk")
-
-# ---- codec --------------------------------------------------------------------------
-VERSION = 1
-REQUEST_MAGIC = b"KVDQ"
-RESPONSE_MAGIC = b"KVDR"
-# magic, version, op, flags, request_id, ns_len, key_len, parent_len, meta_len, length, checksum
-REQUEST = struct.Struct("<4sBBHQHHHHQQ")
-# magic, version, op, flags, request_id, code, meta_len, msg_len, length, checksum
-RESPONSE = struct.Struct("<4sBBHQiHHQQ")
-assert REQUEST.size == 40 and RESPONSE.size == 40
-
-OP_HELLO = 1
-OP_PUT = 2
-OP_GET = 3
-OPS = frozenset({OP_HELLO, OP_PUT, OP_GET})
-# Region ops: only on the shm socket (kvd.shm_channel), never on the TCP port.
-OP_REGION_GET = 4
-OP_REGION_PUT = 5
-
-FLAG_DURABLE = 1  # request: acknowledge a put once it is on L2
-FLAG_CHECKSUM = 2  # request: the checksum field is set; verify the payload against it
-FLAG_EXISTED = 1  # response: the put's key already held these bytes
-
-TOKEN_BYTES_MAX = 4096
-MESSAGE_BYTES_MAX = 1024
-# Codes, as gRPC numbers them (the gRPC path reports the same ones).
-CODE_OK = 0
-CODE_NOT_FOUND = 5
-CODE_RESOURCE_EXHAUSTED = 8
-CODE_INTERNAL = 13
-CODE_BY_NAME = {
-    "CANCELLED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
-NAME_BY_CODE = {code: name for name, code in CODE_BY_NAME.items()}
 
 # Answers queued per connection before its reader pauses: 1024 × 40 bytes of
 # put acknowledgements, or as many pinned gets as bulk_inflight_bytes allows.
@@ -127,91 +128,6 @@ FAIR_SHARE_REQUESTS = 16
 ACCEPT_RETRY_S = 0.1
 # Payload of a request answered with an error is read into this and dropped.
 _DISCARD_BYTES = 1 << 20
-
-
-class ProtocolError(Exception):
-    """The peer broke the framing; the connection is closed with this reason."""
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    op: int
-    flags: int
-    request_id: int
-    ns_len: int
-    key_len: int
-    parent_len: int
-    meta_len: int
-    length: int
-    checksum: int
-
-    @property
-    def tail_bytes(self) -> int:
-        return self.ns_len + self.key_len + self.parent_len + self.meta_len
-
-
-def encode_request(
-    op: int,
-    request_id: int,
-    ns: bytes = b"",
-    key: bytes = b"",
-    *,
-    parent: bytes = b"",
-    meta: bytes = b"",
-    length: int = 0,
-    checksum: int | None = None,
-    durable: bool = False,
-) -> bytes:
-    """Header and the variable fields; the payload (``length`` bytes) follows."""
-    flags = (FLAG_DURABLE if durable else 0) | (FLAG_CHECKSUM if checksum is not None else 0)
-    fields = (ns, key, parent, meta)
-    head = (REQUEST_MAGIC, VERSION, op, flags, request_id, *map(len, fields))
-    return b"".join((REQUEST.pack(*head, length, checksum or 0), *fields))
-
-
-def decode_request(
-    data: bytes | bytearray | memoryview, max_value_bytes: int, ops: frozenset[int] = OPS
-) -> Request:
-    magic, version, op, flags, rid, ns_len, key_len, parent_len, meta_len, length, checksum = (
-        REQUEST.unpack(data)
-    )
-    if magic != REQUEST_MAGIC:
-        raise ProtocolError(f"bad magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version}, this daemon speaks {VERSION}")
-    if op not in ops:
-        raise ProtocolError(f"unknown op {op}")
-    if ns_len > NAMESPACE_BYTES_MAX or key_len > KEY_BYTES_MAX or parent_len > KEY_BYTES_MAX:
-        raise ProtocolError("namespace, key or parent longer than its limit")
-    if meta_len > META_BYTES_MAX:
-        raise ProtocolError(f"meta of {meta_len} bytes is over {META_BYTES_MAX}")
-    if op in (OP_PUT, OP_REGION_PUT) and length > max_value_bytes:
-        raise ProtocolError(f"value of {length} bytes is over max_value_bytes={max_value_bytes}")
-    if op == OP_HELLO and length > TOKEN_BYTES_MAX:
-        raise ProtocolError(f"hello token of {length} bytes is over {TOKEN_BYTES_MAX}")
-    return Request(op, flags, rid, ns_len, key_len, parent_len, meta_len, length, checksum)
-
-
-def encode_response(
-    op: int,
-    request_id: int,
-    code: int = CODE_OK,
-    *,
-    flags: int = 0,
-    meta: bytes = b"",
-    message: str = "",
-    length: int = 0,
-    checksum: int = 0,
-) -> bytes:
-    text = message.encode()[:MESSAGE_BYTES_MAX]
-    header = RESPONSE.pack(
-        RESPONSE_MAGIC, VERSION, op, flags, request_id, code, len(meta), len(text), length, checksum
-    )
-    return b"".join((header, meta, text))
-
-
-def error_code(exc: KvdError) -> int:
-    return CODE_BY_NAME.get(exc.code_name, CODE_BY_NAME["UNKNOWN"])
 
 
 # ---- socket helpers (non-blocking sockets on the event loop) -----------------------------
@@ -232,18 +148,41 @@ async def recv_into_exact(
         pos += n
 
 
+def _buffered(sock: socket.socket) -> int:
+    """Bytes waiting in the socket's receive queue (FIONREAD, ~1 µs)."""
+    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+    return queued
+
+
 @dataclass(frozen=True)
 class BulkLimits:
     max_connections: int = 256
     inflight_bytes: int = 64 << 20
     frame_timeout_s: float = 30.0
     idle_timeout_s: float = 600.0
+    max_connections_per_peer: int = 64
+    max_unauthenticated: int = 32
+    hello_timeout_s: float = 2.0
+
+    @classmethod
+    def from_config(cls, config: Config) -> BulkLimits:
+        return cls(
+            max_connections=config.bulk_max_connections,
+            inflight_bytes=config.bulk_inflight_bytes,
+            frame_timeout_s=config.bulk_frame_timeout_ms / 1000,
+            idle_timeout_s=config.bulk_idle_timeout_ms / 1000,
+            max_connections_per_peer=config.bulk_max_connections_per_peer,
+            max_unauthenticated=config.bulk_max_unauthenticated,
+            hello_timeout_s=config.bulk_hello_timeout_ms / 1000,
+        )
 
 
 class _Connection:
     """One client connection: reader and writer tasks, in-order answers."""
 
     def __init__(self, server: BulkServer, sock: socket.socket, peer: str) -> None:
+        self.slot: Slot | None = None
+        self.task: asyncio.Task[None] | None = None
         self.server = server
         self.store = server.store
         self.sock = sock
@@ -283,24 +222,45 @@ class _Connection:
         if reason:
             log.warning("bulk connection closed", extra={"peer": self.peer, "reason": reason})
 
+    def push_out(self) -> None:
+        """Closed to admit a newer connection (this one has not sent its HELLO)."""
+        if self.task is not None:
+            self.task.cancel()
+        log.warning(
+            "bulk connection closed",
+            extra={
+                "peer": self.peer,
+                "reason": "no HELLO yet, "
+                "pushed out by a newer connection (bulk_max_unauthenticated)",
+            },
+        )
+
     def _end(self, _task: asyncio.Task[None]) -> None:
         """Once the connection's task ended, however (even cancelled before it ran)."""
         while not self.queue.empty():
             _, reader = self.queue.get_nowait()
             if reader is not None:
                 reader.close()
+        if self.slot is not None:
+            self.server.admission.release(self.slot)
         self.sock.close()
 
     # ---- reading ---------------------------------------------------------------------
     async def _read_loop(self) -> None:
         limits = self.server.limits
-        hello = await self._next_request(limits.frame_timeout_s)
+        try:
+            async with asyncio.timeout(limits.hello_timeout_s):
+                hello = await self._next_request(limits.hello_timeout_s)
+        except TimeoutError:
+            raise ProtocolError(f"no HELLO within {limits.hello_timeout_s:g} s") from None
         if hello is None:
             return
         if hello[0].op != OP_HELLO:
             raise ProtocolError("the first frame must be HELLO")
         if not await self._hello(hello[0]):
             return  # refused: the answer is flushed, then the connection closes
+        if self.slot is not None:
+            self.server.admission.authenticated(self.slot)
         for served in itertools.count(1):
             if served % FAIR_SHARE_REQUESTS == 0:
                 await asyncio.sleep(0)  # buffered requests never wait: let others run
@@ -311,7 +271,8 @@ class _Connection:
             if request.op == OP_PUT:
                 async with asyncio.timeout(limits.frame_timeout_s):
                     answer = await self._put(request, tail)
-                await self._answer(answer)
+                if answer:
+                    await self._answer(answer)
             elif request.op == OP_GET:
                 await self._get(request, tail)
             else:
@@ -364,18 +325,28 @@ class _Connection:
             assert self.principal is not None, "HELLO authenticates before any request"
             auth.authorize(self.principal, namespace, admin=False)
 
-    async def _put(self, request: Request, tail: bytes) -> bytes:
+    async def _put(self, request: Request, tail: bytes) -> bytes | None:
+        """The answer to a PUT; None where it was sent before the payload was
+        dropped (refused: the client learns it without waiting for its send)."""
         ns, key, parent, meta = _split_tail(request, tail)
         checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
         try:
             self._authorize(ns)
-            ticket = await self.store.begin_put(
-                ns, key, request.length, meta, parent or None, checksum
-            )
+            if _buffered(self.sock) >= request.length:  # all arrived: pages at once, no extra turn
+                ticket = await self.store.begin_put(
+                    ns, key, request.length, meta, parent or None, checksum
+                )
+            else:
+                ticket = self.store.begin_upload(
+                    ns, key, request.length, meta, parent or None, checksum
+                )
         except KvdError as exc:
             self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
+            await self._answer(
+                encode_response(OP_PUT, request.request_id, error_code(exc), message=str(exc))
+            )
             await self._discard(request.length)
-            return encode_response(OP_PUT, request.request_id, error_code(exc), message=str(exc))
+            return None
         if isinstance(ticket, PutResult):
             await self._discard(request.length)
             return encode_response(
@@ -383,8 +354,20 @@ class _Connection:
             )
         try:
             hasher = Hasher()
-            for view in ticket.views:
-                await recv_into_exact(self.loop, self.sock, view, hasher)
+            if ticket.upload:
+                try:
+                    await self._receive_upload(ticket, hasher)
+                except KvdError as exc:  # no room for what arrived: drop the rest
+                    self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
+                    code = error_code(exc)
+                    await self._answer(
+                        encode_response(OP_PUT, request.request_id, code, message=str(exc))
+                    )
+                    await self._discard(request.length - ticket.covered_bytes)
+                    return None
+            else:
+                for view in ticket.views:
+                    await recv_into_exact(self.loop, self.sock, view, hasher)
             try:
                 result = await self.store.publish(
                     ticket, hasher.value(), bool(request.flags & FLAG_DURABLE)
@@ -400,6 +383,25 @@ class _Connection:
         self.server.metrics.bytes.labels("bulk_put", "in").inc(request.length)
         flags = FLAG_EXISTED if result.existed else 0
         return encode_response(OP_PUT, request.request_id, flags=flags, checksum=result.checksum)
+
+    async def _receive_upload(self, ticket: PutTicket, hasher: Hasher) -> None:
+        """Receive a payload that was not all there, taking pages only for the
+        bytes in the socket's receive queue (recv_into straight into them)."""
+        while ticket.covered_bytes < ticket.size:
+            arrived = _buffered(self.sock)
+            if arrived == 0:
+                await _readable(self.loop, self.sock)
+                arrived = _buffered(self.sock)
+                if arrived == 0 and not self.sock.recv(1, socket.MSG_PEEK):
+                    raise ProtocolError(
+                        f"connection ended inside a frame "
+                        f"({ticket.covered_bytes} of {ticket.size} payload bytes)"
+                    )
+                continue
+            left = ticket.size - ticket.covered_bytes
+            views = await self.store.grow_put(ticket, min(arrived, left))
+            for view in views:
+                await recv_into_exact(self.loop, self.sock, view, hasher)
 
     async def _discard(self, nbytes: int) -> None:
         if not self.discard:
@@ -519,6 +521,16 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_reader(sock)
 
 
+def _refuse(sock: socket.socket, reason: str) -> None:
+    """Answer a HELLO not yet read with RESOURCE_EXHAUSTED and close (best
+    effort: a full socket drops the answer). What the client already sent is
+    read first, so the close is a FIN, not a reset that could discard the answer."""
+    with contextlib.suppress(OSError):
+        sock.send(encode_response(OP_HELLO, 0, CODE_RESOURCE_EXHAUSTED, message=reason))
+        sock.recv(TOKEN_BYTES_MAX + REQUEST.size)
+    sock.close()
+
+
 class BulkServer:
     """The listener and its connections."""
 
@@ -536,6 +548,9 @@ class BulkServer:
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self.admission = Admission(
+            limits.max_connections, limits.max_connections_per_peer, limits.max_unauthenticated
+        )
         self.sender = Sender(limits.frame_timeout_s)
         self.port = 0
 
@@ -570,17 +585,17 @@ class BulkServer:
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             peer = f"{address[0]}:{address[1]}"
-            if len(self._connections) >= self.limits.max_connections:
-                sock.close()
-                log.warning(
-                    "bulk connection refused",
-                    extra={"peer": peer, "reason": f"{self.limits.max_connections} connections"},
-                )
-                continue
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             connection = _Connection(self, sock, peer)
+            slot = self.admission.admit(address[0], connection.push_out)
+            if isinstance(slot, str):
+                _refuse(sock, slot)
+                log.warning("bulk connection refused", extra={"peer": peer, "reason": slot})
+                continue
+            connection.slot = slot
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.create_task(connection.serve())
+            connection.task = task
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
             task.add_done_callback(connection._end)

@@ -189,6 +189,19 @@ class Config:
         min=1 * MiB,
         max=1 * TiB,
     )
+    uploads_max_bytes: int = _setting(
+        0,
+        help="pool bytes held by all puts whose bytes are still arriving (bulk PUT, gRPC Put "
+        "stream); past it such a put is RESOURCE_EXHAUSTED; 0: half of dram_bytes",
+        min=0,
+        max=64 * TiB,
+    )
+    grpc_put_timeout_ms: int = _setting(
+        30_000,
+        help="time a gRPC Put stream has to arrive in full; past it: DEADLINE_EXCEEDED",
+        min=10,
+        max=3_600_000,
+    )
     max_batch_items: int = _setting(
         1024, help="items in one BatchPut/BatchGet/region batch", min=1, max=65536
     )
@@ -258,6 +271,26 @@ class Config:
     )
     bulk_max_connections: int = _setting(
         256, help="bulk TCP connections served at once; more are closed", min=1, max=65536
+    )
+    bulk_max_unauthenticated: int = _setting(
+        32,
+        help="bulk TCP connections waiting for their HELLO at once; a new one past it closes "
+        "the oldest",
+        min=1,
+        max=65536,
+    )
+    bulk_max_connections_per_peer: int = _setting(
+        64,
+        help="bulk TCP connections one peer address may hold; more are refused "
+        "(RESOURCE_EXHAUSTED)",
+        min=1,
+        max=65536,
+    )
+    bulk_hello_timeout_ms: int = _setting(
+        2_000,
+        help="time a new bulk connection has to send its HELLO; past it, it is closed",
+        min=10,
+        max=600_000,
     )
     bulk_inflight_bytes: int = _setting(
         64 * MiB,

@@ -54,12 +54,7 @@ class FastPaths:
             )
             regions = None
         paths = cls(service, regions)
-        limits = BulkLimits(
-            max_connections=config.bulk_max_connections,
-            inflight_bytes=config.bulk_inflight_bytes,
-            frame_timeout_s=config.bulk_frame_timeout_ms / 1000,
-            idle_timeout_s=config.bulk_idle_timeout_ms / 1000,
-        )
+        limits = BulkLimits.from_config(config)
         if regions is not None:
             channel = ShmChannel(service, socket_path(regions.shm_dir, config.shm_socket), limits)
             try:
