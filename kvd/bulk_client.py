@@ -13,6 +13,9 @@ rather than one per value.
 Blocking sockets with a per-operation timeout: every call fails within
 ``timeout_s`` of the daemon going quiet, with ``Unavailable`` or
 ``DeadlineExceeded``; a connection that failed is closed, never reused.
+A connection the daemon refused (too many, ``RESOURCE_EXHAUSTED`` at HELLO)
+or closed, or a port that cannot be reached, fails the call with
+``BulkUnavailable``: ``kvd.client`` then makes that call over gRPC.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvd.bulk import (
+from kvd.bulk_send import send_all
+from kvd.bulk_wire import (
     CODE_NOT_FOUND,
     CODE_OK,
     CODE_RESOURCE_EXHAUSTED,
@@ -40,7 +44,6 @@ from kvd.bulk import (
     VERSION,
     encode_request,
 )
-from kvd.bulk_send import send_all
 from kvd.checksum import Hasher, checksum
 from kvd.errors import (
     BY_CODE_NAME,
@@ -83,6 +86,12 @@ class BulkPut:
     parent: bytes = b""
 
 
+class BulkUnavailable(Unavailable):
+    """The bulk port refused, closed or could not open a connection (not a
+    deadline): the same call may go over gRPC. Keys are write-once, so a put
+    sent again there is stored once."""
+
+
 def _error(code: int, message: str) -> KvdError:
     name = NAME_BY_CODE.get(code, "UNKNOWN")
     return BY_CODE_NAME.get(name, KvdError)(f"{name}: {message}")
@@ -111,6 +120,8 @@ class Connection:
                 [memoryview(encode_request(OP_HELLO, 0, length=len(hello))), memoryview(hello)]
             )
             answer = self.answer()
+            if answer.code == CODE_RESOURCE_EXHAUSTED:
+                raise BulkUnavailable(f"bulk connection refused: {answer.message}")
             if answer.op != OP_HELLO or answer.code != CODE_OK:
                 raise _error(answer.code, answer.message or "HELLO refused")
         except BaseException:
@@ -217,7 +228,7 @@ class BulkClient:
                 conn.close()
                 if isinstance(exc, TimeoutError):
                     raise DeadlineExceeded(f"bulk {self.host}:{self.port}: {exc}") from None
-                raise Unavailable(f"bulk {self.host}:{self.port}: {exc}") from None
+                raise BulkUnavailable(f"bulk {self.host}:{self.port}: {exc}") from None
             except BaseException:
                 conn.close()  # state unknown (an error mid-frame): never reuse
                 raise
@@ -232,7 +243,7 @@ class BulkClient:
         except TimeoutError as exc:
             raise DeadlineExceeded(f"bulk {self.host}:{self.port}: {exc}") from None
         except OSError as exc:
-            raise Unavailable(f"bulk {self.host}:{self.port}: {exc}") from None
+            raise BulkUnavailable(f"bulk {self.host}:{self.port}: {exc}") from None
 
     def spread(self, count: int, work: Callable[[int, int], None]) -> None:
         """Run ``work(start, end)`` over slices of ``range(count)``, one per connection."""

@@ -15,19 +15,23 @@ TCP target it sends single puts, all gets and any ``put_many`` holding a
 value of ``bulk_threshold_bytes`` or more over the daemon's bulk TCP port.
 Both are found with one DescribePaths call on first use; a daemon without
 them (or a shm directory this process cannot reach) leaves the client on
-gRPC, the universal fallback. ``buffer(nbytes)`` hands out memory inside a
-region: a put from it or a get into it is the daemon's only copy.
+gRPC, the universal fallback. A call whose bulk connection is refused or
+dropped (the port is full, ``BulkUnavailable``) is made over gRPC instead;
+a call whose deadline passed is not tried again. ``buffer(nbytes)`` hands
+out memory inside a region: a put from it or a get into it is the daemon's
+only copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
 
-from kvd.bulk_client import DEFAULT_CONNECTIONS, BulkClient, BulkPut
+from kvd.bulk_client import DEFAULT_CONNECTIONS, BulkClient, BulkPut, BulkUnavailable
 from kvd.client_wire import (
     BATCH_ITEMS_MAX,
     BATCH_VALUE_BYTES_MAX,
@@ -243,7 +247,8 @@ class Client:
             if stored[0] is not None:
                 return stored[0]
         if bulk is not None:
-            return bulk.put(ns, key, view, meta, parent, durable=durable)
+            with contextlib.suppress(BulkUnavailable):  # refused: this call goes over gRPC
+                return bulk.put(ns, key, view, meta, parent, durable=durable)
         small = small_put_request(ns, key, value, meta, parent, durable)
         if small is not None:
             return batch_put_result(self._call(self._stub.BatchPut, small), 0)[0]
@@ -269,7 +274,8 @@ class Client:
         if shm is not None:
             return shm.get(ns, key)
         if bulk is not None:
-            return bulk.get(ns, key)
+            with contextlib.suppress(BulkUnavailable):
+                return bulk.get(ns, key)
         item = self._call(self._stub.BatchGet, single_get_request(ns, key)).items[0]
         value = batch_get_item(item)
         if value is not ResourceExhausted:
@@ -285,7 +291,8 @@ class Client:
         if shm is not None:
             return shm.get_into(ns, key, view)
         if bulk is not None:
-            return bulk.get_into(ns, key, view)
+            with contextlib.suppress(BulkUnavailable):
+                return bulk.get_into(ns, key, view)
         item = self._call(self._stub.BatchGet, single_get_request(ns, key)).items[0]
         value = batch_get_item(item)
         if value is not ResourceExhausted:
@@ -325,7 +332,8 @@ class Client:
                 )
                 for i, (key, value, meta) in enumerate(listed)
             ]
-            return bulk.put_many(ns, puts)
+            with contextlib.suppress(BulkUnavailable):
+                return bulk.put_many(ns, puts)
         existed: list[bool] = []
         for first, group in batches(listed):
             group_parent = listed[first - 1][0] if first else parent
@@ -351,7 +359,8 @@ class Client:
         if shm is not None:
             return shm.get_many_into(ns, keys, views)
         if bulk is not None:
-            return bulk.get_many_into(ns, keys, views)
+            with contextlib.suppress(BulkUnavailable):
+                return bulk.get_many_into(ns, keys, views)
         return [self.get_into(ns, key, view) for key, view in zip(keys, views, strict=True)]
 
     def get_many(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -359,7 +368,8 @@ class Client:
         if shm is not None:
             return shm.get_many(ns, keys)
         if bulk is not None:
-            return bulk.get_many(ns, keys)
+            with contextlib.suppress(BulkUnavailable):
+                return bulk.get_many(ns, keys)
         out: list[bytes | None] = []
         for start in range(0, len(keys), BATCH_ITEMS_MAX):
             group = list(keys[start : start + BATCH_ITEMS_MAX])
