@@ -9,8 +9,10 @@ every path, and its bytes are dealt round-robin over the paths in stripes of
 segment are contiguous there, so any logical range is at most one op per
 path, and a large record is read from every device in parallel.
 
-A regular file is created and preallocated to ``bytes_per_path``; a block
-device uses its size, bounded by ``bytes_per_path`` when that is smaller.
+A regular file is created and preallocated to ``bytes_per_path`` (refused,
+and the file removed, when its file system has less free space); a block
+device uses its size, bounded by ``bytes_per_path`` when that is smaller. A
+read-only device or file system is refused at start.
 Filesystems without O_DIRECT (tmpfs) are opened buffered, with a warning:
 the format and checks are the same, the page cache just sits in between.
 """
@@ -43,10 +45,64 @@ class Device:
     usable_bytes: int
     direct: bool
     block_device: bool
+    created: bool  # a file this start created (removed again if the start fails)
+
+
+# ioctl(BLKROGET) from <linux/fs.h>: _IO(0x12, 94), an int, 1 when read-only.
+BLKROGET = 0x125E
+
+
+def _check_writable(path: str, fd: int, is_block: bool) -> None:
+    """Refuse a read-only device or file system: every L2 write would fail
+    (a block device set read-only still opens O_RDWR; its writes get EPERM)."""
+    if is_block:
+        flag = fcntl.ioctl(fd, BLKROGET, b"\0\0\0\0")
+        read_only = int.from_bytes(flag, "little") != 0
+    else:
+        read_only = bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+    if read_only:
+        raise DeviceError(
+            errno.EROFS, f"SSD path {path} is read-only: L2 needs a writable device or file"
+        )
+
+
+def _reserve(path: str, fd: int, bytes_per_path: int) -> None:
+    """Allocate a file to ``bytes_per_path``; on failure its old size is restored.
+
+    A failed ``posix_fallocate`` on ext4 keeps what it allocated (a 200 MiB
+    request on a 64 MiB file system left a 56 MB file), so the free space is
+    checked first and the file is cut back when the allocation fails anyway
+    (metadata blocks are not in the estimate).
+    """
+    st = os.fstat(fd)
+    if st.st_size >= bytes_per_path:
+        return
+    fs = os.fstatvfs(fd)
+    free_bytes = fs.f_bavail * fs.f_frsize
+    need_bytes = bytes_per_path - st.st_blocks * 512
+    short = (
+        f"cannot reserve {bytes_per_path} bytes for SSD path {path}: its file system has "
+        f"{free_bytes} bytes free; lower ssd_bytes or free space there"
+    )
+    if need_bytes > free_bytes:
+        raise DeviceError(errno.ENOSPC, short)
+    try:
+        os.posix_fallocate(fd, 0, bytes_per_path)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.ftruncate(fd, bytes_per_path)  # no fallocate (tmpfs before 2.6.x, some FUSE)
+            return
+        os.ftruncate(fd, st.st_size)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DeviceError(exc.errno, short) from exc
+        raise DeviceError(
+            exc.errno, f"cannot reserve {bytes_per_path} bytes in {path}: {exc.strerror}"
+        ) from exc
 
 
 def _open(path: str, bytes_per_path: int) -> Device:
-    is_block = os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode)
+    exists = os.path.exists(path)
+    is_block = exists and stat.S_ISBLK(os.stat(path).st_mode)
     if not is_block:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     flags = os.O_RDWR | (0 if is_block else os.O_CREAT)
@@ -60,26 +116,20 @@ def _open(path: str, bytes_per_path: int) -> Device:
         fd = os.open(path, flags, 0o600)
         direct = False
     try:
+        _check_writable(path, fd, is_block)
         if is_block:
             size = os.lseek(fd, 0, os.SEEK_END)
             usable = min(size, bytes_per_path) if bytes_per_path else size
         else:
-            current = os.fstat(fd).st_size
-            if current < bytes_per_path:
-                try:
-                    os.posix_fallocate(fd, 0, bytes_per_path)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise DeviceError(
-                            exc.errno,
-                            f"cannot reserve {bytes_per_path} bytes in {path}: {exc.strerror}",
-                        ) from exc
-                    os.ftruncate(fd, bytes_per_path)
+            _reserve(path, fd, bytes_per_path)
             usable = bytes_per_path
     except BaseException:
         os.close(fd)
+        if not exists:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         raise
-    return Device(path, fd, usable, direct, is_block)
+    return Device(path, fd, usable, direct, is_block, created=not exists)
 
 
 class DeviceSet:
@@ -101,13 +151,13 @@ class DeviceSet:
             # would overwrite each other's records.
             self._locks = lock_paths(paths)
         except BaseException:
-            self.close()
+            self._abandon()
             raise
         self.segment_bytes = segment_bytes  # per path
         self.stripe_bytes = stripe_bytes
         self.segment_count = min(d.usable_bytes for d in self.devices) // segment_bytes
         if self.segment_count < 2:
-            self.close()
+            self._abandon()
             raise DeviceError(
                 errno.ENOSPC,
                 f"SSD paths hold {self.segment_count} segment(s) of {segment_bytes} bytes; "
@@ -154,6 +204,14 @@ class DeviceSet:
 
     def fds(self) -> list[int]:
         return [d.fd for d in self.devices]
+
+    def _abandon(self) -> None:
+        """Close after a failed start, removing the files this start created."""
+        created = [d.path for d in self.devices if d.created]
+        self.close()
+        for path in created:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def close(self) -> None:
         for fd in [d.fd for d in self.devices] + self._locks:

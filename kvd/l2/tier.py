@@ -224,9 +224,6 @@ class L2Tier:
         try:
             views = [buffer.view[: len(encoded)], *payload]
             await self._write(segment.index, offset, views)
-        except IoError:
-            self.counters.write_errors += 1
-            raise
         finally:
             segment.io_inflight -= 1
             self._buffers.append(buffer)
@@ -258,14 +255,21 @@ class L2Tier:
         self._by_namespace.setdefault(record.namespace, {})[record.key] = record
 
     async def _write(self, segment: int, offset: int, views: Sequence[memoryview]) -> None:
+        """Every L2 write (records, segment markers, tombstones); failures are counted here."""
         ops = self.devices.ops(OpKind.WRITE, segment, offset, views)
-        results = await self.io.submit_many(ops)
+        try:
+            results = await self.io.submit_many(ops)
+        except IoError:
+            self.counters.write_errors += 1
+            raise
         for op, result in zip(ops, results, strict=True):
             want = sum(len(b) for b in op.bufs)
+            if result == want:
+                continue
+            self.counters.write_errors += 1  # once per write, however many paths failed
             if result < 0:
                 raise IoError(-result, f"L2 write of segment {segment}")
-            if result != want:
-                raise IoError(errno.EIO, f"short L2 write: {result} of {want} bytes")
+            raise IoError(errno.EIO, f"short L2 write: {result} of {want} bytes")
 
     async def _room_for(self, record_bytes: int) -> Segment:
         segment = self._open

@@ -15,9 +15,14 @@ bounded to a few seconds of waiting. What they assert:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
+import subprocess
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +44,14 @@ VALUES = 40  # 40 MiB: fits in L1, not in L2
 # over which an idle daemon's L2 counters must not move.
 SETTLE_S = 8.0
 IDLE_WINDOW_S = 2.0
+
+
+# Every command run here (losetup, mkfs, mount) is given this long.
+COMMAND_TIMEOUT_S = 30
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(c) for c in ("losetup", "blockdev", "mkfs.ext4")),
+    reason="needs root, losetup, blockdev and mkfs.ext4 (loop devices)",
+)
 
 
 def value_for(i: int, size: int = VALUE_BYTES) -> bytes:
@@ -96,3 +109,134 @@ def test_idle_daemon_with_l1_larger_than_l2_does_no_l2_io(tmp_path: Path) -> Non
         assert metric(daemon, "kvd_l2_rewrite_bytes_total") == stats["l2_rewrite_bytes"]
     finally:
         assert daemon.stop() == 0
+
+
+# ---- loop devices ------------------------------------------------------------------
+def sh(*argv: str) -> str:
+    done = subprocess.run(
+        argv, check=True, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+    )
+    return done.stdout.strip()
+
+
+@contextlib.contextmanager
+def loop_device(image: Path, size_bytes: int) -> Iterator[str]:
+    """A loop device over a fresh sparse file; detached (and set writable) after."""
+    with open(image, "wb") as f:
+        f.truncate(size_bytes)
+    device = sh("losetup", "--find", "--show", str(image))
+    try:
+        yield device
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            sh("blockdev", "--setrw", device)
+        sh("losetup", "--detach", device)
+
+
+@contextlib.contextmanager
+def ext4(root: Path, size_bytes: int) -> Iterator[Path]:
+    """A small ext4 file system on a loop device, mounted under ``root``."""
+    mount = root / "mnt"
+    mount.mkdir()
+    with loop_device(root / "ext4.img", size_bytes) as device:
+        sh("mkfs.ext4", "-q", device)
+        sh("mount", device, str(mount))
+        try:
+            yield mount
+        finally:
+            sh("umount", str(mount))
+
+
+def l2_args(path: str, ssd_bytes: str) -> list[str]:
+    return ["--ssd-path", path, "--ssd-bytes", ssd_bytes, "--ssd-segment-bytes", SEGMENT]
+
+
+def start_on(workdir: Path, path: str, ssd_bytes: str = SSD) -> SpawnedDaemon:
+    workdir.mkdir(exist_ok=True)
+    return SpawnedDaemon(workdir, l2_args(path, ssd_bytes), dram="16MiB", max_value="4MiB", ssd="")
+
+
+def refused(workdir: Path, path: str, ssd_bytes: str) -> str:
+    """What a daemon that must not start printed."""
+    with pytest.raises(RuntimeError, match="kvd did not start") as failed:
+        start_on(workdir, path, ssd_bytes)
+    return str(failed.value)
+
+
+@needs_root
+def test_read_only_device_is_refused_at_start(tmp_path: Path) -> None:
+    with loop_device(tmp_path / "ro.img", 64 * MiB) as device:
+        sh("blockdev", "--setro", device)
+        printed = refused(tmp_path / "d", device, SSD)
+    assert f"SSD path {device} is read-only" in printed, printed
+
+
+@needs_root
+def test_ssd_bytes_beyond_free_space_is_refused_and_leaves_no_file(tmp_path: Path) -> None:
+    with ext4(tmp_path, 64 * MiB) as mount:
+        path = mount / "l2" / "kvd-0.dat"
+        printed = refused(tmp_path / "d", str(path), "200MiB")
+        assert not path.exists(), f"{path} left behind: {path.stat().st_size} bytes"
+        free_bytes = shutil.disk_usage(mount).free
+        # An L2 file that already exists keeps its size and its bytes.
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"x" * MiB)
+        refused(tmp_path / "d2", str(path), "200MiB")
+        assert path.read_bytes() == b"x" * MiB
+    assert f"{path}" in printed and "free" in printed, printed
+    assert f"{free_bytes} bytes free" in printed, printed
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@needs_root
+def test_device_switched_read_only_and_back(tmp_path: Path) -> None:
+    """Write errors are counted by L2 (marker writes too), the daemon keeps
+    serving, writes resume once the device is writable, and SIGTERM exits 0
+    (write-back workers sleeping through the backoff raced for one entry)."""
+    with loop_device(tmp_path / "rw.img", 64 * MiB) as device:
+        daemon = start_on(tmp_path / "d", device)
+        try:
+            with Client(daemon.target, timeout_s=10) as client:
+                # 7 records of 1 MiB (+64 KiB of header and padding) after
+                # the segment's marker fill an 8 MiB segment: the next write
+                # opens a new one, and its marker write is the first to fail.
+                for i in range(7):
+                    client.put(NS, b"before%d" % i, value_for(i))
+                assert wait_for(lambda: client.stats()["writeback_queue"] == 0, 5)
+                sh("blockdev", "--setro", device)
+                # A put that fails, then one more while the tier backs off:
+                # it wakes every idle worker, and they all sleep through the
+                # backoff for two entries (a longer trickle would queue more
+                # entries than there are workers and hide the race).
+                for i in range(2):
+                    client.put(NS, b"ro%da" % i, value_for(100 + i))
+                    time.sleep(0.2)
+                    client.put(NS, b"ro%db" % i, value_for(110 + i))
+                    time.sleep(1.5)  # past the 1 s backoff
+                stats = client.stats()
+                # Only marker writes failed (appends waiting on a failed
+                # opener share its one failed write, so the write-back count
+                # is the larger).
+                assert stats["l2_write_errors"] >= 1, stats
+                assert stats["writeback_errors"] >= stats["l2_write_errors"], stats
+                sh("blockdev", "--setrw", device)
+                written = client.stats()["l2_writes"]
+                for i in range(4):
+                    client.put(NS, b"after%d" % i, value_for(200 + i))
+                assert wait_for(lambda: client.stats()["l2_writes"] >= written + 4, 5), (
+                    client.stats()
+                )
+                for i in range(4):
+                    assert client.get(NS, b"after%d" % i) == value_for(200 + i)
+        finally:
+            code = daemon.stop()
+        assert code == 0, "\n".join(daemon.log[-20:])
+        assert not any("Traceback" in line for line in daemon.log), "\n".join(daemon.log[-20:])
