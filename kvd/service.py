@@ -5,7 +5,9 @@ Each handler runs on the daemon's one event loop and calls the store
 directly. Limits enforced here: message sizes (by the gRPC server options),
 batch sizes, and in-flight value bytes (``InflightBytes``): a request that
 would push the total over ``max_inflight_bytes`` is refused with
-RESOURCE_EXHAUSTED at once rather than queued.
+RESOURCE_EXHAUSTED at once rather than queued. A Put stream counts and
+takes pool pages for its chunks as they arrive, never for the size its
+header declares, and has ``grpc_put_timeout_ms`` to arrive in full.
 """
 
 from __future__ import annotations
