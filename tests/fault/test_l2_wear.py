@@ -15,6 +15,7 @@ bounded to a few seconds of waiting. What they assert:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -28,11 +29,18 @@ from pathlib import Path
 import pytest
 
 from kvd.bench.daemon import SpawnedDaemon
+from kvd.checksum import checksum
 from kvd.client import Client
+from kvd.config_rules import l2_capacity_warning
+from kvd.l2.tier import L2Tier
+from kvd.pool import PAGE_BYTES, Pool
+from kvd.store import Store, StoreLimits
+from tests.l2 import backend, open_devices
 
 pytestmark = pytest.mark.fault
 
 MiB = 1 << 20
+GiB = 1 << 30
 NS = "wear"
 # L1 (48 MiB) holds more than L2 (4 segments of 8 MiB) can keep.
 DRAM = "48MiB"
@@ -240,3 +248,59 @@ def test_device_switched_read_only_and_back(tmp_path: Path) -> None:
             code = daemon.stop()
         assert code == 0, "\n".join(daemon.log[-20:])
         assert not any("Traceback" in line for line in daemon.log), "\n".join(daemon.log[-20:])
+
+
+# ---- in process: the rewrite credit --------------------------------------------------
+# One pool page per value, and with its header one 64 KiB L2 record; 3 L2
+# segments of 1 MiB (a marker and 15 records each) keep at most 45 records,
+# fewer than the 64 values L1 holds.
+SMALL_VALUE_BYTES = 40_000
+POOL_PAGES = 64
+STORE_WAIT_S = 10.0
+
+
+async def test_rewrites_stay_within_credit_and_a_durable_put_rewrites(tmp_path: Path) -> None:
+    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=MiB)
+    io = backend("threads")
+    tier = L2Tier(devices, io)
+    await tier.recover()
+    pool = Pool(POOL_PAGES * PAGE_BYTES)
+    store = Store(pool, StoreLimits(), l2=tier)
+    store.start()
+    writeback = store.writeback
+    assert writeback is not None
+    try:
+        keys = [b"c%03d" % i for i in range(POOL_PAGES)]
+        for i, key in enumerate(keys):
+            value = value_for(i, SMALL_VALUE_BYTES)
+            await store.put(NS, key, value, checksum=checksum(value), hasher=checksum)
+        assert await writeback.flush(STORE_WAIT_S) == 0
+        stats = store.stats()
+        assert stats["l2_reclaims"] >= 1 and stats["l2_rewrites_skipped"] >= 1, stats
+        assert stats["l2_rewrite_bytes"] <= 0.5 * stats["l2_first_write_bytes"], stats
+        # A value whose record went and was not rewritten is in L1 only ...
+        index, key = next((i, k) for i, k in enumerate(keys) if tier.lookup(NS, k) is None)
+        entry = store._l1(NS, key)
+        assert entry is not None and entry.l2 is None and not entry.dirty
+        # ... until a durable put of it, which must not return before it is on L2.
+        value = value_for(index, SMALL_VALUE_BYTES)
+        writes, reclaims = tier.counters.writes, tier.counters.reclaims
+        result = await asyncio.wait_for(
+            store.put(NS, key, value, hasher=checksum, durable=True),
+            STORE_WAIT_S,
+        )
+        assert result.existed and tier.counters.writes == writes + 1
+        assert tier.counters.reclaims == reclaims  # so nothing took the new record away
+        assert tier.lookup(NS, key) is not None and entry.l2 is tier.lookup(NS, key)
+    finally:
+        await store.close(flush_s=1.0)
+        tier.close()
+        io.close()
+        devices.close()
+        pool.close()
+
+
+def test_start_up_warning_names_l2_smaller_than_l1() -> None:
+    assert l2_capacity_warning(GiB, 4 * GiB, 256 * MiB) is None  # the defaults
+    warning = l2_capacity_warning(1200 * MiB, GiB, 256 * MiB)
+    assert warning is not None and "dram_bytes 1200MiB" in warning and "ssd_bytes" in warning
