@@ -200,7 +200,9 @@ class Authenticator:
     def authorize(self, principal: Principal, namespace: str | None, *, admin: bool) -> None:
         """PermissionDenied unless ``principal`` may make a call on ``namespace``.
 
-        ``namespace`` None: the call names none (region calls); any known token may.
+        ``namespace`` None: the call names none (region calls); any known token
+        may, and ``kvd.shm`` then gives a region only to the principal that
+        attached it.
         """
         if admin and not principal.admin:
             raise PermissionDenied(f"token {principal.name!r} is not an admin token")
@@ -231,6 +233,13 @@ def check_grpc(
     """Unauthenticated or PermissionDenied unless the call's token may do this."""
     if auth is not None:
         auth.check(bearer_token(context.invocation_metadata()), namespace, admin=admin)
+
+
+def grpc_principal(auth: Authenticator | None, context: Any) -> Principal | None:
+    """The principal a gRPC call's token belongs to; None with auth off."""
+    if auth is None:
+        return None
+    return auth.authenticate(bearer_token(context.invocation_metadata()))
 
 
 def request_scope(request: object) -> tuple[str | None, bool]:

@@ -100,7 +100,16 @@ def _error(code: int, message: str) -> KvdError:
 class Connection:
     """One socket; used by one thread at a time (taken from the client's pool)."""
 
-    def __init__(self, host: str, port: int, token: str | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str | None,
+        timeout_s: float,
+        check_peer: Callable[[socket.socket], None] | None = None,
+    ) -> None:
+        """``check_peer`` vets the connected socket before the token goes out
+        (the shm socket's peer credentials, ``kvd.shm_channel``)."""
         if port:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -109,6 +118,8 @@ class Connection:
             try:
                 self.sock.settimeout(timeout_s)
                 self.sock.connect(host)
+                if check_peer is not None:
+                    check_peer(self.sock)
             except BaseException:
                 self.sock.close()
                 raise
@@ -179,6 +190,7 @@ class BulkClient:
         token: str | None = None,
         connections: int = DEFAULT_CONNECTIONS,
         timeout_s: float = 5.0,
+        check_peer: Callable[[socket.socket], None] | None = None,
     ) -> None:
         if not 1 <= connections <= CONNECTIONS_MAX:
             raise ValueError(f"connections must be 1..{CONNECTIONS_MAX}")
@@ -187,6 +199,7 @@ class BulkClient:
         self.timeout_s = timeout_s
         self.connections = connections
         self._token = token
+        self._check_peer = check_peer
         self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
         self._opened = 0
         self._lock = threading.Lock()
@@ -239,7 +252,7 @@ class BulkClient:
 
     def _connect(self) -> Connection:
         try:
-            return Connection(self.host, self.port, self._token, self.timeout_s)
+            return Connection(self.host, self.port, self._token, self.timeout_s, self._check_peer)
         except TimeoutError as exc:
             raise DeadlineExceeded(f"bulk {self.host}:{self.port}: {exc}") from None
         except OSError as exc:

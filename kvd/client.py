@@ -73,8 +73,8 @@ from kvd.errors import (
 from kvd.grpc_handlers import KVStoreStub
 from kvd.index import LookupResult
 from kvd.keys import chain_keys
-from kvd.shm_channel import RegionOps
 from kvd.shm_client import ShmPath
+from kvd.shm_ops import RegionOps
 from kvd.v1 import kvd_pb2 as pb
 
 __all__ = [
@@ -179,11 +179,7 @@ class Client:
         except KvdError:
             return  # an older daemon: gRPC only
         if self._want_shm and paths.shm_dir:
-            ops = (
-                RegionOps(paths.shm_socket, self._token, self.timeout_s)
-                if paths.shm_socket
-                else None
-            )
+            ops = RegionOps.of(paths, self._token, self.timeout_s)
             shm = ShmPath(
                 paths.shm_dir,
                 paths.max_region_bytes,

@@ -2,11 +2,16 @@
 region registry and the task that frees regions of clients that exited, the
 shm socket (``kvd.shm_channel``) and the bulk TCP server (``kvd.bulk``),
 with their gauges. The handlers they serve are ``kvd.shm_service``'s.
+
+Regions are attached on the shm socket only (their memfds travel with
+SCM_RIGHTS), so a daemon without its shm socket has no shared-memory path;
+the socket has the gRPC socket's ``socket_mode`` and ``socket_group``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import grp
 import logging
 from typing import TYPE_CHECKING
 
@@ -14,7 +19,8 @@ from kvd.bulk import BulkLimits, BulkServer
 from kvd.config import parse_address
 from kvd.metrics import Metrics, SnapshotCollector
 from kvd.shm import RegionLimits, RegionRegistry
-from kvd.shm_channel import ShmChannel, socket_path
+from kvd.shm_channel import ShmChannel
+from kvd.shm_wire import socket_path
 
 if TYPE_CHECKING:
     from kvd.config import Config
@@ -37,33 +43,29 @@ class FastPaths:
     @classmethod
     async def start(cls, config: Config, service: RegionHandlers, metrics: Metrics) -> FastPaths:
         regions: RegionRegistry | None = RegionRegistry(
-            config.shm_dir,
             RegionLimits(
                 max_regions_per_client=config.max_regions_per_client,
                 max_regions=config.max_regions,
                 max_region_bytes=config.max_region_bytes,
             ),
         )
-        assert regions is not None
-        try:
-            regions.open()
-        except OSError as exc:
-            # A host without /dev/shm still serves gRPC and bulk TCP.
-            log.warning(
-                "shared-memory path off", extra={"shm_dir": config.shm_dir, "reason": str(exc)}
-            )
-            regions = None
         paths = cls(service, regions)
         limits = BulkLimits.from_config(config)
-        if regions is not None:
-            channel = ShmChannel(service, socket_path(regions.shm_dir, config.shm_socket), limits)
-            try:
-                await channel.start()
-                paths.channel = channel
-                service.shm_socket = channel.path
-            except OSError as exc:
-                # Region ops then go over gRPC: slower, same results.
-                log.warning("shm socket off", extra={"path": channel.path, "reason": str(exc)})
+        channel = ShmChannel(
+            service,
+            socket_path(config.shm_dir, config.shm_socket),
+            limits,
+            mode=config.socket_mode,
+            group_id=_group_id(config.socket_group),
+        )
+        try:
+            await channel.start()
+            paths.channel = channel
+            service.shm_socket = channel.path
+        except OSError as exc:
+            # Regions are attached on the socket: without it, gRPC and bulk TCP only.
+            log.warning("shared-memory path off", extra={"path": channel.path, "reason": str(exc)})
+            regions = paths.regions = None
         if config.bulk_listen:
             host, port = parse_address(config.bulk_listen)
             paths.bulk = BulkServer(service.store, limits, metrics, service.auth)
@@ -110,6 +112,19 @@ _FAST_PATH_GAUGES = {
 _FAST_PATH_COUNTERS = {
     "regions_reaped": ("kvd_regions_reaped", "Regions freed because their owner exited"),
 }
+
+
+def _group_id(group: str) -> int:
+    """The gid ``socket_group`` names; -1 (the daemon's own) when empty or unknown
+    (the gRPC socket's set-up has already refused an unknown one)."""
+    if not group:
+        return -1
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return -1
 
 
 async def _reap_forever(regions: RegionRegistry, interval_s: float) -> None:

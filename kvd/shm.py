@@ -1,30 +1,39 @@
 """Same-node shared-memory regions: the registry and the copies.
 
-A client creates a file in the daemon's shm directory (tmpfs, normally
-/dev/shm/kvd), takes a shared ``flock`` on it, and attaches it. The daemon
-opens and maps the file, and from then on copies values between the region
-and its pool pages with numpy (which releases the GIL, so the copies run on
-worker threads while the event loop serves other requests).
+A region is a memfd the client creates, sizes, allocates (``fallocate``),
+seals against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``, then
+``F_SEAL_SEAL``) and passes to the daemon with SCM_RIGHTS on the shm socket
+(``kvd.shm_channel``). The daemon maps the descriptor it was given and from
+then on copies values between the region and its pool pages with numpy
+(which releases the GIL, so the copies run on worker threads while the
+event loop serves other requests).
+
+Why a region cannot fault the daemon: a mapped page raises SIGBUS when the
+file under it shrank or when its file system cannot back it. The seals make
+the size final (``ftruncate`` fails with EPERM, for the client too), and a
+memfd lives on the kernel's own tmpfs, which has no size limit
+(``f_blocks`` 0): a full /dev/shm does not concern it, and a page the client
+punched out is allocated again on the daemon's write (memory pressure then
+means the OOM killer, as for any allocation, never SIGBUS). Hugetlb memfds,
+whose pages can run out, are refused (their blocks are huge pages). The
+checks are on the descriptor itself, so no name, path or file of the shm
+directory is involved: the daemon never opens a client's memory by name
+with its own privileges.
 
 Ownership and lifetime:
 
 - ``attach`` returns a region id and a random 16-byte token; every call on
-  the region presents both (a wrong token reads as an unknown region, so ids
-  of other clients' regions reveal nothing).
-- Liveness is the client's ``flock``: the kernel drops it when the client
-  process exits for any reason (``kill -9`` included), so ``reap()`` — run
-  every ``region_check_ms`` — frees every region whose lock it can take. No
-  heartbeat traffic, and no reliance on the gRPC connection, which a client
-  may re-establish at will.
-- The client may unlink the file once attached (the client library does, so
-  a crash leaves nothing behind in the shm directory); the mapping keeps the
-  memory alive until both sides let go.
-- A region file that shrinks under the daemon would turn copies into SIGBUS;
-  every batch re-checks the file's size first and retires the region when it
-  shrank. The window between that check and the copy remains: only a process
-  that can write the shm directory can use it, and the directory has the
-  socket's permissions. (memfd regions with F_SEAL_SHRINK close it; they need
-  fd passing over the Unix socket.)
+  the region presents both, and must come from the credential that attached
+  it: the same uid on the shm socket (``SO_PEERCRED``) and, when auth is on,
+  the same token's principal. Anything else reads as an unknown region, so
+  ids of other clients' regions reveal nothing.
+- Liveness is the client's shared ``flock``, taken on a second open file
+  description of the memfd that the client never passes on: the kernel
+  drops it when the client process exits for any reason (``kill -9``
+  included), so ``reap()`` — run every ``region_check_ms`` — frees every
+  region whose lock it can take on the descriptor it holds. No heartbeat
+  traffic, and no reliance on any connection, which a client may
+  re-establish at will.
 
 Copies hash what they wrote while it is still in cache: 1 MiB pieces
 copied then hashed run at 13.8 GB/s here (256 KiB: 13.4, 64 KiB: 11.3; a
@@ -45,17 +54,19 @@ import itertools
 import logging
 import mmap
 import os
-import re
 import secrets
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
 from kvd.errors import InvalidArgument, KvdError, NotFound, ResourceExhausted
+
+if TYPE_CHECKING:
+    from kvd.auth import Principal
 
 log = logging.getLogger("kvd.shm")
 
@@ -66,15 +77,29 @@ TOKEN_BYTES = 16
 # piece gives up and takes back the GIL: with 16 clients, 1 MiB pieces gave
 # 5.1 GB/s of 4 MiB gets where 256 KiB pieces gave 3.8-4.1.
 PIECE_BYTES = 1 << 20
-# A region file name: what the client library makes, and nothing that could
-# climb out of the directory or hide (no '/', no leading dot).
-_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+# The seals a region must carry, and those it must not: a write seal would
+# make the daemon's writable mapping fail (F_SEAL_FUTURE_WRITE is 0x10 in
+# linux/fcntl.h; Python 3.11 does not name it).
+SEALS_NEEDED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SEALS_REFUSED = fcntl.F_SEAL_WRITE | 0x10
 
 
-class RegionUnusable(KvdError):
-    """The region's file changed under the daemon (shrank); the region is retired."""
+class AttachRefused(KvdError):
+    """A region offered in a way the daemon does not take (a file by name)."""
 
     code_name = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a region call: the peer credentials of a shm socket
+    connection (``uid`` None for a gRPC call, which has none) and, when auth
+    is on, the principal its token belongs to (compared by value, so a token
+    table reloaded with the same entry still matches)."""
+
+    uid: int | None
+    pid: int = 0
+    principal: Principal | None = None
 
 
 @dataclass(frozen=True)
@@ -90,8 +115,9 @@ class Region:
 
     region_id: int
     token: bytes
-    owner: str
-    name: str
+    owner: str  # the attaching process, for max_regions_per_client
+    uid: int
+    principal: Principal | None
     size: int
     fd: int
     mapping: mmap.mmap
@@ -99,6 +125,11 @@ class Region:
     busy: int = 0  # batches copying right now; unmapping waits for zero
     retired: bool = False
     closed: bool = field(default=False)
+
+    def usable_by(self, caller: Caller) -> bool:
+        if caller.uid is not None and caller.uid != self.uid:
+            return False
+        return self.principal is None or caller.principal == self.principal
 
     def holds(self, offset: int, length: int) -> bool:
         return offset >= 0 and length >= 0 and offset + length <= self.size
@@ -116,19 +147,12 @@ class Region:
 class RegionRegistry:
     """Every attached region; state changes happen on the event loop thread."""
 
-    def __init__(self, shm_dir: str, limits: RegionLimits) -> None:
-        self.shm_dir = shm_dir
+    def __init__(self, limits: RegionLimits) -> None:
         self.limits = limits
         self._regions: dict[int, Region] = {}
         self._ids = itertools.count(1)
-        self._dir_fd = -1
         self.reaped = 0
         self.mapped_bytes = 0
-
-    def open(self) -> None:
-        """Create the directory (mode 0o770: the socket's users) and hold it open."""
-        os.makedirs(self.shm_dir, mode=0o770, exist_ok=True)
-        self._dir_fd = os.open(self.shm_dir, os.O_RDONLY | os.O_DIRECTORY)
 
     @property
     def count(self) -> int:
@@ -138,49 +162,21 @@ class RegionRegistry:
         return sum(1 for region in self._regions.values() if region.owner == owner)
 
     # ---- attach / detach ---------------------------------------------------------
-    def attach(self, owner: str, name: str, size: int) -> Region:
-        assert self._dir_fd >= 0, "registry not opened"
-        if not _NAME.fullmatch(name):
-            raise InvalidArgument(f"region name {name!r} is not a plain file name")
-        if size <= 0 or size > self.limits.max_region_bytes:
-            raise InvalidArgument(
-                f"region of {size} bytes; regions are 1..{self.limits.max_region_bytes} bytes"
-            )
-        if len(self._regions) >= self.limits.max_regions:
-            raise ResourceExhausted(f"max_regions={self.limits.max_regions} regions attached")
+    def attach(self, fd: int, size: int, caller: Caller) -> Region:
+        """Attach the memfd ``fd`` of ``size`` bytes for ``caller`` (a shm socket
+        peer); the registry owns ``fd`` from now on, and closes it on refusal."""
+        assert caller.uid is not None, "regions are attached over the shm socket"
         try:
-            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
-        except OSError as exc:
-            raise NotFound(f"region file {name}: {exc.strerror}") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise InvalidArgument(f"region file {name} is not a regular file")
-            if info.st_size != size:
-                raise InvalidArgument(
-                    f"region file {name} holds {info.st_size} bytes, the request said {size}"
-                )
-            if _owner_gone(fd):
-                raise InvalidArgument(
-                    f"region file {name}: hold a shared flock on it while it is attached"
-                )
-            # A client is the process holding the lock: every client of a Unix
-            # socket has the same gRPC peer string, so that cannot tell them apart.
-            holder = lock_holder(info)
-            owner = f"pid:{holder}" if holder is not None else owner
-            if self.owned_by(owner) >= self.limits.max_regions_per_client:
-                raise ResourceExhausted(
-                    f"max_regions_per_client={self.limits.max_regions_per_client} regions attached"
-                )
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            mapping = self._checked_mapping(fd, size, caller)
         except BaseException:
             os.close(fd)
             raise
         region = Region(
             next(self._ids),
             secrets.token_bytes(TOKEN_BYTES),
-            owner,
-            name,
+            f"pid:{caller.pid}",
+            caller.uid,
+            caller.principal,
             size,
             fd,
             mapping,
@@ -191,33 +187,60 @@ class RegionRegistry:
         log.debug("region attached", extra={"region_id": region.region_id, "bytes": size})
         return region
 
-    def get(self, region_id: int, token: bytes) -> Region:
-        """The caller's region; NotFound for an unknown id or a wrong token alike."""
+    def _checked_mapping(self, fd: int, size: int, caller: Caller) -> mmap.mmap:
+        if size <= 0 or size > self.limits.max_region_bytes:
+            raise InvalidArgument(
+                f"region of {size} bytes; regions are 1..{self.limits.max_region_bytes} bytes"
+            )
+        if len(self._regions) >= self.limits.max_regions:
+            raise ResourceExhausted(f"max_regions={self.limits.max_regions} regions attached")
+        if self.owned_by(f"pid:{caller.pid}") >= self.limits.max_regions_per_client:
+            raise ResourceExhausted(
+                f"max_regions_per_client={self.limits.max_regions_per_client} regions attached"
+            )
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            raise InvalidArgument("region descriptor is not open for reading and writing")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument("region descriptor is not a memfd")
+        if info.st_size != size:
+            raise InvalidArgument(
+                f"region memfd holds {info.st_size} bytes, the request said {size}"
+            )
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            raise InvalidArgument("region descriptor is not a memfd (it has no seals)") from None
+        if seals & SEALS_NEEDED != SEALS_NEEDED or seals & SEALS_REFUSED:
+            raise InvalidArgument(
+                "region memfd must be sealed with F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_SEAL, "
+                "and not against writes"
+            )
+        space = os.fstatvfs(fd)
+        if space.f_blocks != 0 or space.f_bsize != mmap.PAGESIZE:
+            # Only the kernel's own tmpfs is unbounded with 4 KiB blocks.
+            raise InvalidArgument("region memfd is not on the kernel's tmpfs (hugetlb?)")
+        if _owner_gone(fd):
+            raise InvalidArgument("hold a shared flock on the region while it is attached")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+
+    def get(self, region_id: int, token: bytes, caller: Caller) -> Region:
+        """The caller's region; NotFound for an unknown id, a wrong token and
+        another credential's region alike."""
         region = self._regions.get(region_id)
-        if region is None or not hmac.compare_digest(region.token, token):
+        if (
+            region is None
+            or not hmac.compare_digest(region.token, token)
+            or not region.usable_by(caller)
+        ):
             raise NotFound(f"no region {region_id} for this client")
         return region
 
-    def checked(self, region_id: int, token: bytes) -> Region:
-        """``get`` plus a check that the file did not shrink (a copy would SIGBUS)."""
-        region = self.get(region_id, token)
-        try:
-            size_now = os.fstat(region.fd).st_size
-        except OSError:  # pragma: no cover - fstat of an open fd
-            size_now = -1
-        if size_now < region.size:
-            log.warning(
-                "region retired: its file shrank",
-                extra={"region_id": region_id, "bytes": region.size, "file_bytes": size_now},
-            )
-            self._drop(region)
-            raise RegionUnusable(
-                f"region {region_id}: its file shrank to {size_now} of {region.size} bytes"
-            )
-        return region
+    # Sealed regions cannot shrink: a batch needs no size check of its own.
+    checked = get
 
-    def detach(self, region_id: int, token: bytes) -> None:
-        self._drop(self.get(region_id, token))
+    def detach(self, region_id: int, token: bytes, caller: Caller) -> None:
+        self._drop(self.get(region_id, token, caller))
 
     def _drop(self, region: Region) -> None:
         """Unlist now; unmap once no batch is copying."""
@@ -255,25 +278,6 @@ class RegionRegistry:
     def close(self) -> None:
         for region in list(self._regions.values()):
             self._drop(region)
-        if self._dir_fd >= 0:
-            os.close(self._dir_fd)
-            self._dir_fd = -1
-
-
-def lock_holder(info: os.stat_result, locks_path: str = "/proc/locks") -> int | None:
-    """The pid holding a flock on the file ``info`` describes, from /proc/locks
-    (lines like ``3: FLOCK ADVISORY READ 4242 00:1a:81234 0 EOF``); None where
-    there is no such file or no such lock."""
-    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-    try:
-        with open(locks_path, encoding="ascii", errors="replace") as locks:
-            for line in locks:
-                fields = line.split()
-                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:
-                    return int(fields[4]) if fields[4].isdigit() else None
-    except OSError:
-        return None
-    return None
 
 
 def _owner_gone(fd: int) -> bool:

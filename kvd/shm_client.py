@@ -1,11 +1,16 @@
 """Client side of the shared-memory path: regions, their allocator, the batch calls.
 
-A region is a file the client creates in the daemon's shm directory, sizes,
-maps, locks with a shared ``flock`` (the daemon frees the region once that
-lock is gone, i.e. once this process exits), attaches with one RPC and then
-unlinks, so a crash leaves no file behind. ``buffer(nbytes)`` hands out a
-region of its own, so a put from it or a get into it is the daemon's single
-copy. Other buffers go through a staging region: one more copy, by numpy.
+A region is a memfd the client creates, sizes, allocates in full
+(``posix_fallocate``: a node short of memory fails here, in the client, and
+the pages are the client's), seals (``F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL``: its size is final, so the daemon's copies cannot fault), maps,
+and passes to the daemon on the shm socket (``RegionOps.attach``). A shared
+``flock`` on a second open file description of it, which never leaves this
+process, tells the daemon the client lives (it frees the region once that
+lock is gone, i.e. once this process exits). Nothing is ever created in the
+daemon's shm directory. ``buffer(nbytes)`` hands out a region of its own, so
+a put from it or a get into it is the daemon's single copy. Other buffers
+go through a staging region: one more copy, by numpy.
 
 The daemon checks each value it copies into a region against the stored
 checksum while the bytes are in cache, and stores the checksum of what it
@@ -17,7 +22,6 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,12 +30,13 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvd.errors import BY_CODE_NAME, InvalidArgument, KvdError, ResourceExhausted
-from kvd.shm_channel import RegionOps
+from kvd.errors import BY_CODE_NAME, InvalidArgument, KvdError, ResourceExhausted, Unavailable
+from kvd.shm_ops import RegionOps
 from kvd.v1 import kvd_pb2 as pb
 
 # Staging for buffers outside any region: 64 MiB holds a batch of sixteen
-# 4 MiB chunks; tmpfs pages exist only once touched.
+# 4 MiB chunks. It is allocated at creation (~10 ms for 64 MiB here), like
+# every region: pages allocated later could be missing when the daemon writes.
 STAGING_BYTES = 64 << 20
 # Room first offered for a value of unknown size; a larger one comes back
 # with its size and is fetched again with exact room.
@@ -39,11 +44,13 @@ GET_ROOM_BYTES = 4 << 20
 ALIGN_BYTES = 4096
 BATCH_ITEMS_MAX = 256
 
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _NAMES = {int(code.value[0]): code.name for code in grpc.StatusCode}
 
 Call = Callable[[Any, Any], Any]
+Attach = Callable[[int, int], tuple[int, bytes]]
 
 
 def _error(result: pb.RegionItemResult) -> KvdError:
@@ -102,6 +109,7 @@ class ClientRegion:
     token: bytes
     size: int
     fd: int
+    lock_fd: int  # holds the shared flock; never passed to the daemon
     mapping: mmap.mmap
     view: memoryview
     address: int
@@ -110,24 +118,32 @@ class ClientRegion:
         return self.address <= address and address + nbytes <= self.address + self.size
 
 
-def create_region(shm_dir: str, size: int, attach: Call) -> ClientRegion:
-    """Create, lock, map and attach a region file, then unlink it."""
-    name = f"kvd-{os.getpid()}-{secrets.token_hex(8)}"
-    path = os.path.join(shm_dir, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+def create_region(size: int, attach: Attach) -> ClientRegion:
+    """Create, allocate, seal, lock, map and attach a memfd region."""
+    fd = os.memfd_create("kvd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    lock_fd = -1
     try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        # The lock sits on a file description of its own: the daemon's copy
+        # of ``fd`` shares that one, and its liveness test must not see its
+        # own lock.
+        lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        fcntl.flock(lock_fd, fcntl.LOCK_SH)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         try:
-            os.ftruncate(fd, size)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            response = attach(pb.AttachRegionRequest(name=name, size=size), None)
-        finally:
-            os.unlink(path)
+            region_id, token = attach(fd, size)
+        except BaseException:
+            mapping.close()
+            raise
     except BaseException:
         os.close(fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
         raise
     view = memoryview(mapping)
-    return ClientRegion(response.region_id, response.token, size, fd, mapping, view, _address(view))
+    return ClientRegion(region_id, token, size, fd, lock_fd, mapping, view, _address(view))
 
 
 def close_region(region: ClientRegion, detach: Call | None) -> None:
@@ -142,6 +158,7 @@ def close_region(region: ClientRegion, detach: Call | None) -> None:
     except BufferError:
         pass  # a buffer() the caller still holds keeps the mapping; GC unmaps it
     os.close(region.fd)
+    os.close(region.lock_fd)
 
 
 class ShmPath:
@@ -166,16 +183,19 @@ class ShmPath:
     def _rpc(self, name: str) -> Call:
         return lambda request, _: self._call(name, request)
 
+    def _attach(self, fd: int, size: int) -> tuple[int, bytes]:
+        if self._ops is None:
+            raise Unavailable("shm path closed")
+        return self._ops.attach(fd, size)
+
     def open(self) -> None:
-        """Create the staging region now (it fails here if the daemon's shm_dir is not ours),
-        and connect to the shm socket (without it, region ops go over gRPC)."""
+        """Create the staging region now: it fails here (and the client keeps
+        to its other paths) when the daemon has no shm socket, when its peer
+        is not the daemon, or when the daemon is on another node."""
+        if self._ops is None:
+            raise Unavailable("the daemon offers no shm socket: regions cannot be attached")
         self._staging_spans()
-        if self._ops is not None:
-            try:
-                self._ops.client.with_connection(lambda conn: None)
-            except KvdError:
-                self._ops.close()
-                self._ops = None
+        self._ops.client.with_connection(lambda conn: None)
 
     @property
     def over_socket(self) -> bool:
@@ -193,7 +213,7 @@ class ShmPath:
 
     def _batch(self, name: str, request: Any) -> pb.RegionBatchResponse:
         if self._ops is None:
-            return self._call(name, request)  # type: ignore[no-any-return]
+            return self._call(name, request)  # type: ignore[no-any-return]  # closed
         if name == "GetIntoRegion":
             return self._ops.get_into_region(request)
         return self._ops.put_from_region(request)
@@ -211,7 +231,7 @@ class ShmPath:
         if not 0 < nbytes <= self.max_region_bytes:
             raise InvalidArgument(f"buffer of {nbytes} bytes; 1..{self.max_region_bytes}")
         size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-        region = create_region(self.shm_dir, size, self._rpc("AttachRegion"))
+        region = create_region(size, self._attach)
         with self._lock:
             self._regions.append(region)
         return region.view[:nbytes]
@@ -229,7 +249,7 @@ class ShmPath:
             if self._staging is not None and self._spans is not None:
                 return self._staging, self._spans
         size = min(STAGING_BYTES, self.max_region_bytes)
-        region = create_region(self.shm_dir, size, self._rpc("AttachRegion"))
+        region = create_region(size, self._attach)
         with self._lock:
             if self._staging is None:
                 self._staging, self._spans = region, _Spans(size)

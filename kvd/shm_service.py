@@ -20,13 +20,21 @@ machine without cores to spare (``kvd.cpus``). Larger batches go to
 ``COPY_THREADS`` workers, one group of items per worker; a value of
 ``SPLIT_COPY_BYTES`` or more is copied by several workers in slices.
 
-``DescribePaths`` tells clients which fast paths this daemon offers;
+``AttachRegion`` by file name is refused: regions are sealed memfds passed
+on the shm socket (``kvd.shm``). Region calls over gRPC carry no peer
+credentials; they are bound to the token's principal (and the region's
+secret token) only.
+
+``DescribePaths`` tells clients which fast paths this daemon offers, and
+who serves the shm socket (uid, pid, pid namespace) so that a client can
+check its peer before it sends a token there;
 ``kvd.fast_paths`` starts and stops what serves them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,12 +45,14 @@ import grpc
 import numpy as np
 
 from kvd.aio import settle
-from kvd.auth import Authenticator, check_grpc, request_scope
+from kvd.auth import Authenticator, check_grpc, grpc_principal, request_scope
 from kvd.cpus import OFFLOAD, WORKER_THREADS
 from kvd.errors import DataLoss, InvalidArgument, KvdError, Unavailable
 from kvd.l2.format import BLOCK_BYTES
 from kvd.metrics import Metrics
 from kvd.shm import (
+    AttachRefused,
+    Caller,
     Region,
     RegionRegistry,
     copy_from_pages,
@@ -51,6 +61,7 @@ from kvd.shm import (
     copy_to_pages,
     xxh3_of,
 )
+from kvd.shm_wire import pid_namespace
 from kvd.store import TIER_NAMES, PutResult, PutTicket, Reader, Store
 from kvd.v1 import kvd_pb2 as pb
 
@@ -73,6 +84,9 @@ COPY_THREADS = WORKER_THREADS
 # core, so alone it is the batch's bottleneck.
 SPLIT_COPY_BYTES = 16 << 20
 BULK_PROTOCOL_VERSION = 1
+
+
+_PID_NS = pid_namespace()
 
 _CODES: dict[str, int] = {code.name: int(code.value[0]) for code in grpc.StatusCode}
 
@@ -198,6 +212,16 @@ class RegionHandlers:
             self._copy_pool.shutdown(wait=True)
             self._copy_pool = None
 
+    def _grpc_caller(self, context: Any) -> Caller:
+        """A gRPC caller has no peer credentials: its token's principal only."""
+        return Caller(None, principal=grpc_principal(self.auth, context))
+
+    def attach_region(self, fd: int, size: int, caller: Caller) -> Region:
+        """Attach the memfd ``fd`` a shm socket peer passed (owned from now on)."""
+        if self.regions is None:
+            os.close(fd)
+        return self._registry().attach(fd, size, caller)
+
     def _registry(self) -> RegionRegistry:
         if self.regions is None:
             raise Unavailable("this daemon has no shared-memory path (shm_dir unusable)")
@@ -245,14 +269,16 @@ class RegionHandlers:
     async def AttachRegion(
         self, request: pb.AttachRegionRequest, context: Any
     ) -> pb.AttachRegionResponse:
-        region = self._registry().attach(context.peer(), request.name, request.size)
-        return pb.AttachRegionResponse(region_id=region.region_id, token=region.token)
+        raise AttachRefused(
+            "regions are attached on the shm socket, as a sealed memfd passed with "
+            "SCM_RIGHTS; the daemon does not open region files by name"
+        )
 
     @_rpc("detach_region")
     async def DetachRegion(
         self, request: pb.DetachRegionRequest, context: Any
     ) -> pb.DetachRegionResponse:
-        self._registry().detach(request.region_id, request.token)
+        self._registry().detach(request.region_id, request.token, self._grpc_caller(context))
         return pb.DetachRegionResponse()
 
     @_rpc("describe_paths")
@@ -260,16 +286,19 @@ class RegionHandlers:
         self, request: pb.DescribePathsRequest, context: Any
     ) -> pb.DescribePathsResponse:
         regions = self.regions
-        if regions is None:
+        if regions is None or not self.shm_socket:
             return pb.DescribePathsResponse(bulk_port=self.bulk_port)
         return pb.DescribePathsResponse(
-            shm_dir=regions.shm_dir,
+            shm_dir=os.path.dirname(self.shm_socket),
             max_region_bytes=regions.limits.max_region_bytes,
             max_regions_per_client=regions.limits.max_regions_per_client,
             bulk_port=self.bulk_port,
             regions_attached=regions.count,
             bulk_version=BULK_PROTOCOL_VERSION if self.bulk_port else 0,
             shm_socket=self.shm_socket,
+            daemon_uid=os.geteuid(),
+            daemon_pid=os.getpid(),
+            daemon_pid_ns=_PID_NS,
         )
 
     def _check_batch(self, count: int) -> None:
@@ -283,13 +312,15 @@ class RegionHandlers:
     async def PutFromRegion(
         self, request: pb.PutFromRegionRequest, context: Any
     ) -> pb.RegionBatchResponse:
-        return await self.put_from_region(request)
+        return await self.put_from_region(request, self._grpc_caller(context))
 
-    async def put_from_region(self, request: pb.PutFromRegionRequest) -> pb.RegionBatchResponse:
+    async def put_from_region(
+        self, request: pb.PutFromRegionRequest, caller: Caller
+    ) -> pb.RegionBatchResponse:
         """The batch put itself, once the caller is authorized (gRPC or the shm socket)."""
         self._check_batch(len(request.items))
         registry = self._registry()
-        region = registry.checked(request.region_id, request.token)
+        region = registry.checked(request.region_id, request.token, caller)
         results: list[pb.RegionItemResult | None] = [None] * len(request.items)
         tickets: list[PutTicket] = []
         jobs: list[_Job] = []
@@ -349,14 +380,20 @@ class RegionHandlers:
         )
 
     def put_now(
-        self, region_id: int, token: bytes, ns: str, item: pb.RegionItem, durable: bool
+        self,
+        region_id: int,
+        token: bytes,
+        ns: str,
+        item: pb.RegionItem,
+        durable: bool,
+        caller: Caller,
     ) -> pb.RegionItemResult | None:
         """A one-item ``put_from_region`` that needs no waiting, or None when it
         would (a durable put, a copy for threads, room only after write-back)
         or the item is bad: the batch put then answers. Like ``get_now``."""
         if durable or not self._copies_on_loop(item.length, self.inflight.requests):
             return None
-        region = self._registry().checked(region_id, token)
+        region = self._registry().checked(region_id, token, caller)
         if not region.holds(item.offset, item.length):
             return None
         checksum = item.checksum if item.HasField("checksum") else None
@@ -390,13 +427,15 @@ class RegionHandlers:
     async def GetIntoRegion(
         self, request: pb.GetIntoRegionRequest, context: Any
     ) -> pb.RegionBatchResponse:
-        return await self.get_into_region(request)
+        return await self.get_into_region(request, self._grpc_caller(context))
 
-    async def get_into_region(self, request: pb.GetIntoRegionRequest) -> pb.RegionBatchResponse:
+    async def get_into_region(
+        self, request: pb.GetIntoRegionRequest, caller: Caller
+    ) -> pb.RegionBatchResponse:
         """The batch get itself, once the caller is authorized (gRPC or the shm socket)."""
         self._check_batch(len(request.items))
         registry = self._registry()
-        region = registry.checked(request.region_id, request.token)
+        region = registry.checked(request.region_id, request.token, caller)
         results: list[pb.RegionItemResult | None] = [None] * len(request.items)
         readers: list[Reader] = []
         jobs: list[_Job] = []
@@ -429,7 +468,7 @@ class RegionHandlers:
         return _response(results)
 
     def get_now(
-        self, region_id: int, token: bytes, ns: str, item: pb.RegionItem
+        self, region_id: int, token: bytes, ns: str, item: pb.RegionItem, caller: Caller
     ) -> pb.RegionItemResult | None:
         """A one-item ``get_into_region`` that needs no waiting, or None when it
         would (a value not in L1, a copy for threads) or the item is bad.
@@ -439,7 +478,7 @@ class RegionHandlers:
         others = self.inflight.requests  # this get is not counted
         if size is None or size > item.length or not self._copies_on_loop(size, others):
             return None
-        region = self._registry().checked(region_id, token)
+        region = self._registry().checked(region_id, token, caller)
         if not region.holds(item.offset, item.length):
             return None  # the batch get words the error
         start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Shared-memory path against a real daemon: round trips through the client,
-and bad input straight on the region RPCs (offsets outside the region,
-foreign or detached ids, files deleted or shrunk under the daemon, a client
-killed while holding regions)."""
+and bad input straight on the region calls (offsets outside the region,
+foreign or detached ids, descriptors that are not sealed memfds, regions
+that try to shrink, a client killed while holding regions)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ import grpc
 import pytest
 
 from kvd.client import Client, InvalidArgument, ResourceExhausted
+from kvd.errors import KvdError
 from kvd.grpc_handlers import KVStoreStub
 from kvd.shm import PIECE_BYTES, copy_slices
+from kvd.shm_client import SEALS
+from kvd.shm_ops import RegionOps
 from kvd.shm_service import SPLIT_COPY_BYTES
 from kvd.v1 import kvd_pb2 as pb
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
@@ -41,17 +44,39 @@ def stub(shm_daemon: DaemonProcess) -> Iterator[KVStoreStub]:
         yield KVStoreStub(channel)
 
 
+def sealed_memfd(size: int, seals: int = SEALS) -> int:
+    fd = os.memfd_create("test-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def shared_lock(fd: int) -> int:
+    """A shared flock on a file description of its own (the daemon's liveness test)."""
+    lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(lock_fd, fcntl.LOCK_SH)
+    return lock_fd
+
+
+def attach_fd(stub: KVStoreStub, fd: int, size: int) -> tuple[int, bytes]:
+    """Attach ``fd`` on the daemon's shm socket, as the client library does."""
+    ops = RegionOps(stub.DescribePaths(pb.DescribePathsRequest()).shm_socket, None, 5.0)
+    try:
+        return ops.attach(fd, size)
+    finally:
+        ops.close()
+
+
 class RawRegion:
-    """A region made by hand: file, flock, mapping, attach; nothing unlinked."""
+    """A region made by hand: sealed memfd, flock, mapping, attach."""
 
     def __init__(self, stub: KVStoreStub, shm_dir: str, name: str, size: int) -> None:
-        self.path = os.path.join(shm_dir, name)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(self.fd, size)
-        fcntl.flock(self.fd, fcntl.LOCK_SH)
+        del shm_dir, name  # regions are memfds: no file in the shm directory
+        self.fd = sealed_memfd(size)
+        self.lock_fd = shared_lock(self.fd)
         self.map = mmap.mmap(self.fd, size)
-        response = stub.AttachRegion(pb.AttachRegionRequest(name=name, size=size))
-        self.region_id, self.token = response.region_id, response.token
+        self.region_id, self.token = attach_fd(stub, self.fd, size)
 
     def put(self, stub: KVStoreStub, key: bytes, offset: int, length: int) -> int:
         request = pb.PutFromRegionRequest(
@@ -70,10 +95,6 @@ class RawRegion:
             items=[pb.RegionItem(key=key, offset=offset, length=length)],
         )
         return stub.GetIntoRegion(request).results[0]
-
-
-def _shm_dir(stub: KVStoreStub) -> str:
-    return str(stub.DescribePaths(pb.DescribePathsRequest()).shm_dir)
 
 
 def _attached(stub: KVStoreStub) -> int:
@@ -115,8 +136,8 @@ def test_client_round_trip_through_regions(shm_daemon: DaemonProcess) -> None:
         assert bytes(mixed[1]) == b"x" * 1000 and bytes(room[:5]) == b"hello"
         del parts, mixed, room
         assert client.stats()["entries"] == 5
-        # The files were unlinked once attached: a crash leaves nothing behind.
-        assert os.listdir(_shm_dir_of(shm_daemon)) == ["kvd.sock"]  # only the shm socket
+        # Regions are memfds: the shm directory holds nothing but the socket.
+        assert os.listdir(_shm_dir_of(shm_daemon)) == ["kvd.sock"]
         del buffer
 
 
@@ -156,7 +177,7 @@ def _shm_dir_of(daemon: DaemonProcess) -> str:
 
 
 def test_offsets_outside_the_region_are_refused_per_item(stub: KVStoreStub) -> None:
-    region = RawRegion(stub, _shm_dir(stub), "r1", 1 << 20)
+    region = RawRegion(stub, "", "", 1 << 20)
     invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert region.put(stub, b"k", (1 << 20) - 10, 11) == invalid
     assert region.put(stub, b"k", 1 << 40, 1) == invalid
@@ -169,7 +190,7 @@ def test_offsets_outside_the_region_are_refused_per_item(stub: KVStoreStub) -> N
 
 
 def test_detached_and_foreign_regions_are_not_found(stub: KVStoreStub) -> None:
-    region = RawRegion(stub, _shm_dir(stub), "r2", 1 << 16)
+    region = RawRegion(stub, "", "", 1 << 16)
     request = pb.GetIntoRegionRequest(region_id=region.region_id, token=b"x" * 16, namespace=NS)
     with pytest.raises(grpc.RpcError) as foreign:
         stub.GetIntoRegion(request)
@@ -181,41 +202,52 @@ def test_detached_and_foreign_regions_are_not_found(stub: KVStoreStub) -> None:
     assert _attached(stub) == 0
 
 
-def test_attach_checks_name_size_lock_and_limits(stub: KVStoreStub) -> None:
-    shm_dir = _shm_dir(stub)
-    for name, size in (("../escape", 4096), (".hidden", 4096)):
-        with pytest.raises(grpc.RpcError) as bad:
-            stub.AttachRegion(pb.AttachRegionRequest(name=name, size=size))
-        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    fd = os.open(os.path.join(shm_dir, "unlocked"), os.O_RDWR | os.O_CREAT, 0o600)
-    os.ftruncate(fd, 4096)
-    with pytest.raises(grpc.RpcError) as unlocked:
-        stub.AttachRegion(pb.AttachRegionRequest(name="unlocked", size=4096))
-    assert "flock" in unlocked.value.details()
-    with pytest.raises(grpc.RpcError) as wrong_size:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        stub.AttachRegion(pb.AttachRegionRequest(name="unlocked", size=8192))
-    assert wrong_size.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    regions = [RawRegion(stub, shm_dir, f"many{i}", 4096) for i in range(4)]
-    with pytest.raises(grpc.RpcError) as too_many:
-        RawRegion(stub, shm_dir, "one-too-many", 4096)
-    assert too_many.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+def _refused(stub: KVStoreStub, fd: int, size: int) -> KvdError:
+    with pytest.raises(KvdError) as refused:
+        attach_fd(stub, fd, size)
+    return refused.value
+
+
+def test_attach_takes_only_sealed_locked_memfds_within_limits(
+    stub: KVStoreStub, tmp_path: Path
+) -> None:
+    with pytest.raises(grpc.RpcError) as by_name:  # the old way: a file named in shm_dir
+        stub.AttachRegion(pb.AttachRegionRequest(name="r1", size=4096))
+    assert by_name.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT, 0o600)  # not a memfd
+    os.ftruncate(plain, 4096)
+    shared_lock(plain)
+    assert "memfd" in str(_refused(stub, plain, 4096))
+    unsealed = sealed_memfd(4096, seals=0)  # could shrink under the daemon
+    shared_lock(unsealed)
+    assert "F_SEAL_SHRINK" in str(_refused(stub, unsealed, 4096))
+    half = sealed_memfd(4096, seals=fcntl.F_SEAL_SHRINK)  # could still grow and take a write seal
+    shared_lock(half)
+    assert "F_SEAL_SHRINK" in str(_refused(stub, half, 4096))
+    unlocked = sealed_memfd(4096)
+    assert "flock" in str(_refused(stub, unlocked, 4096))
+    locked = sealed_memfd(4096)
+    shared_lock(locked)
+    assert isinstance(_refused(stub, locked, 8192), InvalidArgument)  # not its size
+    reader = os.open(f"/proc/self/fd/{locked}", os.O_RDONLY)  # no write access
+    assert "reading and writing" in str(_refused(stub, reader, 4096))
+    regions = [RawRegion(stub, "", "", 4096) for _ in range(4)]
+    with pytest.raises(ResourceExhausted):
+        RawRegion(stub, "", "", 4096)
     assert len(regions) == _attached(stub) == 4
 
 
-def test_region_file_deleted_or_shrunk_under_the_daemon(stub: KVStoreStub) -> None:
-    region = RawRegion(stub, _shm_dir(stub), "r3", 1 << 16)
+def test_a_sealed_region_cannot_shrink_or_grow_under_the_daemon(stub: KVStoreStub) -> None:
+    region = RawRegion(stub, "", "", 1 << 16)
     region.map[:3] = b"abc"
-    os.unlink(region.path)  # the mapping keeps the memory: still usable
-    assert region.put(stub, b"deleted", 0, 3) == 0
-    assert region.get(stub, b"deleted", 10, 3).size == 3 and region.map[10:13] == b"abc"
-    region.map.close()
-    os.ftruncate(region.fd, 4096)  # a copy past the end would SIGBUS: retired instead
-    with pytest.raises(grpc.RpcError) as shrunk:
-        region.put(stub, b"shrunk", 0, 8192)
-    assert shrunk.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert _attached(stub) == 0
-    assert stub.Exists(pb.ExistsRequest(namespace=NS, keys=[b"shrunk"])).exists == [False]
+    for size in (0, 4096, 1 << 20):
+        with pytest.raises(PermissionError):
+            os.ftruncate(region.fd, size)
+    with pytest.raises(PermissionError):  # nor be unsealed
+        fcntl.fcntl(region.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    assert region.put(stub, b"sealed", 0, 3) == 0
+    assert region.get(stub, b"sealed", 10, 3).size == 3 and region.map[10:13] == b"abc"
+    assert _attached(stub) == 1
 
 
 def test_regions_of_a_killed_client_are_freed(
@@ -262,7 +294,7 @@ def test_region_limit_is_per_process_on_a_shared_unix_socket(
     shm_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
     """Every client of a Unix socket has the same gRPC peer string: the
-    per-client limit counts regions per process (the flock holder) instead."""
+    per-client limit counts regions per process (the attaching peer's pid)."""
     script = textwrap.dedent(
         f"""
         from kvd.client import Client, ResourceExhausted
@@ -293,9 +325,10 @@ def test_client_reports_the_paths_it_uses(
     with Client(shm_daemon.target, shm=False, bulk=False) as client:
         assert client.paths == frozenset()
     # A second daemon on the same shm directory cannot have its shm socket
-    # (the first holds it): its clients' region ops go over gRPC, and say so.
+    # (the first holds it): regions are attached there, so it has no
+    # shared-memory path, and its clients use gRPC.
     second = daemon_factory("--shm-dir", _shm_dir_of(shm_daemon))
     with Client(second.socket_target) as client:
-        assert client.paths == {"shm"}
+        assert client.paths == frozenset()
         assert client.put(NS, b"k", b"v" * 5000) is False
         assert client.get(NS, b"k") == b"v" * 5000

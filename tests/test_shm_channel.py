@@ -26,7 +26,7 @@ from kvd.bulk_client import BulkClient
 from kvd.client import Client
 from kvd.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvd.grpc_handlers import KVStoreStub
-from kvd.shm_channel import REGION_REF, SOCKET_NAME, TIER_SHIFT
+from kvd.shm_wire import REGION_REF, SOCKET_NAME, TIER_SHIFT
 from kvd.v1 import kvd_pb2 as pb
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.sockets import closed_by_daemon, metric, recv_exact
@@ -273,15 +273,19 @@ def test_tokens_and_namespaces_are_checked(daemon_factory: DaemonFactory, tmp_pa
             client.put("team-b/x", b"k", b"v" * 5000)
 
 
-def test_a_socket_held_by_another_daemon_leaves_region_ops_on_grpc(
+def test_a_socket_held_by_another_daemon_leaves_the_second_without_shm(
     daemon_factory: DaemonFactory, channel_daemon: DaemonProcess, stub: KVStoreStub
 ) -> None:
+    """Regions are attached on the shm socket: a daemon that cannot have its
+    socket offers no shared-memory path, and its clients' values go over gRPC."""
     taken = _paths(stub).shm_socket
     second = daemon_factory("--shm-socket", taken)
-    assert wait_until(lambda: any("shm socket off" in line for line in second.log))
+    assert wait_until(lambda: any("shared-memory path off" in line for line in second.log))
     with grpc.insecure_channel(second.socket_target) as ch:
-        assert KVStoreStub(ch).DescribePaths(pb.DescribePathsRequest()).shm_socket == ""
+        paths = KVStoreStub(ch).DescribePaths(pb.DescribePathsRequest())
+        assert paths.shm_socket == "" and paths.shm_dir == ""
     with Client(second.socket_target) as client:
+        assert client.paths == frozenset()
         buffer = client.buffer(1 << 20)
         buffer[:] = b"z" * (1 << 20)
         client.put(NS, b"via-grpc", buffer)

@@ -25,9 +25,11 @@ from kvd.errors import KvdError
 from kvd.metrics import Metrics
 from kvd.pool import PAGE_BYTES, Pool
 from kvd.service import KVStoreService, ServiceLimits
-from kvd.shm import Region, RegionLimits, RegionRegistry
-from kvd.shm_channel import PIPELINE_FRAMES, REGION_REF, ShmChannel
+from kvd.shm import Caller, Region, RegionLimits, RegionRegistry
+from kvd.shm_channel import ShmChannel
+from kvd.shm_client import SEALS
 from kvd.shm_service import IDLE_INLINE_COPY_BYTES
+from kvd.shm_wire import PIPELINE_FRAMES, REGION_REF
 from kvd.store import Store, StoreLimits
 from kvd.v1 import kvd_pb2 as pb
 from tests.sockets import most_between_turns, recv_exact
@@ -35,6 +37,7 @@ from tests.sockets import most_between_turns, recv_exact
 NS = "now"
 REGION_BYTES = 16 << 20
 CODES = {code.name: int(code.value[0]) for code in grpc.StatusCode}
+CALLER = Caller(os.geteuid(), os.getpid())
 
 
 @dataclass
@@ -51,19 +54,21 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         max_message_bytes=4 << 20, max_inflight_bytes=64 << 20, max_batch_items=64
     )
     service = KVStoreService(store, limits, Metrics())
-    registry = RegionRegistry(str(tmp_path / "shm"), RegionLimits())
-    registry.open()
+    registry = RegionRegistry(RegionLimits())
     service.enable_fast_paths(registry, 0)
-    fd = os.open(tmp_path / "shm" / "r", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.memfd_create("r", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, REGION_BYTES)
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(lock_fd, fcntl.LOCK_SH)
     mapping = mmap.mmap(fd, REGION_BYTES)
     try:
-        yield Rig(service, registry.attach("test", "r", REGION_BYTES), mapping)
+        yield Rig(service, registry.attach(os.dup(fd), REGION_BYTES, CALLER), mapping)
     finally:
         service.close_fast_paths()
         mapping.close()
         os.close(fd)
+        os.close(lock_fd)
 
 
 async def _put(rig: Rig, key: bytes, value: bytes) -> None:
@@ -73,7 +78,7 @@ async def _put(rig: Rig, key: bytes, value: bytes) -> None:
 def _now(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult | int | None:
     """get_now's result, or the code of the error it raised."""
     try:
-        return rig.service.get_now(rig.region.region_id, rig.region.token, NS, item)
+        return rig.service.get_now(rig.region.region_id, rig.region.token, NS, item, CALLER)
     except KvdError as exc:
         return CODES[exc.code_name]
 
@@ -83,7 +88,7 @@ async def _batch(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult | int:
         region_id=rig.region.region_id, token=rig.region.token, namespace=NS, items=[item]
     )
     try:
-        return (await rig.service.get_into_region(request)).results[0]
+        return (await rig.service.get_into_region(request, CALLER)).results[0]
     except KvdError as exc:
         return CODES[exc.code_name]
 
@@ -157,19 +162,19 @@ async def test_changed_pool_bytes_are_data_loss_and_a_wrong_token_not_found(rig:
     _settled(rig)
     item = pb.RegionItem(key=b"k", offset=0, length=len(value))
     with pytest.raises(KvdError) as raised:
-        rig.service.get_now(rig.region.region_id, b"x" * 16, NS, item)
+        rig.service.get_now(rig.region.region_id, b"x" * 16, NS, item, CALLER)
     assert raised.value.code_name == "NOT_FOUND"
 
 
 def _put_now(rig: Rig, item: pb.RegionItem, durable: bool = False) -> pb.RegionItemResult | None:
-    return rig.service.put_now(rig.region.region_id, rig.region.token, NS, item, durable)
+    return rig.service.put_now(rig.region.region_id, rig.region.token, NS, item, durable, CALLER)
 
 
 async def _batch_put(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult:
     request = pb.PutFromRegionRequest(
         region_id=rig.region.region_id, token=rig.region.token, namespace=NS, items=[item]
     )
-    return (await rig.service.put_from_region(request)).results[0]
+    return (await rig.service.put_from_region(request, CALLER)).results[0]
 
 
 async def test_put_now_stores_and_answers_as_the_batch_put_does(rig: Rig) -> None:
