@@ -230,13 +230,14 @@ class ShmChannel:
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
             )
             loop = asyncio.get_running_loop()
+            # A connection that has not said who it is holds its slot for
+            # bulk_hello_timeout_ms (2 s), as on the bulk port, not 30 s.
+            first_s = self.limits.hello_timeout_s
             try:
-                async with asyncio.timeout(self.limits.frame_timeout_s):
+                async with asyncio.timeout(first_s):
                     request, rest, fds = await self._first_frame(loop, conn)
             except TimeoutError:
-                raise ProtocolError(
-                    f"first frame not complete within {self.limits.frame_timeout_s:g} s"
-                ) from None
+                raise ProtocolError(f"first frame not complete within {first_s:g} s") from None
             if request.op == OP_REGION_ATTACH:
                 answer = self._attach(request, rest, fds, uid, pid)
                 await loop.sock_sendall(conn, answer)
