@@ -234,11 +234,13 @@ class Config:
     )
     log_format: str = _setting("logfmt", help="log line format", choices=("logfmt", "json"))
     shm_dir: str = _setting(
-        "/dev/shm/kvd", help="directory of same-node shared-memory regions", check=check_nonempty
+        "/dev/shm/kvd",
+        help="directory of the shm socket (regions are memfds passed over it)",
+        check=check_nonempty,
     )
     max_regions_per_client: int = _setting(
         16,
-        help="shared-memory regions one client connection may attach at once",
+        help="shared-memory regions one client process may attach at once",
         min=1,
         max=1024,
     )
