@@ -9,7 +9,10 @@
 - ``Guard`` runs a daemon call and turns every failure (daemon down, deadline
   passed, bad data, or a bug in the connector itself) into the caller's miss
   value, logging at most one line per ``LOG_INTERVAL_S`` per operation. An
-  engine's step loop never sees an exception from kvd; it recomputes.
+  engine's step loop never sees an exception from kvd; it recomputes. After
+  the daemon is found down or slow, calls are misses at once for
+  ``RETRY_AFTER_S``: a stopped daemon costs the engine one deadline per
+  window, not one per call.
 - ``encode_meta()`` / ``decode_meta()``: the small JSON blob kept in a value's
   ``meta`` (shape, dtype, format), bounded by the daemon's 4 KiB.
 - ``get_with_meta()`` reads a value together with its ``meta``.
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvd.client import Client, Tls
+from kvd.errors import Unavailable
 
 log = logging.getLogger("kvd.connectors")
 
@@ -52,6 +56,12 @@ DEFAULT_LEASE_MS = 10_000
 # flood the engine's log at one line per block.
 LOG_INTERVAL_S = 30.0
 DEFAULT_TARGET = "127.0.0.1:7070"
+# After an unreachable or too-slow daemon, calls are misses without asking
+# for this long. One engine step makes 3-4 calls (lookup, load, save,
+# release); at a 2 s deadline each, a stopped daemon would otherwise add
+# 6-8 s to every step. 2 s is about one recompute of a 1K-token prompt on
+# a CPU, so a daemon that comes back is used again within a request or two.
+RETRY_AFTER_S = 2.0
 
 _KEY_TAG_HEX = b"\x01"
 _KEY_TAG_TEXT = b"\x02"
@@ -179,28 +189,47 @@ class Guard:
     once per ``LOG_INTERVAL_S`` per operation name.
     """
 
-    def __init__(self, component: str, log_interval_s: float = LOG_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        component: str,
+        log_interval_s: float = LOG_INTERVAL_S,
+        retry_after_s: float = RETRY_AFTER_S,
+    ) -> None:
         self.component = component
         self.log_interval_s = log_interval_s
+        self.retry_after_s = retry_after_s
         self.stats: dict[str, GuardStats] = {}
+        self.skipped = 0  # calls answered as misses while the daemon was down
         self._last_log_s: dict[str, float] = {}
+        self._down_until_s = 0.0
         self._lock = threading.Lock()
 
     def call(self, op: str, default: T, fn: Callable[[], T]) -> T:
         with self._lock:
             stats = self.stats.setdefault(op, GuardStats())
             stats.calls += 1
+            if time.monotonic() < self._down_until_s:
+                self.skipped += 1
+                return default
         try:
             return fn()
         except Exception as exc:
             self.failed(op, exc)
             return default
 
+    def down(self) -> bool:
+        """Whether calls are being skipped because the daemon was found down."""
+        with self._lock:
+            return time.monotonic() < self._down_until_s
+
     def failed(self, op: str, exc: BaseException) -> None:
         now = time.monotonic()
         with self._lock:
             stats = self.stats.setdefault(op, GuardStats())
             stats.failures += 1
+            # Down or slow (not a bad answer to one call): stop asking for a while.
+            if isinstance(exc, Unavailable | OSError | TimeoutError):
+                self._down_until_s = now + self.retry_after_s
             last = self._last_log_s.get(op)
             if last is not None and now - last < self.log_interval_s:
                 return

@@ -163,7 +163,10 @@ def test_stalled_daemon_fails_fast_and_recovers(daemon_factory: DaemonFactory) -
     assert set(timings.errors) <= {"DeadlineExceeded", "Unavailable"}, timings.errors
     assert max_ms <= DEADLINE_S * 1000 + SLACK_MS
     assert misses == [0, False, (0, False)] * CALLS, "a connector did not report a miss"
-    assert sglang.guard.failures() == 2 * CALLS and vllm.guard.failures() == CALLS
+    # The first call of each connector waits out its deadline; after it, the
+    # connector answers misses without asking for its retry window.
+    for guard, calls in ((sglang.guard, 2 * CALLS), (vllm.guard, CALLS)):
+        assert guard.failures() >= 1 and guard.failures() + guard.skipped == calls
 
     # After SIGCONT: every path works again, on the very same clients.
     for client in (tcp, unix):
@@ -174,7 +177,10 @@ def test_stalled_daemon_fails_fast_and_recovers(daemon_factory: DaemonFactory) -
         assert client.lookup(NS, keys) == len(keys)
     for storage in (sglang, vllm):
         storage.client.timeout_s = 5
-    assert sglang.exists("a") is False and sglang.guard.failures() == 2 * CALLS
+    assert wait_until(lambda: not sglang.guard.down(), 10)
+    failures, skipped = sglang.guard.failures(), sglang.guard.skipped
+    assert sglang.exists("a") is False  # asked the daemon again: a plain miss
+    assert (sglang.guard.failures(), sglang.guard.skipped) == (failures, skipped)
     for client in (tcp, unix):
         client.close()
     sglang.close()
