@@ -34,8 +34,10 @@ up in rank 0's namespace (a rank that then misses reports load errors).
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,7 @@ from kvd.client import Client
 from kvd.connectors.common import (
     DEFAULT_LEASE_MS,
     DEFAULT_TIMEOUT_S,
+    LOAD_BATCH_BYTES,
     Guard,
     config_value,
     encode_meta,
@@ -60,14 +63,32 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        KVConnectorStats,
+    )
 
     HAVE_VLLM = True
 except ImportError:  # the connector's logic runs without vLLM, for tests and tools
     HAVE_VLLM = False
     KVConnectorBase_V1 = object
     KVConnectorMetadata = object
+    KVConnectorStats = object
+
+try:
+    from vllm.v1.metrics.cache_hit_source import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        CacheHitSource,
+    )
+
+    HOST_SOURCE: Any = CacheHitSource.HOST
+    DISK_SOURCE: Any = CacheHitSource.DISK
+except ImportError:  # vLLM before 0.32, or none
+    HOST_SOURCE, DISK_SOURCE = "host", "disk"
+
+log = logging.getLogger("kvd.connectors.vllm")
 
 ENGINE = "vllm"
+# Counters a worker reports to vLLM's stats logger (get_kv_connector_stats).
+STAT_NAMES = ("loaded_blocks", "load_errors", "saved_blocks", "save_failures", "load_s", "save_s")
 # Leases and plans of requests not yet scheduled: bounded, oldest dropped
 # (its lease then simply expires on the daemon).
 PENDING_REQUESTS_MAX = 4096
@@ -119,6 +140,28 @@ class _Tracked:
     lease: tuple[str, int] | None = None
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
+    l2_blocks: int = 0  # of the hit blocks, those only on kvd's SSD tier
+
+
+@dataclass
+class KvdConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """Blocks moved, failures and time spent, summed over an interval."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_NAMES, 0)
+
+    def aggregate(self, other: Any) -> KvdConnectorStats:
+        for name, value in dict(getattr(other, "data", {}) or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data.get(name, 0) for name in STAT_NAMES}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name, 0) for name in STAT_NAMES)
 
 
 def _role_name(role: Any) -> str:
@@ -126,7 +169,19 @@ def _role_name(role: Any) -> str:
 
 
 class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM V1 connector over a kvd daemon."""
+    """vLLM V1 connector over a kvd daemon.
+
+    Not ``SupportsHMA``: a value holds one block of every layer of the
+    model's one full-attention KV group, keyed by that group's block hashes.
+    With the hybrid allocator a block id means a different block in each
+    group (sliding-window groups drop old blocks), so one key could not name
+    all of them; vLLM turns the hybrid allocator off for this connector,
+    which costs sliding-window models memory, never correctness.
+    """
+
+    # Default source of an external hit; get_external_cache_hit_sources splits
+    # each hit between kvd's DRAM (host) and SSD (disk) tiers.
+    _cache_hit_source = HOST_SOURCE
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         if HAVE_VLLM:
@@ -134,6 +189,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.kvd_role = _role_name(role)
         transfer = getattr(vllm_config, "kv_transfer_config", None)
         extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+        _recompute_failed_loads(transfer, extra)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
         self.lease_ms = config_value(extra, "lease_ms", DEFAULT_LEASE_MS)
@@ -166,6 +222,9 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layer_names: list[str] = []
         self._block_dims: dict[str, int] = {}
         self._load_errors: set[int] = set()
+        self._staging: memoryview | None = None
+        self._stats = KvdConnectorStats()
+        self._stats.reset()
 
     def _namespace(self, tp_rank: int) -> str:
         return namespace(ENGINE, {**self.ns_fields, "tp": f"{tp_rank}of{self.tp_size}"})
@@ -200,11 +259,24 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         if found is not None and found.lease_id:
             tracked.lease = (lookup_ns, found.lease_id)
+        if found is not None:
+            tracked.l2_blocks = min(found.l2_hits, hit_blocks)
         with self._lock:
             self._tracked[request.request_id] = tracked
             while len(self._tracked) > PENDING_REQUESTS_MAX:
                 self._tracked.pop(next(iter(self._tracked)))
         return max(0, hit_blocks * self.block_size - num_computed_tokens), False
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """The tokens of a hit split between kvd's DRAM (host) and SSD (disk) tiers."""
+        if num_external_tokens <= 0:
+            return {}
+        tracked = self._tracked.get(request.request_id)
+        disk = min(num_external_tokens, (tracked.l2_blocks if tracked else 0) * self.block_size)
+        sources = {HOST_SOURCE: num_external_tokens - disk, DISK_SOURCE: disk}
+        return {source: tokens for source, tokens in sources.items() if tokens}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
@@ -291,15 +363,34 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for name in self._layer_names
         ]
 
-    def _block_bytes(self, block_id: int) -> bytes:
-        import torch  # type: ignore[import-not-found,unused-ignore]
+    def _staging_for(self, nbytes: int) -> memoryview:
+        """Reused memory for a batch of blocks, in a shared region when the
+        shm path is on (the daemon copies straight into or out of it)."""
+        if self._staging is None or len(self._staging) < nbytes:
+            self._staging = self.client.buffer(max(nbytes, min(LOAD_BATCH_BYTES, 4 * nbytes)))
+        return self._staging
 
-        parts = [
-            view.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
-            for view in self._block_views(block_id)
-        ]
-        data: bytes = torch.cat(parts).numpy().tobytes()
-        return data
+    def _stage_blocks(self, block_ids: Sequence[int], staging: Any) -> list[memoryview]:
+        """Copy each block's layers from the paged KV into ``staging``, one copy
+        a layer; a view of ``staging`` per block."""
+        sizes = self._layer_sizes(block_ids[0])
+        block_bytes = sum(sizes)
+        views = []
+        for i, block_id in enumerate(block_ids):
+            offset = i * block_bytes
+            for view, size in zip(self._block_views(block_id), sizes, strict=True):
+                dst = staging[offset : offset + size].view(view.dtype).reshape(view.shape)
+                dst.copy_(view)
+                offset += size
+            views.append(self._staging_view(i * block_bytes, block_bytes))
+        return views
+
+    def _staging_view(self, offset: int, nbytes: int) -> memoryview:
+        assert self._staging is not None
+        return self._staging[offset : offset + nbytes]
+
+    def _layer_sizes(self, block_id: int) -> list[int]:
+        return [v.numel() * v.element_size() for v in self._block_views(block_id)]
 
     def _block_meta(self) -> bytes:
         first = self._block_views(0)
@@ -313,26 +404,24 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _load_blocks(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Blocks into the paged KV, a batch per ``LOAD_BATCH_BYTES``; how many
-        leading blocks were loaded (the rest start at the first miss)."""
+        leading blocks were loaded (the rest start at the first miss). The
+        daemon writes each batch into the staging region, and one copy a
+        layer moves it into the KV tensors."""
         import torch  # type: ignore[import-not-found,unused-ignore]
 
-        layers = self._block_views(block_ids[0])
-        sizes = [v.numel() * v.element_size() for v in layers]
+        sizes = self._layer_sizes(block_ids[0])
         block_bytes = sum(sizes)
         loaded = 0
         for start, end in load_groups([block_bytes] * len(block_ids)):
-            staging = torch.empty((end - start) * block_bytes, dtype=torch.uint8)
-            array: Any = staging.numpy()
-            views = [
-                memoryview(array[i * block_bytes : (i + 1) * block_bytes]).cast("B")
-                for i in range(end - start)
-            ]
+            staging_view = self._staging_for((end - start) * block_bytes)
+            staging = torch.frombuffer(staging_view, dtype=torch.uint8)
+            views = [self._staging_view(i * block_bytes, block_bytes) for i in range(end - start)]
             got = get_prefix_into(self.client, self.namespace, keys[start:end], views)
             for i in range(got):
                 offset = i * block_bytes
                 for view, size in zip(self._block_views(block_ids[start + i]), sizes, strict=True):
                     src = staging[offset : offset + size].view(view.dtype).reshape(view.shape)
-                    view.copy_(src.to(view.device))
+                    view.copy_(src, non_blocking=False)
                     offset += size
             loaded += got
             if got < end - start:
@@ -351,7 +440,11 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             def fetch(load: BlockTransfer = load) -> int:
                 return self._load_blocks(load.keys, load.block_ids)
 
+            started = time.perf_counter()
             loaded = self.guard.call("load", 0, fetch)
+            self._count("load_s", time.perf_counter() - started)
+            self._count("loaded_blocks", loaded)
+            self._count("load_errors", len(load.block_ids) - loaded)
             self._load_errors.update(load.block_ids[loaded:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -366,17 +459,52 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._connector_meta()
         if meta is None or not self._kv_caches or not meta.saves:
             return
+
         block_meta = self._block_meta()
         for save in meta.saves:
+            if not save.block_ids:
+                continue
 
-            def put(save: BlockTransfer = save) -> None:
-                items = [
-                    (key, self._block_bytes(block_id), block_meta)
-                    for key, block_id in zip(save.keys, save.block_ids, strict=True)
-                ]
-                self.client.put_many(self.namespace, items, chained=True, parent=save.parent)
+            def put(save: BlockTransfer = save) -> bool:
+                self._save_blocks(save, block_meta)
+                return True
 
-            self.guard.call("save", None, put)
+            started = time.perf_counter()
+            done = self.guard.call("save", False, put)
+            self._count("save_s", time.perf_counter() - started)
+            self._count("saved_blocks" if done else "save_failures", len(save.block_ids))
+
+    def _save_blocks(self, save: BlockTransfer, block_meta: bytes) -> None:
+        """Stage the blocks, a batch per ``LOAD_BATCH_BYTES``, and put each batch."""
+        import torch  # type: ignore[import-not-found,unused-ignore]
+
+        block_bytes = sum(self._layer_sizes(save.block_ids[0]))
+        for start, end in load_groups([block_bytes] * len(save.block_ids)):
+            staging_view = self._staging_for((end - start) * block_bytes)
+            staging = torch.frombuffer(staging_view, dtype=torch.uint8)
+            values = self._stage_blocks(save.block_ids[start:end], staging)
+            parent = save.keys[start - 1] if start else save.parent
+            keys = save.keys[start:end]
+            items = [(key, value, block_meta) for key, value in zip(keys, values, strict=True)]
+            self.client.put_many(self.namespace, items, chained=True, parent=parent)
+
+    def _count(self, name: str, value: float) -> None:
+        self._stats.data[name] = self._stats.data.get(name, 0) + value
+
+    def get_kv_connector_stats(self) -> KvdConnectorStats | None:
+        """This worker's counters since the last call (vLLM logs and exports them)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvdConnectorStats()
+        self._stats.reset()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdConnectorStats:
+        stats = KvdConnectorStats()
+        stats.reset()
+        stats.data.update(data or {})
+        return stats
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -394,6 +522,23 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def _recompute_failed_loads(transfer: Any, extra: dict[str, Any]) -> None:
+    """Make vLLM recompute blocks that fail to load, rather than fail the request.
+
+    vLLM 0.32 defaults ``kv_load_failure_policy`` to ``"fail"``: a block the
+    daemon could not give back (it died, a disk read failed) then ends the
+    user's request with an error. A cache must never do that, so the
+    connector sets ``"recompute"`` (the scheduler reads the policy after it
+    builds its connector). ``"keep_load_failure_policy": true`` in the
+    connector's extra config leaves vLLM's setting alone.
+    """
+    if transfer is None or config_value(extra, "keep_load_failure_policy", False):
+        return
+    if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+        transfer.kv_load_failure_policy = "recompute"
+        log.info("kvd: kv_load_failure_policy set to 'recompute': a failed load is recomputed")
 
 
 def _tensor_parallel_rank() -> int:
