@@ -111,8 +111,12 @@ class Config:
         help="gRPC address HOST:PORT; non-loopback only with auth_tokens_file",
         check=check_address,
     )
+    # In the shm directory by default, so engines on this node find the daemon
+    # (and its shared-memory path) at one well-known path with no setting.
     socket: str = _setting(
-        "", help="Unix socket path for gRPC; empty: none", check=check_socket_path
+        "/dev/shm/kvd/grpc.sock",
+        help="Unix socket path for gRPC (engines on this node connect here); empty: none",
+        check=check_socket_path,
     )
     socket_mode: int = _setting(
         0o660, help="file mode of the Unix socket (octal)", min=0, max=0o777, octal=True

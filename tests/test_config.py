@@ -34,7 +34,7 @@ def test_defaults_match_the_contract() -> None:
     assert config.dram_bytes == 1 * GiB
     assert config.ssd_bytes == 4 * GiB
     assert config.ssd_path == ("./kvd-data/kvd-0.dat",)
-    assert config.socket == ""
+    assert config.socket == "/dev/shm/kvd/grpc.sock"  # in shm_dir: engines on the node find it
     assert config.socket_mode == 0o660
 
 

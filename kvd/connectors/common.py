@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -56,6 +58,10 @@ DEFAULT_LEASE_MS = 10_000
 # flood the engine's log at one line per block.
 LOG_INTERVAL_S = 30.0
 DEFAULT_TARGET = "127.0.0.1:7070"
+# The daemon's default gRPC Unix socket (the ``socket`` setting's default; a
+# test holds the two equal). Without a ``url``, a connector on the daemon's
+# node uses it, and with it the shared-memory path: no setting needed.
+DEFAULT_SOCKET = "/dev/shm/kvd/grpc.sock"
 # After an unreachable or too-slow daemon, calls are misses without asking
 # for this long. One engine step makes 3-4 calls (lookup, load, save,
 # release); at a 2 s deadline each, a stopped daemon would otherwise add
@@ -128,10 +134,21 @@ def bytes_key(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
+def default_target(socket_path: str = DEFAULT_SOCKET) -> str:
+    """The daemon's default Unix socket when it is there, else its default TCP address."""
+    try:
+        if stat.S_ISSOCK(os.stat(socket_path).st_mode):
+            return "unix://" + socket_path
+    except OSError:
+        pass
+    return DEFAULT_TARGET
+
+
 def parse_target(url: str | None) -> str:
-    """``kvd://host:port``, ``host:port``, ``kvd:///a.sock``, ``unix:///a.sock`` → a target."""
+    """``kvd://host:port``, ``host:port``, ``kvd:///a.sock``, ``unix:///a.sock`` → a
+    target; none: ``default_target()``."""
     if not url:
-        return DEFAULT_TARGET
+        return default_target()
     if url.startswith("unix://"):
         return url
     if url.startswith("kvd://"):

@@ -3,10 +3,14 @@ and a daemon found down or slow is not asked again for a retry window."""
 
 from __future__ import annotations
 
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
+from kvd.config import SETTINGS_BY_NAME
+from kvd.connectors import common
 from kvd.connectors.common import Guard
 from kvd.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
@@ -50,3 +54,16 @@ def test_a_bad_answer_to_one_call_does_not(error: Exception) -> None:
     assert guard.call("load", 0, fail) == 0
     assert not guard.down()
     assert guard.call("load", 3, lambda: 3) == 3 and guard.skipped == 0
+
+
+def test_without_a_url_a_connector_prefers_the_default_socket(tmp_path: Path) -> None:
+    assert SETTINGS_BY_NAME["socket"].default == common.DEFAULT_SOCKET
+    path = tmp_path / "grpc.sock"
+    assert common.default_target(str(path)) == common.DEFAULT_TARGET  # no daemon here
+    path.write_text("")
+    assert common.default_target(str(path)) == common.DEFAULT_TARGET  # not a socket
+    path.unlink()
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        assert common.default_target(str(path)) == f"unix://{path}"
+    assert common.parse_target("kvd://10.0.0.1:7070") == "10.0.0.1:7070"
