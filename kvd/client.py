@@ -185,6 +185,7 @@ class Client:
                 paths.max_region_bytes,
                 lambda name, request: self._call(getattr(self._stub, name), request),
                 ops,
+                self._region_ops,
             )
             try:
                 shm.open()  # the staging region proves the directory is shared with the daemon
@@ -200,6 +201,11 @@ class Client:
                 connections=self._bulk_connections,
                 timeout_s=self.timeout_s,
             )
+
+    def _region_ops(self) -> RegionOps | None:
+        """Region ops as the daemon describes its shm socket now (after a restart)."""
+        paths = self._call(self._stub.DescribePaths, pb.DescribePathsRequest())
+        return RegionOps.of(paths, self._token, self.timeout_s) if paths.shm_dir else None
 
     def buffer(self, nbytes: int) -> memoryview:
         """Writable memory for values: inside a shared region when the shm path is on."""

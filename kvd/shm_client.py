@@ -30,7 +30,14 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvd.errors import BY_CODE_NAME, InvalidArgument, KvdError, ResourceExhausted, Unavailable
+from kvd.errors import (
+    BY_CODE_NAME,
+    InvalidArgument,
+    KvdError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvd.shm_ops import RegionOps
 from kvd.v1 import kvd_pb2 as pb
 
@@ -170,11 +177,16 @@ class ShmPath:
         max_region_bytes: int,
         call: Callable[[str, Any], Any],
         ops: RegionOps | None = None,
+        rediscover: Callable[[], RegionOps | None] | None = None,
     ):
+        """``rediscover()``: region ops on the daemon's shm socket as the daemon
+        now describes it (DescribePaths again), for ``renew``."""
         self.shm_dir = shm_dir
         self.max_region_bytes = max_region_bytes
         self._call = call
         self._ops = ops
+        self._rediscover = rediscover
+        self._renew_lock = threading.Lock()
         self._regions: list[ClientRegion] = []
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
@@ -212,11 +224,41 @@ class ShmPath:
             self._ops.client.timeout_s = value  # the client's changed deadline, as for bulk
 
     def _batch(self, name: str, request: Any) -> pb.RegionBatchResponse:
-        if self._ops is None:
+        ops = self._ops
+        if ops is None:
             return self._call(name, request)  # type: ignore[no-any-return]  # closed
-        if name == "GetIntoRegion":
-            return self._ops.get_into_region(request)
-        return self._ops.put_from_region(request)
+        try:
+            if name == "GetIntoRegion":
+                return ops.get_into_region(request)
+            return ops.put_from_region(request)
+        except (Unavailable, PermissionDenied):
+            self.renew(ops)
+            raise
+
+    def renew(self, failed: RegionOps) -> bool:
+        """After ``failed`` lost the daemon (its socket closed, or a new peer
+        that is not the daemon it knew: a restart), attach every region to the
+        daemon that serves now, in place, so the buffers handed out stay
+        valid. The call that failed still fails (a miss to a connector); the
+        next one uses the new attachment. False while no daemon answers."""
+        with self._renew_lock:
+            if self._ops is not failed:
+                return True  # another thread renewed already
+            if self._rediscover is None:
+                return False
+            try:
+                ops = self._rediscover()
+                if ops is None:
+                    return False
+                with self._lock:
+                    regions = list(self._regions)
+                for region in regions:
+                    region.region_id, region.token = ops.attach(region.fd, region.size)
+            except (KvdError, OSError):
+                return False
+            self._ops = ops
+        failed.close()
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -353,9 +395,14 @@ class ShmPath:
         where = self.locate(buffer) if self._ops is not None else None
         if where is None:  # staging, or gRPC region calls: the batch's way
             return self.get_many_into(ns, [key], [buffer])[0]
-        assert self._ops is not None
+        ops = self._ops
+        assert ops is not None
         region, offset = where
-        result = self._ops.get_one(region.region_id, region.token, ns, key, offset, len(buffer))
+        try:
+            result = ops.get_one(region.region_id, region.token, ns, key, offset, len(buffer))
+        except (Unavailable, PermissionDenied):
+            self.renew(ops)
+            raise
         if result.code == _NOT_FOUND:
             return None
         if result.code:

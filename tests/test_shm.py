@@ -332,3 +332,33 @@ def test_client_reports_the_paths_it_uses(
         assert client.paths == frozenset()
         assert client.put(NS, b"k", b"v" * 5000) is False
         assert client.get(NS, b"k") == b"v" * 5000
+
+
+def test_a_restarted_daemon_gets_the_client_regions_again(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """A daemon restart (new pid, no regions) costs the call that meets it;
+    the client attaches its regions to the new daemon, and buffers handed
+    out before the restart keep working through shared memory."""
+    where = tmp_path / "restarted"
+    first = daemon_factory(workdir=where)
+    value = os.urandom(300_000)
+    with Client(first.socket_target, timeout_s=5) as client:
+        room = client.buffer(len(value))
+        client.put("ns", b"k", value)
+        assert client.get_into("ns", b"k", room) == len(value) and bytes(room) == value
+        assert first.stop() == 0
+        second = daemon_factory(workdir=where)
+        room[:] = bytes(len(value))
+        failures = 0
+        for _ in range(3):
+            try:
+                got = client.get_into("ns", b"k", room)
+                break
+            except KvdError:
+                failures += 1
+        assert failures <= 1 and got == len(value) and bytes(room) == value  # from L2
+        assert "shm-socket" in client.paths
+        stats = client.stats()
+        assert stats["l2_hits"] == 1
+    assert second.alive()
