@@ -9,6 +9,7 @@ import random
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +271,24 @@ def test_first_call_to_a_stalled_daemon_costs_one_deadline_and_fast_paths_come_b
             assert client._bulk is not None  # the fast path was found once the daemon answered
     finally:
         os.kill(daemon.proc.pid, 18)
+
+
+def test_a_daemon_restarted_while_a_client_called_it_is_reached_again_within_seconds(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """Calls made while the daemon was gone do not keep failing after it is back."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ("--listen", f"127.0.0.1:{port}", "--bulk-listen", "")
+    first = daemon_factory(*args, workdir=tmp_path / "d")
+    with Client(first.target, timeout_s=0.5) as client:
+        client.put("rs", b"k", b"v", durable=True)
+        first.kill()
+        for _ in range(16):  # 5 s of calls while it is gone: the channel backs off
+            with pytest.raises(Unavailable):
+                client.get("rs", b"k")
+            time.sleep(0.3)
+        daemon_factory(*args, workdir=tmp_path / "d")
+        time.sleep(1.5)  # one capped backoff and a connection
+        assert client.get("rs", b"k") == b"v"
