@@ -187,6 +187,7 @@ class ShmPath:
         self._ops = ops
         self._rediscover = rediscover
         self._renew_lock = threading.Lock()
+        self._renamed: dict[int, ClientRegion] = {}  # the last renew's regions, by old id
         self._regions: list[ClientRegion] = []
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
@@ -228,37 +229,48 @@ class ShmPath:
         if ops is None:
             return self._call(name, request)  # type: ignore[no-any-return]  # closed
         try:
-            if name == "GetIntoRegion":
-                return ops.get_into_region(request)
-            return ops.put_from_region(request)
+            return self._region_batch(ops, name, request)
         except (Unavailable, PermissionDenied):
-            self.renew(ops)
-            raise
+            renamed = self.renew(ops)
+            region = renamed.get(request.region_id) if renamed is not None else None
+            if region is None or self._ops is None:
+                raise
+        # The daemon restarted: the same batch once more, in the region's new attachment.
+        request.region_id, request.token = region.region_id, region.token
+        return self._region_batch(self._ops, name, request)
 
-    def renew(self, failed: RegionOps) -> bool:
+    @staticmethod
+    def _region_batch(ops: RegionOps, name: str, request: Any) -> pb.RegionBatchResponse:
+        if name == "GetIntoRegion":
+            return ops.get_into_region(request)
+        return ops.put_from_region(request)
+
+    def renew(self, failed: RegionOps) -> dict[int, ClientRegion] | None:
         """After ``failed`` lost the daemon (its socket closed, or a new peer
         that is not the daemon it knew: a restart), attach every region to the
         daemon that serves now, in place, so the buffers handed out stay
-        valid. The call that failed still fails (a miss to a connector); the
-        next one uses the new attachment. False while no daemon answers."""
+        valid: the regions by their old ids, or None while no daemon answers.
+        The caller may try its call once more, in the new attachment."""
         with self._renew_lock:
             if self._ops is not failed:
-                return True  # another thread renewed already
+                return self._renamed  # another thread renewed already
             if self._rediscover is None:
-                return False
+                return None
             try:
                 ops = self._rediscover()
                 if ops is None:
-                    return False
+                    return None
                 with self._lock:
                     regions = list(self._regions)
+                renamed = {}
                 for region in regions:
+                    renamed[region.region_id] = region
                     region.region_id, region.token = ops.attach(region.fd, region.size)
             except (KvdError, OSError):
-                return False
-            self._ops = ops
+                return None
+            self._ops, self._renamed = ops, renamed
         failed.close()
-        return True
+        return renamed
 
     def close(self) -> None:
         with self._lock:
@@ -401,8 +413,10 @@ class ShmPath:
         try:
             result = ops.get_one(region.region_id, region.token, ns, key, offset, len(buffer))
         except (Unavailable, PermissionDenied):
-            self.renew(ops)
-            raise
+            if self.renew(ops) is None or self._ops is None:
+                raise
+            # The daemon restarted: once more, in the region's new attachment.
+            result = self._ops.get_one(region.region_id, region.token, ns, key, offset, len(buffer))
         if result.code == _NOT_FOUND:
             return None
         if result.code:
