@@ -21,6 +21,10 @@ from typing import Any
 from kvd import __version__
 
 RESULTS_DIR = Path("bench/results")
+# The conversation trace beside the checkout (shared/traces/), for multi-turn runs.
+CONVERSATION_TRACE = (
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
 
 
 def _progress(text: str) -> None:
@@ -144,12 +148,17 @@ def _engine(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     rows = engine.run(sizes, args.repeats, _progress)
     table = engine.markdown(rows)
-    data = {
-        "suite": "engine",
-        "machine": machine(),
-        "seconds": round(time.perf_counter() - started, 1),
-        **engine.results(rows),
-    }
+    data: dict[str, Any] = {"suite": "engine", "machine": machine(), **engine.results(rows)}
+    trace = Path(args.trace) if args.trace else None
+    if trace is not None and trace.exists() and args.turns > 0:
+        from kvd.bench import engine_turns
+        from kvd.bench.engine_proc import find_engine_env
+
+        with tempfile.TemporaryDirectory(prefix="kvd-bench-turns-") as tmp:
+            turns = engine_turns.run(find_engine_env(), trace, Path(tmp), args.turns, _progress)
+        table += "\n\nMulti-turn (" + str(trace.name) + "):\n\n" + engine_turns.markdown(turns)
+        data["turns"] = {"trace": str(trace), "rows": [row.as_dict() for row in turns]}
+    data["seconds"] = round(time.perf_counter() - started, 1)
     path = write_results("engine", data, table, Path(args.out))
     print(table)
     print(f"\nraw: {path}")
@@ -180,6 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     engine_cmd.add_argument("--prompt-tokens", nargs="*", help="prompt sizes (tokens)")
     engine_cmd.add_argument("--repeats", type=int, default=3, help="timed restores per figure")
+    engine_cmd.add_argument(
+        "--trace",
+        default=str(
+            Path(__file__).resolve().parents[3] / "shared/traces/mooncake_conversation_trace.jsonl"
+        ),
+        help="conversation trace for the multi-turn run",
+    )
+    engine_cmd.add_argument("--turns", type=int, default=24, help="multi-turn requests; 0: none")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.suite == "engine":
         return _engine(args)

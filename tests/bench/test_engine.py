@@ -5,6 +5,10 @@ engine`; tests/engines covers the same engine paths.)"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from kvd.bench import engine_turns
 from kvd.bench.engine import EngineRow, markdown, prompt
 
 
@@ -32,3 +36,23 @@ def test_prompts_of_different_sizes_share_no_block() -> None:
     small, large = prompt(1024, 1), prompt(2048, 1)
     assert len(small) == 1024 and len(large) == 2048
     assert small[:128] != large[:128]
+
+
+def test_trace_requests_become_prompts_that_share_their_prefix_blocks(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"hash_ids": [0, 1, 2]}, {"hash_ids": [0, 1, 2, 3]}, {"hash_ids": [0, 9]}]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    first, second, third = engine_turns.trace_prompts(trace, 3)
+    block = engine_turns.BLOCK_TOKENS
+    assert len(first) == 3 * block + engine_turns.TAIL_TOKENS
+    assert second[: 3 * block] == first[: 3 * block]  # the turn extends the last
+    assert third[:block] == first[:block] and third[block : 2 * block] != first[block : 2 * block]
+    assert first[3 * block :] != second[3 * block : 3 * block + engine_turns.TAIL_TOKENS]
+
+
+def test_the_turns_table() -> None:
+    rows = [engine_turns.TurnsRow("recompute", 24, 5.0, 9.0, None),
+            engine_turns.TurnsRow("kvd", 24, 1.5, 4.0, 0.4567)]  # fmt: skip
+    table = engine_turns.markdown(rows)
+    assert "| recompute | 24 | 5.000 | 9.000 | - |" in table
+    assert "| kvd | 24 | 1.500 | 4.000 | 45.7% |" in table
