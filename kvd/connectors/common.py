@@ -216,7 +216,7 @@ class Guard:
         self.log_interval_s = log_interval_s
         self.retry_after_s = retry_after_s
         self.stats: dict[str, GuardStats] = {}
-        self.skipped = 0  # calls answered as misses while the daemon was down
+        self.skipped = 0  # of the failures, calls not made: the daemon was down
         self._last_log_s: dict[str, float] = {}
         self._down_until_s = 0.0
         self._lock = threading.Lock()
@@ -226,6 +226,7 @@ class Guard:
             stats = self.stats.setdefault(op, GuardStats())
             stats.calls += 1
             if time.monotonic() < self._down_until_s:
+                stats.failures += 1  # a miss for the daemon's sake, as a failed call is
                 self.skipped += 1
                 return default
         try:

@@ -219,7 +219,10 @@ def test_daemon_down_is_a_miss_and_a_load_error() -> None:
     assert worker.get_block_ids_with_load_errors() == {3, 4}
     assert worker.get_block_ids_with_load_errors() == set()
     assert step(scheduler, worker, request, [0, 1, 2]) == 0  # saves fail quietly
-    assert scheduler.guard.failures() >= 2 and worker.guard.failures() >= 2
+    # The first call of each side waits for the daemon; the next ones are
+    # misses at once for the retry window.
+    for guard in (scheduler.guard, worker.guard):
+        assert guard.failures() >= 2 and guard.skipped >= 1
 
 
 @pytest.mark.parametrize("batch_bytes", [1, 64 << 20])  # one block per batch, or all at once

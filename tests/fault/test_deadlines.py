@@ -166,7 +166,7 @@ def test_stalled_daemon_fails_fast_and_recovers(daemon_factory: DaemonFactory) -
     # The first call of each connector waits out its deadline; after it, the
     # connector answers misses without asking for its retry window.
     for guard, calls in ((sglang.guard, 2 * CALLS), (vllm.guard, CALLS)):
-        assert guard.failures() >= 1 and guard.failures() + guard.skipped == calls
+        assert guard.failures() == calls and 0 < guard.skipped < calls
 
     # After SIGCONT: every path works again, on the very same clients.
     for client in (tcp, unix):
