@@ -140,7 +140,9 @@ def _kvd(
 ) -> None:
     workdir = logs / "kvd"
     workdir.mkdir()
-    daemon = SpawnedDaemon(workdir, [], dram="4GiB", max_value="64MiB", ssd="8GiB")
+    daemon = SpawnedDaemon(
+        workdir, [], dram="4GiB", max_value="32MiB", ssd="4GiB", segment="256MiB"
+    )
     url = f"kvd://{daemon.socket}"  # the same-node path engines use by default
     try:
         progress("engine: kvd, a first engine stores")
@@ -157,7 +159,9 @@ def _kvd(
                 rows[size].equal_tokens["kvd_l1"] = tokens == reference[size]
             for size, ids in prompts.items():
                 daemon.stop()
-                daemon = SpawnedDaemon(workdir, [], dram="4GiB", max_value="64MiB", ssd="8GiB")
+                daemon = SpawnedDaemon(
+                    workdir, [], dram="4GiB", max_value="32MiB", ssd="4GiB", segment="256MiB"
+                )
                 time.sleep(3.0)  # the connector's retry window after the restart
                 rows[size].ttft_s["kvd_l2"], tokens = _ttft(engine, ids)
                 rows[size].equal_tokens["kvd_l2"] = tokens == reference[size]

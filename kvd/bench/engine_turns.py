@@ -112,7 +112,9 @@ def run(
     for config in CONFIGS:
         workdir = logs / f"turns-{config}"
         workdir.mkdir()
-        daemon = SpawnedDaemon(workdir, [], dram="4GiB", max_value="64MiB", ssd="8GiB")
+        daemon = SpawnedDaemon(
+            workdir, [], dram="4GiB", max_value="32MiB", ssd="4GiB", segment="256MiB"
+        )
         try:
             times = _play(env, logs, config, prompts, f"kvd://{daemon.socket}", progress)
             with Client(daemon.target, timeout_s=30) as client:

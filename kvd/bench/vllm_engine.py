@@ -36,7 +36,8 @@ ENGINE_ENV_DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 BLOCK_TOKENS = 128
-MAX_MODEL_LEN = 4096
+# SmolLM2-135M takes 8,192 positions; a 4,096-token prompt needs room for its output.
+MAX_MODEL_LEN = 8192
 
 
 def kv_transfer_config(url: str, extra: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,16 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def fd_targets(pid: int) -> list[str]:
+    targets = []
+    for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+        try:
+            targets.append(f"{fd}->{os.readlink(f'/proc/{pid}/fd/{fd}')}")
+        except OSError:
+            pass
+    return targets
+
+
 def sglang_storage(target: str) -> KvdHiCacheStorage:
     config = SimpleNamespace(
         tp_rank=0, tp_size=1, model_name="m", is_mla_model=False, is_page_first_layout=True,
@@ -118,7 +128,6 @@ def test_stalled_daemon_fails_fast_and_recovers(daemon_factory: DaemonFactory) -
         # A scheduler took a lease, then its engine stalled along with the daemon.
         assert client.lookup_ex(NS, keys, lease_ms=LEASE_MS).lease_id
     settle(daemon)
-    fds_before = open_fds(daemon.proc.pid)
 
     tcp = Client(daemon.target, timeout_s=DEADLINE_S)  # gRPC and bulk TCP
     unix = Client(daemon.socket_target, timeout_s=DEADLINE_S)  # gRPC and shared memory
@@ -129,6 +138,11 @@ def test_stalled_daemon_fails_fast_and_recovers(daemon_factory: DaemonFactory) -
     for client in (tcp, unix):
         assert client.get(NS, keys[1]) == value_for(keys[1], BIG)
     assert sglang.batch_exists(["00" * 32]) == 0
+    # The baseline comes after the warm-up: the daemon opens some descriptors
+    # once, lazily, on its first connections of each kind (one on /dev/null
+    # with its first shm-socket connection), which are not the stall's.
+    fds_before = open_fds(daemon.proc.pid)
+    targets_before = fd_targets(daemon.proc.pid)
     timings = Timings()
     ops: list[tuple[str, Callable[[Client, int], Any]]] = [
         ("get_small", lambda c, i: c.get(NS, keys[0])),
@@ -204,7 +218,8 @@ def test_stalled_daemon_fails_fast_and_recovers(daemon_factory: DaemonFactory) -
     assert stats["entries"] == len(present)
     assert stats["pool_used_bytes"] == sum(-(-sizes[k] // page) * page for k in present)
     assert wait_until(lambda: open_fds(daemon.proc.pid) <= fds_before, 10), (
-        f"daemon fds {open_fds(daemon.proc.pid)} > {fds_before} before the stall"
+        f"daemon fds {open_fds(daemon.proc.pid)} > {fds_before} before the stall: "
+        f"{sorted(set(fd_targets(daemon.proc.pid)) - set(targets_before))}"
     )
 
 
