@@ -209,9 +209,15 @@ def _offload(
                 rows[size].ttft_s["vllm_offload"] = statistics.median(times)
                 rows[size].equal_tokens["vllm_offload"] = tokens == reference[size]
     except (EngineFailed, EngineUnavailable) as exc:
-        reason = str(exc).strip().splitlines()
         for row in rows.values():
-            row.skipped["vllm_offload"] = " / ".join(reason[-3:])[:500]
+            row.skipped["vllm_offload"] = root_cause(str(exc))
+
+
+def root_cause(text: str) -> str:
+    """The error line that says why an engine failed, not vLLM's "see above"."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line and "see root cause" not in line.lower()]
+    return (errors[-1] if errors else lines[-1] if lines else "unknown")[:300]
 
 
 def markdown(rows: list[EngineRow]) -> str:

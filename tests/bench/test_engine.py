@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from kvd.bench import engine_turns
-from kvd.bench.engine import EngineRow, markdown, prompt
+from kvd.bench.engine import EngineRow, markdown, prompt, root_cause
 
 
 def test_ratios_come_from_the_same_row() -> None:
@@ -56,3 +56,14 @@ def test_the_turns_table() -> None:
     table = engine_turns.markdown(rows)
     assert "| recompute | 24 | 5.000 | 9.000 | - |" in table
     assert "| kvd | 24 | 1.500 | 4.000 | 45.7% |" in table
+
+
+def test_a_skipped_peer_is_named_by_its_root_cause_not_by_vllms_see_above() -> None:
+    log = """engine exited with 1:
+RuntimeError: Worker failed with error 'CPU Offloading is only on CUDA'
+    raise RuntimeError(
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+resource_tracker: There appear to be 1 leaked shared_memory objects"""
+    assert root_cause(log) == (
+        "RuntimeError: Worker failed with error 'CPU Offloading is only on CUDA'"
+    )
