@@ -24,6 +24,7 @@ Ratios: kvd L1 / prefix hit, recompute / kvd L1, kvd L2 / kvd L1.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -216,7 +217,11 @@ def _offload(
 def root_cause(text: str) -> str:
     """The error line that says why an engine failed, not vLLM's "see above"."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line and "see root cause" not in line.lower()]
+    errors = [
+        line
+        for line in lines
+        if re.search(r"\w+(Error|Exception): ", line) and "see root cause" not in line.lower()
+    ]
     return (errors[-1] if errors else lines[-1] if lines else "unknown")[:300]
 
 
