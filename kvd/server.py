@@ -42,7 +42,7 @@ from kvd.l2 import DeviceSet, L2Tier
 from kvd.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
 from kvd.pool import Pool
 from kvd.service import KVStoreService, ServiceLimits
-from kvd.shm_channel import secure_directory
+from kvd.shm_channel import claim_socket_path, secure_directory
 from kvd.store import Store, StoreLimits
 from kvd.tls import ServerTls
 from kvd.v1 import kvd_pb2
@@ -236,14 +236,16 @@ class Daemon:
             if self.port == 0:
                 raise OSError(f"cannot listen on {cfg.listen}")
         if cfg.socket:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(cfg.socket)
             where = os.path.dirname(os.path.abspath(cfg.socket))
             if where == os.path.abspath(cfg.shm_dir):  # the default: made as the shm path makes it
                 group = _group_id(cfg.socket_group) if cfg.socket_group else -1
                 secure_directory(where, group)
             else:
                 os.makedirs(where, exist_ok=True)
+            # A socket left by a daemon that died goes; one another daemon
+            # still serves is refused (two daemons on the default socket
+            # would otherwise take it from each other in silence).
+            claim_socket_path(cfg.socket)
             server.add_insecure_port("unix:" + cfg.socket)
         await server.start()
         if cfg.socket:

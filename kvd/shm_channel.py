@@ -144,7 +144,7 @@ class ShmChannel:
         shared-memory path). The directory is made the daemon's alone first,
         and the socket gets its mode and group before it listens."""
         secure_directory(os.path.dirname(os.path.abspath(self.path)), self.group_id)
-        _claim(self.path)
+        claim_socket_path(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self.path)
@@ -572,7 +572,7 @@ def secure_directory(path: str, group_id: int = -1) -> None:
         os.chmod(path, stat.S_IMODE(info.st_mode) | stat.S_ISVTX)
 
 
-def _claim(path: str) -> None:
+def claim_socket_path(path: str) -> None:
     """Remove a stale socket file, or one another uid put there (the
     directory is ours: nobody else may hold a name in it); refuse one that
     another daemon of ours still serves."""
@@ -583,7 +583,7 @@ def _claim(path: str) -> None:
     if not stat.S_ISSOCK(info.st_mode):
         raise OSError(f"{path} exists and is not a socket")
     if info.st_uid != os.geteuid():
-        log.warning("shm socket taken back", extra={"path": path, "uid": info.st_uid})
+        log.warning("socket taken back", extra={"path": path, "uid": info.st_uid})
         os.unlink(path)
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

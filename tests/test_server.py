@@ -6,9 +6,13 @@ streams); the client library has its own tests.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,7 +23,7 @@ from kvd.client import Client
 from kvd.grpc_handlers import KVStoreStub
 from kvd.v1 import kvd_pb2 as pb
 
-from .conftest import DaemonProcess, wait_until
+from .conftest import DaemonFactory, DaemonProcess, wait_until
 
 Code = grpc.StatusCode
 
@@ -223,3 +227,34 @@ def test_sigterm_stops_cleanly(daemon: DaemonProcess) -> None:
         client.put("s", b"k", b"v")
     assert daemon.stop() == 0
     assert any("kvd stopped" in line for line in daemon.log)
+
+
+def test_a_second_daemon_on_a_served_socket_is_refused_and_a_stale_one_replaced(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """Two daemons on one socket path (the default one, say) would take it
+    from each other in silence: the second is refused, naming the path. A
+    socket file nobody serves (a daemon that died) is replaced."""
+    first = daemon_factory()
+    sock = first.socket
+    result = subprocess.run(
+        [sys.executable, "-m", "kvd", "serve", "--listen", "127.0.0.1:0", "--socket", sock,
+         "--metrics-listen", "", "--bulk-listen", "", "--dram-bytes", "64MiB",
+         "--shm-dir", str(tmp_path / "shm2"), "--config", str(write_no_l2(tmp_path))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert f"{sock} is served by another process" in result.stdout + result.stderr
+    with Client(first.socket_target, timeout_s=5) as client:  # the first keeps its socket
+        client.put("s", b"k", b"v")
+    first.kill()
+    assert os.path.exists(sock)  # left behind by kill -9
+    second = daemon_factory(workdir=first.workdir)
+    with Client(second.socket_target, timeout_s=5) as client:
+        assert client.get("s", b"k") in (b"v", None)
+
+
+def write_no_l2(tmp_path: Path) -> Path:
+    path = tmp_path / "no-l2.toml"
+    path.write_text("ssd_path = []\n")
+    return path
