@@ -242,6 +242,7 @@ def test_a_second_daemon_on_a_served_socket_is_refused_and_a_stale_one_replaced(
          "--metrics-listen", "", "--bulk-listen", "", "--dram-bytes", "64MiB",
          "--shm-dir", str(tmp_path / "shm2"), "--config", str(write_no_l2(tmp_path))],
         capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
     )  # fmt: skip
     assert result.returncode != 0
     assert f"{sock} is served by another process" in result.stdout + result.stderr

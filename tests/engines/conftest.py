@@ -28,14 +28,14 @@ def free_port() -> int:
 def engine_env() -> EngineEnv:
     """The engine environment; the tests skip, saying why, where there is none.
 
-    ``KVD_REQUIRE_ENGINE=1`` (set by CI) turns a missing environment into a
+    ``REQUIRE_ENGINE_TESTS=1`` (set by CI) turns a missing environment into a
     failure: there the README's command must have built it.
     """
     try:
         return find_engine_env()
     except EngineUnavailable as exc:
-        if os.environ.get("KVD_REQUIRE_ENGINE") == "1":
-            pytest.fail(f"KVD_REQUIRE_ENGINE=1 but {exc}")
+        if os.environ.get("REQUIRE_ENGINE_TESTS") == "1":
+            pytest.fail(f"REQUIRE_ENGINE_TESTS=1 but {exc}")
         pytest.skip(str(exc))
 
 

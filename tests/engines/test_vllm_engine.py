@@ -204,6 +204,12 @@ def test_two_engines_share_one_daemon(
     engine_b: VllmProcess,
 ) -> None:
     time.sleep(3.0)  # past any retry window left by earlier faults
+    # The daemon restarted under both engines in the tests before: one
+    # request each first, so both clients meet the restarted daemon (and
+    # attach their regions to it) before the requests this test checks.
+    answer(engine_a, "p1")
+    answer(engine_b, "p1")
+    time.sleep(3.0)
     results: dict[str, dict[str, Any]] = {}
 
     def run(engine: VllmProcess, name: str) -> None:
