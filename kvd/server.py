@@ -42,7 +42,7 @@ from kvd.l2 import DeviceSet, L2Tier
 from kvd.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
 from kvd.pool import Pool
 from kvd.service import KVStoreService, ServiceLimits
-from kvd.shm_channel import claim_socket_path, secure_directory
+from kvd.socket_dirs import claim_socket_path, secure_directory
 from kvd.store import Store, StoreLimits
 from kvd.tls import ServerTls
 from kvd.v1 import kvd_pb2

@@ -13,7 +13,7 @@ handlers' own (``RegionHandlers.get_into_region`` and ``put_from_region``),
 so both ways give the same answers, limits and metrics.
 
 Who may get here: the socket's directory is the daemon's alone (created with
-mode ``DIR_MODE`` set by ``chmod``, whatever the umask; an existing one
+mode ``kvd.socket_dirs.DIR_MODE`` set by ``chmod``, whatever the umask; an existing one
 must be owned by the daemon's uid or root and, if others may write it,
 sticky), so nobody else can unlink, rename or replace the socket; the
 socket has the gRPC socket's ``socket_mode`` and ``socket_group``. Every
@@ -49,7 +49,6 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -78,6 +77,7 @@ from kvd.shm_wire import (
     REGION_REF,
     TIER_SHIFT,
 )
+from kvd.socket_dirs import claim_socket_path, secure_directory
 from kvd.v1 import kvd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -90,10 +90,6 @@ T = TypeVar("T")
 
 CHANNEL_OPS = frozenset({OP_HELLO, OP_REGION_GET, OP_REGION_PUT})
 FIRST_OPS = frozenset({OP_HELLO, OP_REGION_ATTACH})
-# The socket's directory when the daemon creates it: the group may reach the
-# socket (x) and list it (r); nobody but the daemon may create or unlink
-# anything there, and the sticky bit keeps that so if someone adds write bits.
-DIR_MODE = 0o1750
 LISTEN_BACKLOG = 128
 # A failed accept (no descriptor or memory left) is tried again after this.
 ACCEPT_RETRY_S = 0.1
@@ -532,70 +528,6 @@ async def _queue(queue: asyncio.Queue[T], item: T, consumer: asyncio.Task[None])
         return True
     put.cancel()
     return False
-
-
-def secure_directory(path: str, group_id: int = -1) -> None:
-    """Make ``path`` a directory where only this daemon can place or remove
-    files; OSError when it exists and is not (and cannot be made) one.
-
-    Created here: mode ``DIR_MODE`` set with ``chmod`` (``makedirs`` modes
-    pass through the umask: 0o770 gave 0o750 under umask 022). Existing: a
-    directory (not a link) owned by this uid or root, and sticky if anyone
-    else may write it; one of ours that is not gets the sticky bit."""
-    created = False
-    try:
-        os.mkdir(path, 0o700)
-        created = True
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.mkdir(path, 0o700)
-        created = True
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise OSError(f"{path} is not a directory")
-    me = os.geteuid()
-    if created:
-        if group_id >= 0:
-            os.chown(path, -1, group_id)
-        os.chmod(path, DIR_MODE)
-        return
-    if info.st_uid not in (me, 0):
-        raise OSError(f"{path} belongs to uid {info.st_uid}, not to this daemon (uid {me})")
-    others_write = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if others_write and not info.st_mode & stat.S_ISVTX:
-        if info.st_uid != me:
-            raise OSError(
-                f"{path} is writable by others and not sticky: they could replace the socket"
-            )
-        os.chmod(path, stat.S_IMODE(info.st_mode) | stat.S_ISVTX)
-
-
-def claim_socket_path(path: str) -> None:
-    """Remove a stale socket file, or one another uid put there (the
-    directory is ours: nobody else may hold a name in it); refuse one that
-    another daemon of ours still serves."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise OSError(f"{path} exists and is not a socket")
-    if info.st_uid != os.geteuid():
-        log.warning("socket taken back", extra={"path": path, "uid": info.st_uid})
-        os.unlink(path)
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: left by a daemon that died
-        return
-    finally:
-        probe.close()
-    raise OSError(f"{path} is served by another process")
 
 
 async def _recv_with_fds(
