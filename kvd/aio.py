@@ -1,4 +1,5 @@
-"""Waiting for work that must end before its waiter returns, even cancelled.
+"""Waiting for work that must end before its waiter returns, even cancelled,
+and for a non-blocking socket to become readable.
 
 A kernel read into pool pages, a copy thread, a send thread, a task still
 using a socket: returning while one of them runs hands its memory or socket
@@ -9,6 +10,7 @@ re-raises the last one.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,3 +37,18 @@ async def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
             future.exception()  # marks it read
     if cancelled is not None:
         raise cancelled
+
+
+async def readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Return once ``sock`` has something to read (or to accept)."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvd.aio import settle
+from kvd.aio import readable, settle
 from kvd.bulk_admission import Admission, Slot
 from kvd.bulk_send import Sender
 from kvd.bulk_wire import (
@@ -87,6 +87,7 @@ from kvd.bulk_wire import (
     encode_request,
     encode_response,
     error_code,
+    split_tail,
 )
 from kvd.checksum import Hasher
 from kvd.errors import DataLoss, KvdError
@@ -328,7 +329,7 @@ class _Connection:
     async def _put(self, request: Request, tail: bytes) -> bytes | None:
         """The answer to a PUT; None where it was sent before the payload was
         dropped (refused: the client learns it without waiting for its send)."""
-        ns, key, parent, meta = _split_tail(request, tail)
+        ns, key, parent, meta = split_tail(request, tail)
         checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
         try:
             self._authorize(ns)
@@ -390,7 +391,7 @@ class _Connection:
         while ticket.covered_bytes < ticket.size:
             arrived = _buffered(self.sock)
             if arrived == 0:
-                await _readable(self.loop, self.sock)
+                await readable(self.loop, self.sock)
                 arrived = _buffered(self.sock)
                 if arrived == 0 and not self.sock.recv(1, socket.MSG_PEEK):
                     raise ProtocolError(
@@ -413,7 +414,7 @@ class _Connection:
             nbytes -= take
 
     async def _get(self, request: Request, tail: bytes) -> None:
-        ns, key, _, _ = _split_tail(request, tail)
+        ns, key, _, _ = split_tail(request, tail)
         rid = request.request_id
         try:
             self._authorize(ns)
@@ -500,27 +501,6 @@ class _Connection:
                 metrics.bytes.labels("bulk_get", "out").inc(reader.size)
 
 
-def _split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes]:
-    """(namespace, key, parent, meta) from a request's variable fields."""
-    a = request.ns_len
-    b = a + request.key_len
-    c = b + request.parent_len
-    try:
-        ns = tail[:a].decode()
-    except UnicodeDecodeError:
-        raise ProtocolError("namespace is not UTF-8") from None
-    return ns, tail[a:b], tail[b:c], tail[c:]
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready = asyncio.Event()
-    loop.add_reader(sock, ready.set)
-    try:
-        await ready.wait()
-    finally:
-        loop.remove_reader(sock)
-
-
 def _refuse(sock: socket.socket, reason: str) -> None:
     """Answer a HELLO not yet read with RESOURCE_EXHAUSTED and close (best
     effort: a full socket drops the answer). What the client already sent is
@@ -578,7 +558,7 @@ class BulkServer:
             try:
                 sock, address = listener.accept()
             except BlockingIOError:
-                await _readable(loop, listener)
+                await readable(loop, listener)
                 continue
             except OSError as exc:  # out of descriptors or memory: keep the port, retry
                 log.warning("bulk accept failed", extra={"reason": str(exc)})

@@ -141,3 +141,15 @@ def encode_response(
 
 def error_code(exc: KvdError) -> int:
     return CODE_BY_NAME.get(exc.code_name, CODE_BY_NAME["UNKNOWN"])
+
+
+def split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes]:
+    """(namespace, key, parent, meta) from a request's variable fields."""
+    a = request.ns_len
+    b = a + request.key_len
+    c = b + request.parent_len
+    try:
+        ns = tail[:a].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("namespace is not UTF-8") from None
+    return ns, tail[a:b], tail[b:c], tail[c:]

@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from kvd.aio import readable
 from kvd.bulk_wire import (
     FLAG_CHECKSUM,
     FLAG_DURABLE,
@@ -540,7 +541,7 @@ async def _recv_with_fds(
         try:
             got, ancillary, flags, _ = conn.recvmsg(nbytes - len(data), socket.CMSG_SPACE(4))
         except BlockingIOError:
-            await _readable(loop, conn)
+            await readable(loop, conn)
             continue
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -553,20 +554,6 @@ async def _recv_with_fds(
             raise asyncio.IncompleteReadError(bytes(data), nbytes)
         data += got
     return bytes(data)
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(conn.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(conn.fileno())
 
 
 def _close_all(fds: list[int]) -> None:
