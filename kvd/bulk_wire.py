@@ -90,9 +90,11 @@ def encode_request(
     length: int = 0,
     checksum: int | None = None,
     durable: bool = False,
+    flags: int = 0,
 ) -> bytes:
-    """Header and the variable fields; the payload (``length`` bytes) follows."""
-    flags = (FLAG_DURABLE if durable else 0) | (FLAG_CHECKSUM if checksum is not None else 0)
+    """Header and the variable fields; the payload (``length`` bytes) follows.
+    ``flags``: more flags (the shm socket's), beside durable and checksum."""
+    flags |= (FLAG_DURABLE if durable else 0) | (FLAG_CHECKSUM if checksum is not None else 0)
     fields = (ns, key, parent, meta)
     head = (REQUEST_MAGIC, VERSION, op, flags, request_id, *map(len, fields))
     return b"".join((REQUEST.pack(*head, length, checksum or 0), *fields))

@@ -31,6 +31,8 @@ REFUSAL_REASONS = {
     "PERMISSION_DENIED": "permission_denied",
     "INVALID_ARGUMENT": "invalid_argument",
     "UNAVAILABLE": "unavailable",
+    # A region op past its client's deadline: a late copy is not stored.
+    "DEADLINE_EXCEEDED": "deadline_exceeded",
 }
 
 # Ops that read values, as the hit, miss and fetch metrics label them.

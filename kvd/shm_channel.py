@@ -72,6 +72,8 @@ from kvd.errors import InvalidArgument, KvdError
 from kvd.shm import Caller
 from kvd.shm_wire import (
     ATTACHED,
+    DEADLINE,
+    FLAG_DEADLINE,
     OP_REGION_ATTACH,
     PEERCRED,
     PIPELINE_FRAMES,
@@ -337,7 +339,7 @@ class ShmChannel:
                 request = decode_request(header, max_value_bytes, CHANNEL_OPS)
                 if request.op == OP_HELLO:
                     raise ProtocolError("HELLO must come first, and only once")
-                rest = await reader.readexactly(request.tail_bytes + REGION_REF.size)
+                rest = await reader.readexactly(request.tail_bytes + _ref_bytes(request))
                 peer.waiting = _BUSY
                 if not peer.unanswered:  # nothing ahead of it: it may answer at once
                     now = self._op_now(request, rest, caller)
@@ -412,7 +414,11 @@ class ShmChannel:
             if request.op == OP_REGION_GET:
                 got = await self.service.get_into_region(
                     pb.GetIntoRegionRequest(
-                        region_id=ref.region_id, token=ref.token, namespace=ref.ns, items=[ref.item]
+                        region_id=ref.region_id,
+                        token=ref.token,
+                        namespace=ref.ns,
+                        items=[ref.item],
+                        deadline_ns=ref.deadline_ns,
                     ),
                     caller,
                 )
@@ -434,11 +440,13 @@ class ShmChannel:
         try:
             ref = self._ref(request, rest, caller)
             if request.op == OP_REGION_GET:
-                result = self.service.get_now(ref.region_id, ref.token, ref.ns, ref.item, caller)
+                result = self.service.get_now(
+                    ref.region_id, ref.token, ref.ns, ref.item, caller, ref.deadline_ns
+                )
             else:
                 durable = bool(request.flags & FLAG_DURABLE)
                 result = self.service.put_now(
-                    ref.region_id, ref.token, ref.ns, ref.item, durable, caller
+                    ref.region_id, ref.token, ref.ns, ref.item, durable, caller, ref.deadline_ns
                 )
         except KvdError as exc:
             return self._refused(request, exc, start)
@@ -477,6 +485,10 @@ class ShmChannel:
         """The op's region reference and item, once its namespace is authorized."""
         region_id, offset, token = REGION_REF.unpack_from(rest)
         pos = REGION_REF.size
+        deadline_ns = 0
+        if request.flags & FLAG_DEADLINE:
+            (deadline_ns,) = DEADLINE.unpack_from(rest, pos)
+            pos += DEADLINE.size
         fields = []
         for size in (request.ns_len, request.key_len, request.parent_len, request.meta_len):
             fields.append(rest[pos : pos + size])
@@ -494,7 +506,7 @@ class ShmChannel:
             item.parent, item.meta = fields[2], fields[3]
             if request.flags & FLAG_CHECKSUM:
                 item.checksum = request.checksum
-        return _Ref(region_id, token, ns, item)
+        return _Ref(region_id, token, ns, item, deadline_ns)
 
     async def _put(self, request: Request, ref: _Ref, caller: Caller) -> pb.RegionItemResult:
         put = await self.service.put_from_region(
@@ -504,6 +516,7 @@ class ShmChannel:
                 namespace=ref.ns,
                 durable=bool(request.flags & FLAG_DURABLE),
                 items=[ref.item],
+                deadline_ns=ref.deadline_ns,
             ),
             caller,
         )
@@ -516,6 +529,12 @@ class _Ref:
     token: bytes
     ns: str
     item: pb.RegionItem
+    deadline_ns: int  # 0: the client gave none
+
+
+def _ref_bytes(request: Request) -> int:
+    """Bytes between a region op's header and its names."""
+    return REGION_REF.size + (DEADLINE.size if request.flags & FLAG_DEADLINE else 0)
 
 
 async def _queue(queue: asyncio.Queue[T], item: T, consumer: asyncio.Task[None]) -> bool:

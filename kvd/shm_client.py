@@ -15,6 +15,15 @@ go through a staging region: one more copy, by numpy.
 The daemon checks each value it copies into a region against the stored
 checksum while the bytes are in cache, and stores the checksum of what it
 copied out of one; bytes never cross a socket, so the client does not hash.
+
+Every region op carries the moment its client stops waiting, on the
+daemon's clock (``RegionOps.deadline``): the daemon starts no copy past it,
+and stores no copy that ended past it. So a put that timed out can never
+store bytes the caller wrote there afterwards (the client returns only once
+the deadline has passed), and a get that timed out starts no copy later.
+A get whose copy had begun may still land after it: its region is retired
+(``_retire``), never used for another op; staging is made anew, and a
+``buffer()`` in it is no longer the daemon's single copy (take a new one).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +42,7 @@ import numpy as np
 
 from kvd.errors import (
     BY_CODE_NAME,
+    DeadlineExceeded,
     InvalidArgument,
     KvdError,
     PermissionDenied,
@@ -39,6 +50,7 @@ from kvd.errors import (
     Unavailable,
 )
 from kvd.shm_ops import RegionOps
+from kvd.shm_spans import ALIGN_BYTES, Spans
 from kvd.v1 import kvd_pb2 as pb
 
 # Staging for buffers outside any region: 64 MiB holds a batch of sixteen
@@ -48,7 +60,6 @@ STAGING_BYTES = 64 << 20
 # Room first offered for a value of unknown size; a larger one comes back
 # with its size and is fetched again with exact room.
 GET_ROOM_BYTES = 4 << 20
-ALIGN_BYTES = 4096
 BATCH_ITEMS_MAX = 256
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -75,39 +86,6 @@ def _item_error(result: pb.RegionItemResult, room: int) -> KvdError:
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
-
-
-class _Spans:
-    """First-fit allocator of byte ranges in a region; thread-safe."""
-
-    def __init__(self, size: int) -> None:
-        self._free: list[tuple[int, int]] = [(0, size)]
-        self._lock = threading.Lock()
-
-    def alloc(self, nbytes: int) -> int | None:
-        need = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
-        with self._lock:
-            for i, (start, size) in enumerate(self._free):
-                if size >= need:
-                    if size == need:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (start + need, size - need)
-                    return start
-        return None
-
-    def free(self, offset: int, nbytes: int) -> None:
-        need = max(ALIGN_BYTES, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
-        with self._lock:
-            self._free.append((offset, need))
-            self._free.sort()
-            merged: list[tuple[int, int]] = []
-            for start, size in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == start:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
-                else:
-                    merged.append((start, size))
-            self._free = merged
 
 
 @dataclass(eq=False)
@@ -191,7 +169,8 @@ class ShmPath:
         self._regions: list[ClientRegion] = []
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
-        self._spans: _Spans | None = None
+        self._spans: Spans | None = None
+        self.retired = 0  # regions retired after a get that timed out
 
     def _rpc(self, name: str) -> Call:
         return lambda request, _: self._call(name, request)
@@ -224,26 +203,58 @@ class ShmPath:
         if self._ops is not None and value is not None:
             self._ops.client.timeout_s = value  # the client's changed deadline, as for bulk
 
-    def _batch(self, name: str, request: Any) -> pb.RegionBatchResponse:
+    def _batch(self, name: str, request: Any, region: ClientRegion) -> pb.RegionBatchResponse:
         ops = self._ops
         if ops is None:
             return self._call(name, request)  # type: ignore[no-any-return]  # closed
         try:
-            return self._region_batch(ops, name, request)
+            return self._region_batch(ops, name, request, region)
+        except DeadlineExceeded:
+            raise  # a slow daemon, not a new one: nothing to attach again
         except (Unavailable, PermissionDenied):
             renamed = self.renew(ops)
-            region = renamed.get(request.region_id) if renamed is not None else None
-            if region is None or self._ops is None:
+            again = renamed.get(request.region_id) if renamed is not None else None
+            if again is None or self._ops is None:
                 raise
         # The daemon restarted: the same batch once more, in the region's new attachment.
-        request.region_id, request.token = region.region_id, region.token
-        return self._region_batch(self._ops, name, request)
+        request.region_id, request.token = again.region_id, again.token
+        return self._region_batch(self._ops, name, request, again)
 
-    @staticmethod
-    def _region_batch(ops: RegionOps, name: str, request: Any) -> pb.RegionBatchResponse:
-        if name == "GetIntoRegion":
-            return ops.get_into_region(request)
-        return ops.put_from_region(request)
+    def _region_batch(
+        self, ops: RegionOps, name: str, request: Any, region: ClientRegion
+    ) -> pb.RegionBatchResponse:
+        mine, request.deadline_ns = ops.deadline()
+        try:
+            if name == "GetIntoRegion":
+                return ops.get_into_region(request)
+            return ops.put_from_region(request)
+        except DeadlineExceeded:
+            self._timed_out(mine, region if name == "GetIntoRegion" else None)
+            raise
+
+    def _timed_out(self, mine: int, written: ClientRegion | None) -> None:
+        """After a region op that timed out, and before its caller may reuse the
+        bytes: wait until its deadline has passed (it normally has), and retire
+        the region a get may still write into."""
+        wait_ns = mine - time.monotonic_ns()
+        if wait_ns > 0:
+            time.sleep(wait_ns / 1e9)
+        if written is not None:
+            self._retire(written)
+
+    def _retire(self, region: ClientRegion) -> None:
+        """Never use ``region`` for an op again. Its descriptors close now (the
+        daemon frees its side once its copies end: the region's lock is gone);
+        its mapping goes once nothing here holds it."""
+        with self._lock:
+            if region not in self._regions:
+                return
+            self._regions.remove(region)
+            if region is self._staging:
+                self._staging = self._spans = None
+        self.retired += 1
+        os.close(region.fd)
+        os.close(region.lock_fd)
 
     def renew(self, failed: RegionOps) -> dict[int, ClientRegion] | None:
         """After ``failed`` lost the daemon (its socket closed, or a new peer
@@ -298,7 +309,7 @@ class ShmPath:
                     return region, address - region.address
         return None
 
-    def _staging_spans(self) -> tuple[ClientRegion, _Spans]:
+    def _staging_spans(self) -> tuple[ClientRegion, Spans]:
         with self._lock:
             if self._staging is not None and self._spans is not None:
                 return self._staging, self._spans
@@ -306,7 +317,7 @@ class ShmPath:
         region = create_region(size, self._attach)
         with self._lock:
             if self._staging is None:
-                self._staging, self._spans = region, _Spans(size)
+                self._staging, self._spans = region, Spans(size)
                 self._regions.append(region)
                 region = None  # type: ignore[assignment]
             staged = self._staging, self._spans
@@ -355,7 +366,7 @@ class ShmPath:
                         )
                     ],
                 )
-                response = self._batch("PutFromRegion", request)
+                response = self._batch("PutFromRegion", request, region)
             finally:
                 self._unstage(staged)
             for i, result in enumerate(response.results):
@@ -368,12 +379,12 @@ class ShmPath:
 
     def _place(
         self, views: Sequence[memoryview], start: int, fill: bool
-    ) -> tuple[int, ClientRegion, list[int], list[tuple[_Spans, int, int]]]:
+    ) -> tuple[int, ClientRegion, list[int], list[tuple[Spans, int, int]]]:
         """Views from ``start`` sharing one region: in a buffer(), or given room
         in staging (``fill``: the view's bytes copied there, for a put)."""
         first = self.locate(views[start])
         offsets: list[int] = []
-        staged: list[tuple[_Spans, int, int]] = []
+        staged: list[tuple[Spans, int, int]] = []
         if first is not None:
             region = first[0]
             offsets.append(first[1])
@@ -398,7 +409,7 @@ class ShmPath:
         return start + len(offsets), region, offsets, staged
 
     @staticmethod
-    def _unstage(staged: list[tuple[_Spans, int, int]]) -> None:
+    def _unstage(staged: list[tuple[Spans, int, int]]) -> None:
         for spans, offset, nbytes in staged:
             spans.free(offset, nbytes)
 
@@ -411,17 +422,29 @@ class ShmPath:
         assert ops is not None
         region, offset = where
         try:
-            result = ops.get_one(region.region_id, region.token, ns, key, offset, len(buffer))
+            result = self._get_one_fenced(ops, ns, key, region, offset, len(buffer))
+        except DeadlineExceeded:
+            raise
         except (Unavailable, PermissionDenied):
             if self.renew(ops) is None or self._ops is None:
                 raise
             # The daemon restarted: once more, in the region's new attachment.
-            result = self._ops.get_one(region.region_id, region.token, ns, key, offset, len(buffer))
+            result = self._get_one_fenced(self._ops, ns, key, region, offset, len(buffer))
         if result.code == _NOT_FOUND:
             return None
         if result.code:
             raise _item_error(result, len(buffer))
         return int(result.size)
+
+    def _get_one_fenced(
+        self, ops: RegionOps, ns: str, key: bytes, region: ClientRegion, offset: int, room: int
+    ) -> pb.RegionItemResult:
+        mine, deadline_ns = ops.deadline()
+        try:
+            return ops.get_one(region.region_id, region.token, ns, key, offset, room, deadline_ns)
+        except DeadlineExceeded:
+            self._timed_out(mine, region)
+            raise
 
     def get(self, ns: str, key: bytes) -> bytes | None:
         region, spans = self._staging_spans()
@@ -531,7 +554,7 @@ class ShmPath:
                 for key, offset, room in zip(keys, offsets, rooms, strict=True)
             ],
         )
-        return self._batch("GetIntoRegion", request).results
+        return self._batch("GetIntoRegion", request, region).results
 
     def _get_one(
         self,

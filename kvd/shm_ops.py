@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ from kvd.bulk_wire import (
 from kvd.errors import BY_CODE_NAME, DeadlineExceeded, KvdError, PermissionDenied, Unavailable
 from kvd.shm_wire import (
     ATTACHED,
+    DEADLINE,
+    FLAG_DEADLINE,
     OP_REGION_ATTACH,
     PEERCRED,
     PIPELINE_FRAMES,
@@ -78,9 +81,13 @@ class RegionOps:
         timeout_s: float,
         connections: int = 2,
         daemon: DaemonIdentity | None = None,
+        clock_offset_ns: int | None = None,
     ):
+        """``clock_offset_ns``: the daemon's CLOCK_MONOTONIC less this process's,
+        as ``of`` estimated it; None for a daemon that takes no deadlines."""
         self.path = path
         self.daemon = daemon
+        self.clock_offset_ns = clock_offset_ns
         self._token = token
         check = daemon.check if daemon is not None else None
         self.client = BulkClient(
@@ -96,10 +103,23 @@ class RegionOps:
         if not paths.shm_socket or not paths.daemon_pid:
             return None
         identity = DaemonIdentity(paths.daemon_uid, paths.daemon_pid, paths.daemon_pid_ns)
-        return cls(paths.shm_socket, token, timeout_s, daemon=identity)
+        # The daemon read its clock before this answer arrived, so this
+        # offset is at most the true one, and a deadline moved by it falls
+        # no later on the daemon's clock than on this process's: the daemon
+        # never works past the moment the client stops waiting.
+        offset = paths.daemon_clock_ns - time.monotonic_ns() if paths.daemon_clock_ns else None
+        return cls(paths.shm_socket, token, timeout_s, daemon=identity, clock_offset_ns=offset)
 
     def close(self) -> None:
         self.client.close()
+
+    def deadline(self) -> tuple[int, int]:
+        """A call starting now: when this process stops waiting for it (its
+        CLOCK_MONOTONIC, ns), and the same moment on the daemon's clock
+        (0 where the daemon takes no deadline)."""
+        mine = time.monotonic_ns() + int(self.client.timeout_s * 1e9)
+        offset = self.clock_offset_ns
+        return mine, (max(1, mine + offset) if offset is not None else 0)
 
     def attach(self, fd: int, size: int) -> tuple[int, bytes]:
         """Attach the sealed memfd ``fd`` of ``size`` bytes: (region id, token)."""
@@ -132,22 +152,31 @@ class RegionOps:
 
     def get_into_region(self, request: pb.GetIntoRegionRequest) -> pb.RegionBatchResponse:
         ns = request.namespace.encode()
+        late = _deadline_flag(request.deadline_ns)
         frames = [
             _with_ref(
-                encode_request(OP_REGION_GET, i, ns, item.key, length=item.length),
-                REGION_REF.pack(request.region_id, item.offset, request.token),
+                encode_request(OP_REGION_GET, i, ns, item.key, length=item.length, flags=late),
+                _ref(request.region_id, item.offset, request.token, request.deadline_ns),
             )
             for i, item in enumerate(request.items)
         ]
         return self._exchange(frames)
 
     def get_one(
-        self, region_id: int, token: bytes, ns: str, key: bytes, offset: int, room: int
+        self,
+        region_id: int,
+        token: bytes,
+        ns: str,
+        key: bytes,
+        offset: int,
+        room: int,
+        deadline_ns: int = 0,
     ) -> pb.RegionItemResult:
         """One get into a region: ``get_into_region`` of one item, with one frame."""
+        late = _deadline_flag(deadline_ns)
         frame = _with_ref(
-            encode_request(OP_REGION_GET, 0, ns.encode(), key, length=room),
-            REGION_REF.pack(region_id, offset, token),
+            encode_request(OP_REGION_GET, 0, ns.encode(), key, length=room, flags=late),
+            _ref(region_id, offset, token, deadline_ns),
         )
         return _result(self.client.with_connection(lambda conn: _exchange_one(conn, frame)))
 
@@ -170,8 +199,9 @@ class RegionOps:
                         length=item.length,
                         checksum=item.checksum if item.HasField("checksum") else None,
                         durable=request.durable,
+                        flags=_deadline_flag(request.deadline_ns),
                     ),
-                    REGION_REF.pack(request.region_id, item.offset, request.token),
+                    _ref(request.region_id, item.offset, request.token, request.deadline_ns),
                 )
             )
         return self._exchange(frames)
@@ -226,6 +256,16 @@ def _exchange_one(conn: Connection, frame: bytes) -> Answer:
     if answer.request_id != 0:
         raise ConnectionError(f"answer {answer.request_id} to request 0: out of order")
     return answer
+
+
+def _deadline_flag(deadline_ns: int) -> int:
+    return FLAG_DEADLINE if deadline_ns else 0
+
+
+def _ref(region_id: int, offset: int, token: bytes, deadline_ns: int) -> bytes:
+    """What follows a region op's header: its region, and its deadline if any."""
+    ref = REGION_REF.pack(region_id, offset, token)
+    return ref + DEADLINE.pack(deadline_ns) if deadline_ns else ref
 
 
 def _with_ref(frame: bytes, ref: bytes) -> bytes:

@@ -36,18 +36,16 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 
 from kvd.aio import settle
 from kvd.auth import Authenticator, check_grpc, grpc_principal, request_scope
 from kvd.cpus import OFFLOAD, WORKER_THREADS
-from kvd.errors import DataLoss, InvalidArgument, KvdError, Unavailable
+from kvd.errors import DataLoss, DeadlineExceeded, InvalidArgument, KvdError, Unavailable
 from kvd.l2.format import BLOCK_BYTES
 from kvd.metrics import Metrics
 from kvd.shm import (
@@ -55,11 +53,21 @@ from kvd.shm import (
     Caller,
     Region,
     RegionRegistry,
-    copy_from_pages,
     copy_slices,
     copy_span,
-    copy_to_pages,
-    xxh3_of,
+)
+from kvd.shm_jobs import (
+    CODES,
+    CopyJob,
+    all_done,
+    batch_response,
+    existed_result,
+    grouped,
+    hash_job,
+    is_late,
+    item_status,
+    late_result,
+    run_jobs,
 )
 from kvd.shm_wire import pid_namespace
 from kvd.store import TIER_NAMES, PutResult, PutTicket, Reader, Store
@@ -87,67 +95,6 @@ BULK_PROTOCOL_VERSION = 1
 
 
 _PID_NS = pid_namespace()
-
-_CODES: dict[str, int] = {code.name: int(code.value[0]) for code in grpc.StatusCode}
-
-
-def _status(exc: KvdError) -> pb.RegionItemResult:
-    return pb.RegionItemResult(code=_CODES.get(exc.code_name, _CODES["UNKNOWN"]), message=str(exc))
-
-
-def _existed(result: PutResult, item: pb.RegionItem) -> pb.RegionItemResult:
-    """The answer of a put whose key already holds these bytes."""
-    return pb.RegionItemResult(existed=True, checksum=result.checksum, size=item.length)
-
-
-def _response(results: list[pb.RegionItemResult | None]) -> pb.RegionBatchResponse:
-    done = [result for result in results if result is not None]
-    assert len(done) == len(results), "an item without a result"
-    return pb.RegionBatchResponse(results=done)
-
-
-@dataclass(eq=False)
-class _Job:
-    """One item's copy: ``span`` of the region and the pool ``views``."""
-
-    index: int
-    span: np.ndarray[Any, np.dtype[np.uint8]]
-    views: list[memoryview]
-    held_bytes: int
-    checksum: int = 0
-
-
-def _run_jobs(jobs: list[_Job], to_pages: bool) -> None:
-    for job in jobs:
-        if to_pages:
-            job.checksum = copy_to_pages(job.span, job.views)
-        else:
-            job.checksum = copy_from_pages(job.views, job.span)
-
-
-def _hash_job(job: _Job, to_pages: bool) -> None:
-    """The checksum of a job's bytes where they landed (after a split copy)."""
-    job.checksum = xxh3_of(job.views if to_pages else [job.span.data])
-
-
-async def _all_done(copies: Iterable[Awaitable[None]]) -> None:
-    """Wait for every copy, then raise the first failure: a copy still running
-    touches pages that must stay pinned until it stops."""
-    for result in await asyncio.gather(*copies, return_exceptions=True):
-        if isinstance(result, BaseException):
-            raise result
-
-
-def _grouped(jobs: list[_Job], groups: int) -> list[list[_Job]]:
-    """Split jobs into at most ``groups`` lists of about equal bytes, largest first."""
-    buckets: list[list[_Job]] = [[] for _ in range(groups)]
-    loads = [0] * groups
-    for job in sorted(jobs, key=lambda j: -len(j.span)):
-        i = loads.index(min(loads))
-        buckets[i].append(job)
-        loads[i] += len(job.span)
-    return [bucket for bucket in buckets if bucket]
-
 
 Handler = Callable[[Any, Any, Any], Awaitable[Any]]
 
@@ -232,11 +179,11 @@ class RegionHandlers:
         alone = (others == 0 or not OFFLOAD) and total <= IDLE_INLINE_COPY_BYTES
         return total < INLINE_COPY_BYTES or alone or self._copy_pool is None
 
-    async def _copy(self, jobs: list[_Job], to_pages: bool) -> None:
+    async def _copy(self, jobs: list[CopyJob], to_pages: bool) -> None:
         total = sum(len(job.span) for job in jobs)
         pool = self._copy_pool
         if pool is None or self._copies_on_loop(total, self.inflight.requests - 1):
-            _run_jobs(jobs, to_pages)
+            run_jobs(jobs, to_pages)
             return
         copies = asyncio.ensure_future(self._copy_on_threads(pool, jobs, to_pages))
         # A cancelled call must not unpin pages that a worker still copies
@@ -245,23 +192,25 @@ class RegionHandlers:
         copies.result()
 
     @staticmethod
-    async def _copy_on_threads(pool: ThreadPoolExecutor, jobs: list[_Job], to_pages: bool) -> None:
+    async def _copy_on_threads(
+        pool: ThreadPoolExecutor, jobs: list[CopyJob], to_pages: bool
+    ) -> None:
         # A value under SPLIT_COPY_BYTES stays on one thread: two threads
         # copying halves of one 4 MiB value were slower here than one (12.8
         # vs 18.1 GB/s).
         loop = asyncio.get_running_loop()
         if len(jobs) < COPY_THREADS and max(len(job.span) for job in jobs) >= SPLIT_COPY_BYTES:
             parts = COPY_THREADS // len(jobs)
-            await _all_done(
+            await all_done(
                 loop.run_in_executor(pool, copy_span, job.views, job.span, lo, hi, to_pages, None)
                 for job in jobs
                 for lo, hi in copy_slices(len(job.span), parts)
             )
-            await _all_done(loop.run_in_executor(pool, _hash_job, job, to_pages) for job in jobs)
+            await all_done(loop.run_in_executor(pool, hash_job, job, to_pages) for job in jobs)
             return
-        await _all_done(
-            loop.run_in_executor(pool, _run_jobs, group, to_pages)
-            for group in _grouped(jobs, COPY_THREADS)
+        await all_done(
+            loop.run_in_executor(pool, run_jobs, group, to_pages)
+            for group in grouped(jobs, COPY_THREADS)
         )
 
     # ---- regions -------------------------------------------------------------------
@@ -299,6 +248,7 @@ class RegionHandlers:
             daemon_uid=os.geteuid(),
             daemon_pid=os.getpid(),
             daemon_pid_ns=_PID_NS,
+            daemon_clock_ns=time.monotonic_ns(),
         )
 
     def _check_batch(self, count: int) -> None:
@@ -321,9 +271,11 @@ class RegionHandlers:
         self._check_batch(len(request.items))
         registry = self._registry()
         region = registry.checked(request.region_id, request.token, caller)
+        if is_late(request.deadline_ns):
+            raise DeadlineExceeded("a region put that arrived past the client's deadline")
         results: list[pb.RegionItemResult | None] = [None] * len(request.items)
         tickets: list[PutTicket] = []
-        jobs: list[_Job] = []
+        jobs: list[CopyJob] = []
         registry.enter(region)
         try:
             previous: bytes | None = None
@@ -333,7 +285,7 @@ class RegionHandlers:
                 try:
                     begun = await self._begin_put(region, request.namespace, item, parent, i)
                 except KvdError as exc:
-                    results[i] = _status(exc)
+                    results[i] = item_status(exc)
                     continue
                 if isinstance(begun, pb.RegionItemResult):
                     results[i] = begun
@@ -341,37 +293,50 @@ class RegionHandlers:
                 tickets.append(begun[0])
                 jobs.append(begun[1])
             await self._copy(jobs, to_pages=True)
-            for job, ticket in zip(jobs, tickets, strict=True):
-                results[job.index] = await self._publish(ticket, job, request.durable)
+            if is_late(request.deadline_ns):
+                # The client stopped waiting while the bytes were copied, and
+                # may have put others there since: nothing copied is stored.
+                self._refuse_late("shm_put", jobs, results)
+            else:
+                for job, ticket in zip(jobs, tickets, strict=True):
+                    results[job.index] = await self._publish(ticket, job, request.durable)
         finally:
             for ticket in tickets:
                 self.store.abort_put(ticket)
             for job in jobs:
                 self.inflight.release(job.held_bytes)
             registry.leave(region)
-        return _response(results)
+        return batch_response(results)
 
     async def _begin_put(
         self, region: Region, ns: str, item: pb.RegionItem, parent: bytes | None, index: int
-    ) -> pb.RegionItemResult | tuple[PutTicket, _Job]:
+    ) -> pb.RegionItemResult | tuple[PutTicket, CopyJob]:
         span = region.span(item.offset, item.length)
         checksum = item.checksum if item.HasField("checksum") else None
         ticket = await self.store.begin_put(ns, item.key, item.length, item.meta, parent, checksum)
         if isinstance(ticket, PutResult):
-            return _existed(ticket, item)
+            return existed_result(ticket, item)
         try:
             self.inflight.acquire(item.length)
         except KvdError:
             self.store.abort_put(ticket)
             raise
-        return ticket, _Job(index, span, ticket.views, item.length)
+        return ticket, CopyJob(index, span, ticket.views, item.length)
 
-    async def _publish(self, ticket: PutTicket, job: _Job, durable: bool) -> pb.RegionItemResult:
+    async def _publish(self, ticket: PutTicket, job: CopyJob, durable: bool) -> pb.RegionItemResult:
         try:
             result = await self.store.publish(ticket, job.checksum, durable)
         except KvdError as exc:
-            return _status(exc)
+            return item_status(exc)
         return self._stored(ticket, result)
+
+    def _refuse_late(
+        self, op: str, jobs: list[CopyJob], results: list[pb.RegionItemResult | None]
+    ) -> None:
+        what = "a copy out of the region that ended" if op == "shm_put" else "a copy to start"
+        for job in jobs:
+            results[job.index] = late_result(what)
+        self.metrics.refused("DEADLINE_EXCEEDED", op, f"{len(jobs)} copies past the deadline")
 
     def _stored(self, ticket: PutTicket, result: PutResult) -> pb.RegionItemResult:
         self.metrics.bytes.labels("shm_put", "in").inc(ticket.size)
@@ -387,6 +352,7 @@ class RegionHandlers:
         item: pb.RegionItem,
         durable: bool,
         caller: Caller,
+        deadline_ns: int = 0,
     ) -> pb.RegionItemResult | None:
         """A one-item ``put_from_region`` that needs no waiting, or None when it
         would (a durable put, a copy for threads, room only after write-back)
@@ -394,29 +360,34 @@ class RegionHandlers:
         if durable or not self._copies_on_loop(item.length, self.inflight.requests):
             return None
         region = self._registry().checked(region_id, token, caller)
-        if not region.holds(item.offset, item.length):
-            return None
+        if not region.holds(item.offset, item.length) or is_late(deadline_ns):
+            return None  # the batch put words the error
         checksum = item.checksum if item.HasField("checksum") else None
         try:
             ticket = self.store.begin_put_now(
                 ns, item.key, item.length, item.meta, item.parent or None, checksum
             )
         except KvdError as exc:
-            return _status(exc)
+            return item_status(exc)
         if ticket is None or isinstance(ticket, PutResult):
-            return None if ticket is None else _existed(ticket, item)
+            return None if ticket is None else existed_result(ticket, item)
         try:
             self.inflight.acquire(item.length)
         except KvdError as exc:
             self.store.abort_put(ticket)
-            return _status(exc)
-        job = _Job(0, region.span(item.offset, item.length), ticket.views, item.length)
+            return item_status(exc)
+        job = CopyJob(0, region.span(item.offset, item.length), ticket.views, item.length)
         try:
-            _run_jobs([job], to_pages=True)
+            run_jobs([job], to_pages=True)
+            if is_late(deadline_ns):
+                results: list[pb.RegionItemResult | None] = [None]
+                self._refuse_late("shm_put", [job], results)
+                assert results[0] is not None
+                return results[0]
             try:
                 result = self.store.publish_now(ticket, job.checksum)
             except KvdError as exc:
-                return _status(exc)
+                return item_status(exc)
             return self._stored(ticket, result)
         finally:
             self.store.abort_put(ticket)  # nothing, once published
@@ -436,12 +407,17 @@ class RegionHandlers:
         self._check_batch(len(request.items))
         registry = self._registry()
         region = registry.checked(request.region_id, request.token, caller)
+        if is_late(request.deadline_ns):
+            raise DeadlineExceeded("a region get that arrived past the client's deadline")
         results: list[pb.RegionItemResult | None] = [None] * len(request.items)
         readers: list[Reader] = []
-        jobs: list[_Job] = []
+        jobs: list[CopyJob] = []
         registry.enter(region)
         try:
             for i, item in enumerate(request.items):
+                if is_late(request.deadline_ns):
+                    results[i] = late_result("a get that would start")
+                    continue
                 try:
                     direct = await self._l2_direct(region, request.namespace, item)
                     if direct is not None:
@@ -449,26 +425,35 @@ class RegionHandlers:
                         continue
                     reader = await self._open(region, request.namespace, item)
                 except KvdError as exc:
-                    results[i] = _status(exc)
+                    results[i] = item_status(exc)
                     continue
                 if reader is None:
                     self.metrics.misses.labels("shm_get").inc()
-                    results[i] = pb.RegionItemResult(code=_CODES["NOT_FOUND"], message="miss")
+                    results[i] = pb.RegionItemResult(code=CODES["NOT_FOUND"], message="miss")
                     continue
                 readers.append(reader)
                 results[i] = self._admit(i, item, reader, region, jobs)
-            await self._copy(jobs, to_pages=False)
-            self._check_copies(jobs, results)
+            if is_late(request.deadline_ns):
+                self._refuse_late("shm_get", jobs, results)  # none of them copied
+            else:
+                await self._copy(jobs, to_pages=False)
+                self._check_copies(jobs, results)
         finally:
             for reader in readers:
                 reader.close()
             for job in jobs:
                 self.inflight.release(job.held_bytes)
             registry.leave(region)
-        return _response(results)
+        return batch_response(results)
 
     def get_now(
-        self, region_id: int, token: bytes, ns: str, item: pb.RegionItem, caller: Caller
+        self,
+        region_id: int,
+        token: bytes,
+        ns: str,
+        item: pb.RegionItem,
+        caller: Caller,
+        deadline_ns: int = 0,
     ) -> pb.RegionItemResult | None:
         """A one-item ``get_into_region`` that needs no waiting, or None when it
         would (a value not in L1, a copy for threads) or the item is bad.
@@ -479,16 +464,16 @@ class RegionHandlers:
         if size is None or size > item.length or not self._copies_on_loop(size, others):
             return None
         region = self._registry().checked(region_id, token, caller)
-        if not region.holds(item.offset, item.length):
+        if not region.holds(item.offset, item.length) or is_late(deadline_ns):
             return None  # the batch get words the error
         start = time.perf_counter()
         reader = self.store.open(ns, item.key)
         assert reader is not None, "l1_size saw it and nothing ran since"
         self.metrics.fetched("shm_get", "l1", start)
-        jobs: list[_Job] = []
+        jobs: list[CopyJob] = []
         try:
             results: list[pb.RegionItemResult | None] = [self._admit(0, item, reader, region, jobs)]
-            _run_jobs(jobs, to_pages=False)
+            run_jobs(jobs, to_pages=False)
             self._check_copies(jobs, results)
         finally:
             reader.close()
@@ -498,31 +483,33 @@ class RegionHandlers:
         return results[0]
 
     def _admit(
-        self, index: int, item: pb.RegionItem, reader: Reader, region: Region, jobs: list[_Job]
+        self, index: int, item: pb.RegionItem, reader: Reader, region: Region, jobs: list[CopyJob]
     ) -> pb.RegionItemResult:
         """The result of a get whose value is pinned, and its copy job when it fits."""
         if reader.size > item.length:
             return pb.RegionItemResult(
-                code=_CODES["RESOURCE_EXHAUSTED"],
+                code=CODES["RESOURCE_EXHAUSTED"],
                 message=f"value of {reader.size} bytes, room for {item.length}",
                 size=reader.size,
             )
         try:
             self.inflight.acquire(reader.size)
         except KvdError as exc:
-            return _status(exc)
-        jobs.append(_Job(index, region.span(item.offset, reader.size), reader.views, reader.size))
+            return item_status(exc)
+        jobs.append(
+            CopyJob(index, region.span(item.offset, reader.size), reader.views, reader.size)
+        )
         return pb.RegionItemResult(
             size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=pb.TIER_L1
         )
 
-    def _check_copies(self, jobs: list[_Job], results: list[pb.RegionItemResult | None]) -> None:
+    def _check_copies(self, jobs: list[CopyJob], results: list[pb.RegionItemResult | None]) -> None:
         """Turn a copied get whose bytes do not match the checksum into DATA_LOSS."""
         for job in jobs:
             result = results[job.index]
             assert result is not None
             if job.checksum != result.checksum:
-                results[job.index] = _status(
+                results[job.index] = item_status(
                     DataLoss("value copied into the region does not match its checksum")
                 )
                 continue
@@ -555,7 +542,7 @@ class RegionHandlers:
         self.metrics.fetched("shm_get", "l2" if read else "miss", start)
         if not read:
             self.metrics.misses.labels("shm_get").inc()
-            return pb.RegionItemResult(code=_CODES["NOT_FOUND"], message="miss")
+            return pb.RegionItemResult(code=CODES["NOT_FOUND"], message="miss")
         self.metrics.hits.labels("shm_get", "l2").inc()
         self.metrics.bytes.labels("shm_get", "out").inc(record.size)
         return pb.RegionItemResult(

@@ -34,11 +34,12 @@ up in rank 0's namespace (a rank that then misses reports load errors).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,6 +371,16 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._staging = self.client.buffer(max(nbytes, min(LOAD_BATCH_BYTES, 4 * nbytes)))
         return self._staging
 
+    @contextlib.contextmanager
+    def _staging_dropped_on_failure(self) -> Iterator[None]:
+        """A failed call gets fresh staging next time: a get that timed out may
+        still be written into the old one (``kvd.shm_client``)."""
+        try:
+            yield
+        except BaseException:
+            self._staging = None
+            raise
+
     def _stage_blocks(self, block_ids: Sequence[int], staging: Any) -> list[memoryview]:
         """Copy each block's layers from the paged KV into ``staging``, one copy
         a layer; a view of ``staging`` per block."""
@@ -438,7 +449,8 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
 
             def fetch(load: BlockTransfer = load) -> int:
-                return self._load_blocks(load.keys, load.block_ids)
+                with self._staging_dropped_on_failure():
+                    return self._load_blocks(load.keys, load.block_ids)
 
             started = time.perf_counter()
             loaded = self.guard.call("load", 0, fetch)
@@ -466,7 +478,8 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
 
             def put(save: BlockTransfer = save) -> bool:
-                self._save_blocks(save, block_meta)
+                with self._staging_dropped_on_failure():
+                    self._save_blocks(save, block_meta)
                 return True
 
             started = time.perf_counter()
