@@ -292,11 +292,24 @@ class ShmPath:
         for region in regions:
             close_region(region, self._rpc("DetachRegion"))
 
+    def _new_region(self, size: int) -> ClientRegion:
+        """A region attached to the daemon; after a restart (the attach meets
+        a closed socket or a new peer), to the daemon that serves now."""
+        ops = self._ops
+        try:
+            return create_region(size, self._attach)
+        except DeadlineExceeded:
+            raise
+        except (Unavailable, PermissionDenied):
+            if ops is None or self.renew(ops) is None:
+                raise
+        return create_region(size, self._attach)
+
     def buffer(self, nbytes: int) -> memoryview:
         if not 0 < nbytes <= self.max_region_bytes:
             raise InvalidArgument(f"buffer of {nbytes} bytes; 1..{self.max_region_bytes}")
         size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-        region = create_region(size, self._attach)
+        region = self._new_region(size)
         with self._lock:
             self._regions.append(region)
         return region.view[:nbytes]
@@ -314,7 +327,7 @@ class ShmPath:
             if self._staging is not None and self._spans is not None:
                 return self._staging, self._spans
         size = min(STAGING_BYTES, self.max_region_bytes)
-        region = create_region(size, self._attach)
+        region = self._new_region(size)
         with self._lock:
             if self._staging is None:
                 self._staging, self._spans = region, Spans(size)
