@@ -102,5 +102,8 @@ def test_a_get_that_timed_out_writes_nothing_later_and_its_region_is_retired(
         # staging and the fresh buffer are what this client has attached.
         with grpc.insecure_channel(daemon.socket_target) as channel:
             stub = KVStoreStub(channel)
-            attached = lambda: stub.DescribePaths(pb.DescribePathsRequest()).regions_attached
+
+            def attached() -> int:
+                return int(stub.DescribePaths(pb.DescribePathsRequest()).regions_attached)
+
             assert wait_until(lambda: attached() == 2), attached()
