@@ -91,7 +91,7 @@ clean:
 # llama-cpp-python (a C++ build) and only the GGUF model file it ships is used.
 STAMP_E2E := $(VENV)/.stamp-e2e
 E2E_PACKAGES := 'transformers>=5.24.0' 'gguf>=0.19.0' 'accelerate>=1.15.0'
-LMCACHE_IMPORTS := numba cachetools py-cpuinfo aiofile aiohttp msgspec pyzmq cryptography
+LMCACHE_IMPORTS := numba cachetools py-cpuinfo aiofile aiohttp msgspec pyzmq cryptography 'opentelemetry-api<=1.40.0' httpx
 
 .PHONY: e2e-deps test-e2e demo
 
