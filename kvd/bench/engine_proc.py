@@ -71,9 +71,11 @@ class VllmProcess:
         load_failure_policy: str = "",
         kv_config: dict[str, Any] | None = None,
         environ: dict[str, str] | None = None,
+        kv_events: Path | None = None,
     ) -> None:
         """``kvd_url``: kvd's connector; ``kv_config``: another connector's
-        ``kv_transfer_config`` (vLLM's own offloading, say)."""
+        ``kv_transfer_config`` (vLLM's own offloading, say); ``kv_events``: a
+        directory for vLLM's KV-cache events (``events()``)."""
         args = [str(env.python), "-m", "kvd.bench.vllm_engine", "--model", str(env.model)]
         if kvd_url:
             args += ["--kvd", kvd_url, "--extra", json.dumps(extra or {})]
@@ -83,6 +85,8 @@ class VllmProcess:
             args.append("--prefix-caching")
         if load_failure_policy:
             args += ["--load-failure-policy", load_failure_policy]
+        if kv_events is not None:
+            args += ["--kv-events", str(kv_events)]
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -147,6 +151,11 @@ class VllmProcess:
             raise EngineFailed(f"generate failed: {answer['error']}")
         result: dict[str, Any] = answer
         return result
+
+    def events(self) -> list[dict[str, Any]]:
+        """vLLM's KV-cache events received since the last call (``kv_events`` on)."""
+        events: list[dict[str, Any]] = self.request({"op": "events"})["events"]
+        return events
 
     def stop(self) -> None:
         if self.proc.poll() is None:

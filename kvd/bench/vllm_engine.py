@@ -11,7 +11,13 @@ output, its engine-core child's included, goes to stderr):
       -> {"outputs": [{"tokens": [...], "logprobs": [[[id, lp], ...], ...],
                        "finish_reason": "length"}, ...], "wall_s": 1.2}
     {"op": "reset_prefix_cache"} -> {"reset": true}
+    {"op": "events"} -> {"events": [{"type": "BlockStored", "block_hashes": [hex...],
+                         "parent": hex or null, "tokens": 256, "medium": "CPU"}, ...]}
     {"op": "quit"} -> {"bye": true}
+
+``--kv-events`` turns on vLLM's KV-cache events, published over ZeroMQ on
+an ipc socket in that directory; the driver subscribes to them, and the
+``events`` op returns those received so far.
 
 A request with ``max_tokens`` 1 measures time to first token: offline, the
 wall time of a one-token generation is the prefill plus one sample.
@@ -68,7 +74,58 @@ def _engine(args: argparse.Namespace) -> Any:
         options["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     if args.load_failure_policy and "kv_transfer_config" in options:
         options["kv_transfer_config"]["kv_load_failure_policy"] = args.load_failure_policy
+    if args.kv_events:
+        options["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": _events_endpoint(args.kv_events),
+        }
     return LLM(**options)
+
+
+def _events_endpoint(directory: str) -> str:
+    return f"ipc://{os.path.join(directory, 'kv-events.sock')}"
+
+
+class EventListener:
+    """vLLM's KV-cache events, as its ZeroMQ publisher sends them."""
+
+    def __init__(self, directory: str) -> None:
+        import zmq  # type: ignore[import-not-found,unused-ignore]
+
+        self._zmq = zmq
+        self._socket: Any = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(_events_endpoint(directory))
+        self.received: list[dict[str, Any]] = []
+
+    def drain(self, wait_s: float = 1.0) -> list[dict[str, Any]]:
+        """Events received until ``wait_s`` passes without one."""
+        import msgspec  # type: ignore[import-not-found,unused-ignore]
+        from vllm.distributed.kv_events import (  # type: ignore[import-not-found,unused-ignore]
+            KVEventBatch,
+        )
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while self._socket.poll(int(wait_s * 1000)):
+            _topic, _seq, payload = self._socket.recv_multipart()
+            for event in decoder.decode(payload).events:
+                self.received.append(_event_json(event))
+        received, self.received = self.received, []
+        return received
+
+
+def _event_json(event: Any) -> dict[str, Any]:
+    def hexed(value: Any) -> Any:
+        return value.hex() if isinstance(value, bytes) else value
+
+    return {
+        "type": type(event).__name__,
+        "block_hashes": [hexed(h) for h in getattr(event, "block_hashes", [])],
+        "parent": hexed(getattr(event, "parent_block_hash", None)),
+        "tokens": len(getattr(event, "token_ids", []) or []),
+        "medium": getattr(event, "medium", None),
+    }
 
 
 def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +159,7 @@ def _generate(llm: Any, request: dict[str, Any]) -> dict[str, Any]:
     return {"outputs": outputs, "wall_s": wall_s}
 
 
-def serve(llm: Any, requests: TextIO, answers: TextIO) -> None:
+def serve(llm: Any, requests: TextIO, answers: TextIO, events: EventListener | None = None) -> None:
     for line in requests:
         if not line.strip():
             continue
@@ -113,6 +170,8 @@ def serve(llm: Any, requests: TextIO, answers: TextIO) -> None:
             answer = {"bye": True}
         elif op == "reset_prefix_cache":  # the engine's own cache only, not a connector's
             answer = {"reset": bool(llm.reset_prefix_cache())}
+        elif op == "events":
+            answer = {"events": events.drain() if events is not None else []}
         elif op == "generate":
             try:
                 answer = _generate(llm, request)
@@ -137,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
     parser.add_argument("--block-size", type=int, default=BLOCK_TOKENS)
+    parser.add_argument("--kv-events", default="", help="a directory: publish KV-cache events")
     # float32: bf16 matmuls have no fast kernel on CPUs without AVX-512 BF16
     # (a 2K-token prefill took 60-80 s in bf16 against 16 s in fp32 on an
     # AVX2-only EPYC).
@@ -149,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     llm = _engine(args)
+    events = EventListener(args.kv_events) if args.kv_events else None
     answers.write(json.dumps({"ready": True}) + "\n")
     answers.flush()
-    serve(llm, sys.stdin, answers)
+    serve(llm, sys.stdin, answers, events)
     return 0
 
 

@@ -57,6 +57,12 @@ from kvd.connectors.common import (
     parse_target,
     tls_config,
 )
+from kvd.connectors.vllm_events import (
+    SchedulerEvents,
+    WorkerEvents,
+    events_enabled,
+    stored_event,
+)
 from kvd.keys import chain_keys
 
 try:
@@ -122,6 +128,9 @@ class BlockTransfer:
     keys: list[bytes]
     block_ids: list[int]
     parent: bytes | None = None
+    # A save's tokens and LoRA name, for its KV-cache event (events on only).
+    token_ids: list[int] = field(default_factory=list)
+    lora_name: str = ""
 
 
 @dataclass
@@ -142,6 +151,8 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0
     l2_blocks: int = 0  # of the hit blocks, those only on kvd's SSD tier
+    prompt: list[int] = field(default_factory=list)  # kept for KV-cache events only
+    lora_name: str = ""
 
 
 @dataclass
@@ -226,6 +237,9 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._staging: memoryview | None = None
         self._stats = KvdConnectorStats()
         self._stats.reset()
+        self.kv_events = events_enabled(vllm_config)
+        self._worker_events = WorkerEvents()
+        self._scheduler_events = SchedulerEvents()
 
     def _namespace(self, tp_rank: int) -> str:
         return namespace(ENGINE, {**self.ns_fields, "tp": f"{tp_rank}of{self.tp_size}"})
@@ -262,6 +276,8 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tracked.lease = (lookup_ns, found.lease_id)
         if found is not None:
             tracked.l2_blocks = min(found.l2_hits, hit_blocks)
+        if self.kv_events:
+            tracked.prompt, tracked.lora_name = prompt, lora_name
         with self._lock:
             self._tracked[request.request_id] = tracked
             while len(self._tracked) > PENDING_REQUESTS_MAX:
@@ -324,9 +340,13 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         start = tracked.saved_blocks
         parent = tracked.keys[start - 1] if start else None
-        meta.saves.append(
-            BlockTransfer(req_id, tracked.keys[start:done], tracked.block_ids[start:done], parent)
+        save = BlockTransfer(
+            req_id, tracked.keys[start:done], tracked.block_ids[start:done], parent
         )
+        if tracked.prompt:
+            save.token_ids = tracked.prompt[start * self.block_size : done * self.block_size]
+            save.lora_name = tracked.lora_name
+        meta.saves.append(save)
         tracked.saved_blocks = done
 
     def request_finished(
@@ -338,6 +358,14 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             lease_ns, lease_id = tracked.lease
             self.guard.call("release", False, lambda: self.client.release(lease_ns, lease_id))
         return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Gather the workers' KV-cache events of a step (``kvd.connectors.vllm_events``)."""
+        self._scheduler_events.gather(getattr(connector_output, "kv_cache_events", None))
+
+    def take_events(self) -> list[Any]:
+        """The blocks stored in kvd since the last call, as vLLM KV-cache events."""
+        return self._scheduler_events.take()
 
     # ==============================================================
     # Worker side
@@ -486,6 +514,12 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             done = self.guard.call("save", False, put)
             self._count("save_s", time.perf_counter() - started)
             self._count("saved_blocks" if done else "save_failures", len(save.block_ids))
+            if done and save.token_ids:
+                self._worker_events.add(
+                    stored_event(
+                        save.keys, save.parent, save.token_ids, self.block_size, save.lora_name
+                    )
+                )
 
     def _save_blocks(self, save: BlockTransfer, block_meta: bytes) -> None:
         """Stage the blocks, a batch per ``LOAD_BATCH_BYTES``, and put each batch."""
@@ -518,6 +552,10 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stats.reset()
         stats.data.update(data or {})
         return stats
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """This worker's KV-cache events since the last call; None when there are none."""
+        return self._worker_events.collect()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

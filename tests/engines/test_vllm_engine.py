@@ -26,6 +26,7 @@ import pytest
 
 from kvd.bench.engine_proc import REPO, EngineEnv, VllmProcess
 from kvd.bench.vllm_engine import kv_transfer_config
+from kvd.connectors.vllm import block_keys
 
 from .conftest import RestartableDaemon, free_port
 
@@ -78,7 +79,12 @@ def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_a(
     engine_env: EngineEnv, kvd_daemon: RestartableDaemon, engine_logs: Path
 ) -> Iterator[VllmProcess]:
-    with VllmProcess(engine_env, engine_logs / "a.log", kvd_url=kvd_daemon.url, extra=EXTRA) as e:
+    """An engine on the daemon's TCP ports, publishing vLLM's KV-cache events."""
+    events = engine_logs / "a-events"
+    events.mkdir()
+    with VllmProcess(
+        engine_env, engine_logs / "a.log", kvd_url=kvd_daemon.url, extra=EXTRA, kv_events=events
+    ) as e:
         yield e
 
 
@@ -120,6 +126,12 @@ def test_store_in_one_engine_restore_in_a_fresh_one(
     stored, _ = answer(engine_a, "p1")
     assert_recomputed(stored, reference["p1"])
     assert kvd_daemon.stats()["puts"] - before["puts"] == 5
+    # vLLM published the stored blocks as KV-cache events, by kvd's keys.
+    ours = [e for e in engine_a.events() if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+    assert [h for e in ours for h in e["block_hashes"]] == [
+        key.hex() for key in block_keys(PROMPTS["p1"], BLOCK)
+    ], ours
+    assert sum(e["tokens"] for e in ours) == 5 * BLOCK and ours[0]["parent"] is None
     restored, _ = answer(engine_b, "p1")
     after = kvd_daemon.stats()
     assert after["hits"] - before["hits"] == 5
