@@ -125,7 +125,8 @@ class VllmProcess:
             chunk = os.read(stdout.fileno(), 1 << 16)
             if not chunk:
                 code = self.proc.wait(timeout=30)
-                tail = self.log_tail()
+                # Deep enough to hold the error: vLLM's shutdown warnings follow it.
+                tail = self.log_tail(400)
                 if starting and code == SIGILL_EXIT:
                     raise EngineUnavailable(f"vLLM died of SIGILL on this CPU:\n{tail}")
                 raise EngineFailed(f"engine exited with {code}:\n{tail}")
