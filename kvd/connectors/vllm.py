@@ -63,6 +63,7 @@ from kvd.connectors.vllm_events import (
     events_enabled,
     stored_event,
 )
+from kvd.connectors.vllm_stats import KvdConnectorStats
 from kvd.keys import chain_keys
 
 try:
@@ -70,16 +71,12 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
-        KVConnectorStats,
-    )
 
     HAVE_VLLM = True
 except ImportError:  # the connector's logic runs without vLLM, for tests and tools
     HAVE_VLLM = False
     KVConnectorBase_V1 = object
     KVConnectorMetadata = object
-    KVConnectorStats = object
 
 try:
     from vllm.v1.metrics.cache_hit_source import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
@@ -94,8 +91,6 @@ except ImportError:  # vLLM before 0.32, or none
 log = logging.getLogger("kvd.connectors.vllm")
 
 ENGINE = "vllm"
-# Counters a worker reports to vLLM's stats logger (get_kv_connector_stats).
-STAT_NAMES = ("loaded_blocks", "load_errors", "saved_blocks", "save_failures", "load_s", "save_s")
 # Leases and plans of requests not yet scheduled: bounded, oldest dropped
 # (its lease then simply expires on the daemon).
 PENDING_REQUESTS_MAX = 4096
@@ -153,27 +148,6 @@ class _Tracked:
     l2_blocks: int = 0  # of the hit blocks, those only on kvd's SSD tier
     prompt: list[int] = field(default_factory=list)  # kept for KV-cache events only
     lora_name: str = ""
-
-
-@dataclass
-class KvdConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """Blocks moved, failures and time spent, summed over an interval."""
-
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.data = dict.fromkeys(STAT_NAMES, 0)
-
-    def aggregate(self, other: Any) -> KvdConnectorStats:
-        for name, value in dict(getattr(other, "data", {}) or {}).items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {name: self.data.get(name, 0) for name in STAT_NAMES}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.get(name, 0) for name in STAT_NAMES)
 
 
 def _role_name(role: Any) -> str:
