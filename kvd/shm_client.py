@@ -170,7 +170,6 @@ class ShmPath:
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
         self._spans: Spans | None = None
-        self.retired = 0  # regions retired after a get that timed out
 
     def _rpc(self, name: str) -> Call:
         return lambda request, _: self._call(name, request)
@@ -252,7 +251,6 @@ class ShmPath:
             self._regions.remove(region)
             if region is self._staging:
                 self._staging = self._spans = None
-        self.retired += 1
         os.close(region.fd)
         os.close(region.lock_fd)
 
