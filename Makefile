@@ -45,14 +45,16 @@ $(STAMP_NATIVE): $(NATIVE_SOURCES) setup.py | $(STAMP_INSTALL) liburing
 	$(PY) setup.py -q build_ext --inplace || echo "make: native build failed; kvd runs without it" >&2
 	touch $@
 
-# liburing-dev is needed for kvd._uring; install it when root and missing.
+# liburing-dev and libxxhash-dev are needed for kvd._uring (io_uring, and the
+# L2 record checks in C); install them when root and missing.
 liburing:
-	@if [ ! -e /usr/include/liburing.h ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "make: installing liburing-dev"; \
+	@if { [ ! -e /usr/include/liburing.h ] || [ ! -e /usr/include/xxhash.h ]; } \
+		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make: installing liburing-dev libxxhash-dev"; \
 		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -q liburing-dev >/dev/null 2>&1 \
-		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q liburing-dev >/dev/null 2>&1; } \
-		|| echo "make: could not install liburing-dev; kvd builds without io_uring" >&2; \
+		apt-get install -y -q liburing-dev libxxhash-dev >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q liburing-dev libxxhash-dev >/dev/null 2>&1; } \
+		|| echo "make: could not install liburing-dev libxxhash-dev; kvd builds without io_uring" >&2; \
 	fi
 
 run: venv proto build

@@ -5,9 +5,11 @@
    normal and editable installs (and a plain checkout after `make proto`) all
    have it. The service's stub and handlers are built from its descriptor
    (kvd/grpc_handlers.py).
-2. The C extension kvd._uring (native/kvd_uring.c, linked with liburing) is
-   optional: when the source, the liburing headers or a compiler are missing,
-   the build prints one line and goes on; kvd then uses its thread-pool I/O.
+2. The C extension kvd._uring (native/*.c, linked with liburing, and
+   xxHash's header-only build for the L2 record checks) is optional: when the
+   source, the liburing or xxHash headers (Debian liburing-dev,
+   libxxhash-dev) or a compiler are missing, the build prints one line and
+   goes on; kvd then uses its thread-pool I/O and checks records in Python.
 """
 
 import sys
@@ -24,6 +26,11 @@ GENERATED = [
     ROOT / "kvd" / "v1" / name for name in ("kvd_pb2.py", "kvd_pb2.pyi")
 ]
 NATIVE_SOURCE = ROOT / "native" / "kvd_uring.c"
+# kvd._uring is one extension built from these files (native/README.md).
+NATIVE_SOURCES = [
+    ROOT / "native" / name
+    for name in ("kvd_uring.c", "kvd_slots.c", "kvd_reads.c", "kvd_record.c")
+]
 
 
 def generate_proto() -> None:
@@ -84,7 +91,7 @@ def extensions() -> list[Extension]:
     return [
         Extension(
             "kvd._uring",
-            sources=[str(NATIVE_SOURCE.relative_to(ROOT))],
+            sources=[str(path.relative_to(ROOT)) for path in NATIVE_SOURCES],
             include_dirs=["native"],
             libraries=["uring"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],

@@ -12,6 +12,12 @@ Both backends behave the same way:
   callers check the count. Failures raise ``IoError`` with the kernel's errno.
 * ``submit_many`` runs ops in parallel and returns one result per op, bytes
   moved or ``-errno``, never raising for a failed op.
+* The uring backend also reads whole L2 records (``read_records``): a batch
+  of records, each one or more read ops plus what its header and checksum
+  must be, goes to the ring in one call, and the native code checks each
+  record without the GIL when its last op completes, returning one
+  ``ReadStatus`` (or ``-errno``) per record. ``native_record_reads`` says
+  whether a backend has it; the L2 tier checks records in Python otherwise.
 * At most ``depth`` ops are in flight; further ops wait on a semaphore.
 * **Buffers are the kernel's until the op completes.** A call returns or
   raises, cancellation included, only after every op it submitted has
@@ -31,7 +37,7 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,6 +57,21 @@ DEPTH_MAX = 4096  # matches the native ring's DEPTH_MAX
 THREADS_MAX = 256
 BUFS_PER_OP_MAX = 1024  # IOV_MAX on Linux
 OPS_PER_CALL_MAX = 65536  # one submit_many call; a 16 GiB segment scan in 256 KiB ops
+
+
+class ReadStatus(enum.IntEnum):
+    """How a record read ended (besides ``-errno``); the native ring's READ_* values."""
+
+    OK = 0
+    SHORT = 1  # an op moved fewer bytes than asked for
+    BAD_HEADER = 2  # not the header the index expects: torn, misdirected or deleted
+    BAD_CHECKSUM = 3  # the payload does not match its checksum
+
+
+if _uring_import_error is None:
+    _NATIVE_STATUS = (_uring.READ_OK, _uring.READ_SHORT, _uring.READ_BAD_HEADER,
+                      _uring.READ_BAD_CHECKSUM)  # fmt: skip
+    assert tuple(ReadStatus) == _NATIVE_STATUS, "kvd._uring is out of date"
 
 
 class IoError(OSError):
@@ -87,6 +108,27 @@ class IoOp:
                 raise ValueError(f"an op takes 1..{BUFS_PER_OP_MAX} buffers, got {len(self.bufs)}")
         elif self.bufs:
             raise ValueError("fsync ops take no buffers")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRead:
+    """One L2 record read: ``ops`` land its header in ``header`` and its payload
+    in ``payload`` (in order; at least ``payload_bytes`` long), and the header
+    must announce this ``seq``, ``generation``, ``namespace`` and ``key`` and a
+    payload of ``payload_bytes`` whose xxh3-64 is ``checksum``."""
+
+    ops: Sequence[IoOp]
+    header: memoryview
+    payload: Sequence[memoryview]
+    payload_bytes: int
+    checksum: int
+    seq: int
+    generation: int
+    namespace: bytes
+    key: bytes
+
+
+ReadRecordsFn = Callable[[Sequence[RecordRead]], Awaitable[list[int]]]
 
 
 class IoBackend(Protocol):
@@ -214,6 +256,8 @@ class UringBackend(_BackendBase):
         self._ring = _uring.Ring(depth)
         self._efd = self._ring.eventfd()
         self._waiting: dict[int, asyncio.Future[int]] = {}
+        self._slots_of: dict[int, int] = {}  # records holding more than one slot
+        self._acquiring = asyncio.Lock()  # one read_records call admits at a time
         self._next_user_data = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_scheduled = False
@@ -270,17 +314,19 @@ class UringBackend(_BackendBase):
         except BlockingIOError:
             pass
         # No submits happen in here, so at most `depth` completions can be
-        # waiting: two passes drain the ring.
+        # waiting: two passes drain the ring. (A record's ops give one result
+        # between them, so count completions by the slots they freed.)
         for _ in range(2):
-            done = self._ring.reap(self._depth)
-            self._deliver(done)
-            if len(done) < self._depth:
+            before = self._ring.inflight
+            self._deliver(self._ring.reap(self._depth))
+            if before - self._ring.inflight < self._depth:
                 break
 
     def _deliver(self, done: list[tuple[int, int]]) -> None:
         for user_data, result in done:
             fut = self._waiting.pop(user_data)
-            self._slots.release()
+            for _ in range(self._slots_of.pop(user_data, 1)):
+                self._slots.release()
             if not fut.done():
                 fut.set_result(result)
 
@@ -306,6 +352,80 @@ class UringBackend(_BackendBase):
             raise
         return await _settle(futs)
 
+    def _push_records(
+        self, loop: asyncio.AbstractEventLoop, records: Sequence[RecordRead]
+    ) -> list[asyncio.Future[int]]:
+        """Hand records (holding a semaphore slot per op) to the ring in one call."""
+        if self._closed:
+            raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
+        native: list[_uring.Record] = []
+        user_data = self._next_user_data
+        for r in records:
+            ops = [(op.fd, op.offset, op.bufs[0] if len(op.bufs) == 1 else tuple(op.bufs))
+                   for op in r.ops]  # fmt: skip
+            native.append((user_data, ops, r.header, r.payload, r.payload_bytes, r.checksum,
+                           r.seq, r.generation, r.namespace, r.key))  # fmt: skip
+            if len(ops) > 1:
+                self._slots_of[user_data] = len(ops)
+            user_data += 1
+        try:
+            accepted = self._ring.submit_reads(native)
+        except BaseException:
+            for item in native:
+                self._slots_of.pop(item[0], None)
+            raise
+        assert accepted == len(native), (accepted, len(native))  # room: see _push
+        futs: list[asyncio.Future[int]] = []
+        for item in native:
+            fut: asyncio.Future[int] = loop.create_future()
+            self._waiting[item[0]] = fut
+            futs.append(fut)
+        self._next_user_data = user_data
+        if self._ring.unsubmitted and not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_later(0.001, self._flush)
+        return futs
+
+    async def read_records(self, records: Sequence[RecordRead]) -> list[int]:
+        """Read and check records; one ``ReadStatus`` or ``-errno`` per record."""
+        if self._closed:
+            raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
+        if len(records) > OPS_PER_CALL_MAX:
+            raise ValueError(f"at most {OPS_PER_CALL_MAX} records per call, got {len(records)}")
+        for record in records:
+            if not 1 <= len(record.ops) <= self._depth:
+                raise ValueError(f"a record takes 1..{self._depth} ops, got {len(record.ops)}")
+            for op in record.ops:
+                op.check()
+        loop = self._bind()
+        futs: list[asyncio.Future[int]] = []
+        pending: list[RecordRead] = []  # hold their semaphore slots, not yet in the ring
+        held = 0  # slots held for the record being admitted
+        try:
+            # A record's ops go in together, so one call at a time admits
+            # records: two taking turns could each hold part of a record's
+            # slots and wait for the other's. Inside, admitted records go to
+            # the ring before any wait for a slot, so the wait always ends.
+            async with self._acquiring:
+                for record in records:
+                    for _ in record.ops:
+                        if pending and self._slots.locked():
+                            futs += self._push_records(loop, pending)
+                            pending = []
+                        await self._slots.acquire()
+                        held += 1
+                    pending.append(record)
+                    held = 0
+                if pending:
+                    futs += self._push_records(loop, pending)
+                    pending = []
+        except BaseException:
+            for _ in range(held + sum(len(r.ops) for r in pending)):
+                self._slots.release()
+            await _settle(futs)
+            raise
+        return await _settle(futs)
+
     def close(self) -> None:
         """Stop taking ops, deliver the results of ops in flight, free the ring.
 
@@ -322,6 +442,22 @@ class UringBackend(_BackendBase):
                 break
             self._deliver(self._ring.reap(self._depth, self._ring.inflight, 100))
         self._ring.close()
+
+
+def native_record_reads(io: IoBackend) -> ReadRecordsFn | None:
+    """The backend's batched record reads checked in native code, or None."""
+    return io.read_records if isinstance(io, UringBackend) else None
+
+
+def native_record_check() -> Callable[..., int] | None:
+    """The native record check on buffers in memory (``kvd._uring.check_record``,
+    what ``read_records`` runs on each record), or None when not built."""
+    return _uring.check_record if _uring_import_error is None else None
+
+
+def native_xxh3_64() -> Callable[[bytes | bytearray | memoryview], int] | None:
+    """The native checks' xxh3-64, or None when not built."""
+    return _uring.xxh3_64 if _uring_import_error is None else None
 
 
 def open_ring(depth: int) -> _uring.Ring:

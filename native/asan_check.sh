@@ -1,6 +1,9 @@
 #!/bin/sh
 # Build kvd._uring with ASan + UBSan into a scratch copy of the package and
-# run tests/test_iobackend.py against it. Usage: native/asan_check.sh [pytest args]
+# run the tests that drive it against it: the ring (tests/test_iobackend.py),
+# record reads and their checks in C (tests/test_iobackend_records.py,
+# tests/l2/test_format.py) and the L2 tier on top (tests/l2/test_tier.py).
+# Usage: native/asan_check.sh [pytest args]
 set -eu
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$repo/.venv/bin/python}
@@ -11,11 +14,14 @@ inc=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 suffix=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 cp -r "$repo/kvd" "$scratch/kvd"
 rm -f "$scratch"/kvd/_uring*.so
-mkdir "$scratch/tests"
-cp "$repo/tests/test_iobackend.py" "$scratch/tests/"
+mkdir -p "$scratch/tests/l2"
+cp "$repo/tests/test_iobackend.py" "$repo/tests/test_iobackend_records.py" "$scratch/tests/"
+cp "$repo"/tests/l2/*.py "$scratch/tests/l2/"
+touch "$scratch/tests/__init__.py"
+cp "$repo/pyproject.toml" "$scratch/"  # pytest settings: asyncio mode, warnings are errors
 gcc -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-    -fno-omit-frame-pointer -Wall -Wextra -Werror -shared -fPIC -I"$inc" \
-    "$repo/native/kvd_uring.c" -luring -o "$scratch/kvd/_uring$suffix"
+    -fno-omit-frame-pointer -Wall -Wextra -Werror -std=gnu11 -shared -fPIC -I"$inc" \
+    -I"$repo/native" "$repo"/native/*.c -luring -o "$scratch/kvd/_uring$suffix"
 
 cd "$scratch"
 # The interpreter itself is not instrumented: leak detection off, and no
@@ -23,4 +29,5 @@ cd "$scratch"
 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0:quarantine_size_mb=0 \
 PYTHONMALLOC=malloc \
-    "$python" -m pytest -q -p no:cacheprovider tests/test_iobackend.py "$@"
+    "$python" -m pytest -q -p no:cacheprovider tests/test_iobackend.py \
+    tests/test_iobackend_records.py tests/l2/test_format.py tests/l2/test_tier.py "$@"

@@ -181,6 +181,8 @@ class DeviceSet:
         assert 0 <= segment < self.segment_count
         assert offset >= 0 and offset + length <= self.logical_segment_bytes, (offset, length)
         n = len(self.devices)
+        if n == 1 and bufs:  # no striping: one op, the buffers as they are
+            return [IoOp(kind, self.devices[0].fd, segment * self.segment_bytes + offset, bufs)]
         stripe = self.stripe_bytes
         per_device: list[list[memoryview]] = [[] for _ in range(n)]
         start: list[int] = [-1] * n

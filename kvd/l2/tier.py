@@ -34,8 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvd import crashpoints
-from kvd.checksum import checksum_views
-from kvd.iobackend import IoBackend, IoError, OpKind
+from kvd.iobackend import IoBackend, IoError, OpKind, ReadStatus, RecordRead
 from kvd.l2.devices import AlignedBuffer, DeviceSet
 from kvd.l2.format import (
     BLOCK_BYTES,
@@ -49,6 +48,7 @@ from kvd.l2.format import (
     decode,
     header_bytes_at,
 )
+from kvd.l2.reads import RecordReads
 
 log = logging.getLogger("kvd.l2")
 
@@ -65,7 +65,8 @@ class L2Full(Exception):
 
 
 class ChecksumMismatch(Exception):
-    """A record's payload does not match its checksum: a miss, never a hit."""
+    """A record's payload does not match its checksum, or its header is not
+    the one the index expects: a miss, never a hit."""
 
 
 class SegmentState(enum.Enum):
@@ -125,9 +126,10 @@ class L2Counters:
 
 
 class L2Tier:
-    def __init__(self, devices: DeviceSet, io: IoBackend) -> None:
+    def __init__(self, devices: DeviceSet, io: IoBackend, record_checks: str = "auto") -> None:
         self.devices = devices
         self.io = io
+        self.reads = RecordReads(io, record_checks)
         self.counters = L2Counters()
         self.index: dict[Key, L2Record] = {}
         self.segments = [Segment(i) for i in range(devices.segment_count)]
@@ -386,31 +388,39 @@ class L2Tier:
     async def read(self, record: L2Record, views: Sequence[memoryview]) -> None:
         """Read a payload into ``views`` (``record.read_bytes`` long) and verify it.
 
-        ChecksumMismatch drops the record (and counts it); IoError keeps errno.
+        The record's header comes along in the same op (it sits right before
+        the payload) and is checked too: a header that is not this record's
+        (torn, overwritten by a later use of the segment, a tombstone) or a
+        payload that fails its checksum raises ChecksumMismatch; a failed or
+        short read raises IoError (errno kept). Either drops the record and
+        is counted.
         """
         assert sum(len(v) for v in views) == record.read_bytes
         segment = self.segments[record.segment]
+        buffer = self._header_buffer()
         segment.io_inflight += 1
         try:
-            ops = self.devices.ops(
-                OpKind.READ, record.segment, record.offset + record.header_bytes, views
-            )
-            results = await self.io.submit_many(ops)
+            header = buffer.view[: record.header_bytes]
+            ops = self.devices.ops(OpKind.READ, record.segment, record.offset, [header, *views])
+            status = await self.reads.read(RecordRead(
+                ops, header, views, record.size, record.checksum, record.seq,
+                segment.generation, record.namespace.encode(), record.key,
+            ))  # fmt: skip
         finally:
             segment.io_inflight -= 1
+            self._buffers.append(buffer)
             self._io_done.set()
         self.counters.reads += 1
-        for op, result in zip(ops, results, strict=True):
-            if result != sum(len(b) for b in op.bufs):
-                self.counters.read_errors += 1
-                self.discard(record)
-                raise IoError(-result if result < 0 else errno.EIO, "L2 read")
-        data = _trim(views, record.size)
-        if checksum_views(data) != record.checksum:
-            self.counters.checksum_failures += 1
-            self.discard(record)
-            raise ChecksumMismatch(f"L2 record {record.key.hex()} failed its checksum")
-        self.counters.read_bytes += record.size
+        if status == ReadStatus.OK:
+            self.counters.read_bytes += record.size
+            return
+        self.discard(record)
+        if status < 0 or status == ReadStatus.SHORT:
+            self.counters.read_errors += 1
+            raise IoError(-status if status < 0 else errno.EIO, "L2 read")
+        self.counters.checksum_failures += 1
+        what = "header" if status == ReadStatus.BAD_HEADER else "checksum"
+        raise ChecksumMismatch(f"L2 record {record.key.hex()} failed its {what} check")
 
     def discard(self, record: L2Record) -> None:
         """Forget a bad record (it stays on disk; its checksum keeps failing)."""
@@ -556,13 +566,3 @@ class L2Tier:
         for buffer in self._buffers:
             buffer.close()
         self._buffers = []
-
-
-def _trim(views: Sequence[memoryview], nbytes: int) -> list[memoryview]:
-    out = []
-    for view in views:
-        if nbytes <= 0:
-            break
-        out.append(view[:nbytes])
-        nbytes -= len(view)
-    return out

@@ -1,7 +1,9 @@
 """Helpers shared by the L2 tier tests: backends, aligned memory, payloads.
 
 Every L2 test runs against real files opened with O_DIRECT under the test's
-tmp dir and on both io backends (io_uring and threads).
+tmp dir and on both io backends (io_uring and threads), and the tier's
+record checks both in C (uring) and in Python (threads, and uring-pychecks:
+io_uring with the checks in Python).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ NATIVE_OK, NATIVE_REASON = native_available()
 BACKENDS = [
     pytest.param("uring", marks=pytest.mark.skipif(not NATIVE_OK, reason=NATIVE_REASON)),
     "threads",
+    pytest.param(
+        "uring-pychecks", marks=pytest.mark.skipif(not NATIVE_OK, reason=NATIVE_REASON)
+    ),
 ]
 KiB = 1024
 MiB = 1024 * KiB
@@ -32,7 +37,12 @@ MiB = 1024 * KiB
 
 def backend(kind: str) -> IoBackend:
     """A fresh backend; call inside the test's event loop."""
-    return open_backend(kind, depth=32, threads=4)
+    return open_backend(kind.removesuffix("-pychecks"), depth=32, threads=4)
+
+
+def record_checks(kind: str) -> str:
+    """The tier's record_checks for a test kind."""
+    return "python" if kind.endswith("-pychecks") else "auto"
 
 
 class Aligned:
@@ -150,7 +160,8 @@ class Env:
         io = backend(self.kind)
         if wrap is not None:
             io = wrap(io)  # type: ignore[operator]
-        tier = L2Tier(devices, io)
+        tier = L2Tier(devices, io, record_checks(self.kind))
+        assert tier.reads.native == (self.kind == "uring" and wrap is None)
         tier.on_drop = self.dropped.append
         self.opened.append((devices, io, tier))
         if recover:

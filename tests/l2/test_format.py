@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import struct
 
 import pytest
 
 from kvd.checksum import checksum
+from kvd.iobackend import ReadStatus, native_record_check, native_xxh3_64
 from kvd.l2.format import (
     BLOCK_BYTES,
     FLAG_TOMBSTONE,
@@ -16,6 +18,7 @@ from kvd.l2.format import (
     HeaderError,
     RecordHeader,
     align_up,
+    check_record,
     decode,
     header_bytes_at,
 )
@@ -148,3 +151,133 @@ def test_header_size_disagrees_with_fields() -> None:
 def test_oversized_header_is_refused_on_encode() -> None:
     with pytest.raises(AssertionError):
         header(meta=bytes(HEADER_BYTES_MAX)).encode()
+
+
+# ---- record checks: format.check_record and its C twin agree ------------------------
+NATIVE_CHECK = native_record_check()
+NATIVE_XXH3 = native_xxh3_64()
+needs_native = pytest.mark.skipif(NATIVE_CHECK is None, reason="kvd._uring is not built")
+PAYLOAD = random.Random(5).randbytes(70_000)
+GOOD = header(payload_bytes=len(PAYLOAD), payload_checksum=checksum(PAYLOAD))
+
+
+def expect(**changes: object) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "payload_bytes": GOOD.payload_bytes, "payload_checksum": GOOD.payload_checksum,
+        "seq": GOOD.seq, "generation": GOOD.generation,
+        "namespace": GOOD.namespace.encode(), "key": GOOD.key,
+    }  # fmt: skip
+    fields.update(changes)
+    return fields
+
+
+def verdicts(head: bytes, payload: list[bytes], **expected: object) -> tuple[int, int]:
+    """(Python's verdict, C's verdict) on the same bytes and expectations."""
+    e = expect(**expected)
+    args = (e["payload_bytes"], e["payload_checksum"], e["seq"], e["generation"],
+            e["namespace"], e["key"])  # fmt: skip
+    views = [memoryview(p) for p in payload]
+    python = check_record(memoryview(head), views, *args)  # type: ignore[arg-type]
+    assert NATIVE_CHECK is not None
+    return int(python), NATIVE_CHECK(head, payload, *args)
+
+
+def mutate(at: int, value: bytes, *, resign: bool = True) -> bytes:
+    """GOOD's header with ``value`` at ``at``; re-signed so later checks are reached."""
+    data = bytearray(GOOD.encode())
+    data[at : at + len(value)] = value
+    if resign:
+        data[-8:] = struct.pack("<Q", checksum(bytes(data[:-8])))
+    return bytes(data)
+
+
+@needs_native
+def test_xxh3_of_the_native_checks_is_the_python_packages() -> None:
+    assert NATIVE_XXH3 is not None
+    rng = random.Random(11)
+    # Sizes around xxh3's internal boundaries (16, 128, 240 bytes, stripes, blocks).
+    for size in (0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 1025, 65536, 1 << 20):
+        data = rng.randbytes(size)
+        assert NATIVE_XXH3(data) == checksum(data), size
+
+
+@needs_native
+def test_a_good_record_passes_both() -> None:
+    head = GOOD.encode()
+    assert verdicts(head, [PAYLOAD]) == (ReadStatus.OK, ReadStatus.OK)
+    pieces = [PAYLOAD[:1], PAYLOAD[1:4096], PAYLOAD[4096:50_001], PAYLOAD[50_001:]]
+    assert verdicts(head, pieces) == (ReadStatus.OK, ReadStatus.OK)
+    # The payload views run past the payload (whole 4 KiB blocks): the tail is not in it.
+    assert verdicts(head, [PAYLOAD + b"\xff" * 1000]) == (ReadStatus.OK, ReadStatus.OK)
+    empty = header(payload_bytes=0, payload_checksum=checksum(b""))
+    assert verdicts(empty.encode(), [], payload_bytes=0, payload_checksum=checksum(b"")) == (
+        ReadStatus.OK, ReadStatus.OK,
+    )  # fmt: skip
+
+
+FIELD_DAMAGE = {
+    "magic": (0, b"X"),
+    "version": (8, struct.pack("<H", 2)),
+    "tombstone": (10, struct.pack("<H", FLAG_TOMBSTONE)),
+    "segment marker": (10, struct.pack("<H", 2)),
+    "header bytes": (12, struct.pack("<I", HEADER_BYTES_MAX)),
+    "generation": (16, b"\x00"),
+    "seq": (24, b"\x00"),
+    "record bytes": (32, struct.pack("<Q", 0)),
+    "payload bytes": (40, struct.pack("<Q", len(PAYLOAD) - 1)),
+    "payload checksum": (48, b"\x00"),
+    "namespace length": (56, struct.pack("<H", 5)),
+    "key length": (58, b"\x05"),
+    "meta length": (60, struct.pack("<H", 4000)),
+    "namespace byte": (64, b"M"),
+    "key byte": (64 + len(GOOD.namespace) + 3, b"\xee"),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("resign", [True, False], ids=["resigned", "torn"])
+@pytest.mark.parametrize("field", list(FIELD_DAMAGE))
+def test_each_damaged_field_is_a_bad_header_to_both(field: str, resign: bool) -> None:
+    at, value = FIELD_DAMAGE[field]
+    head = mutate(at, value, resign=resign)
+    assert verdicts(head, [PAYLOAD]) == (ReadStatus.BAD_HEADER, ReadStatus.BAD_HEADER)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "wrong",
+    [{"seq": GOOD.seq + 1}, {"generation": GOOD.generation ^ 1}, {"key": GOOD.key[:-1]},
+     {"key": GOOD.key[:-1] + b"\x00"}, {"namespace": b"model=llama;tp=1/2"},
+     {"payload_bytes": len(PAYLOAD) + 1}, {"payload_checksum": GOOD.payload_checksum ^ 1}],
+)  # fmt: skip
+def test_a_record_that_is_not_the_expected_one_is_a_bad_header(wrong: dict[str, object]) -> None:
+    assert verdicts(GOOD.encode(), [PAYLOAD], **wrong) == (
+        ReadStatus.BAD_HEADER, ReadStatus.BAD_HEADER,
+    )  # fmt: skip
+
+
+@needs_native
+def test_payload_damage_and_short_payload() -> None:
+    head = GOOD.encode()
+    for at in (0, 4095, 4096, len(PAYLOAD) - 1):
+        flipped = bytearray(PAYLOAD)
+        flipped[at] ^= 0x10
+        assert verdicts(head, [bytes(flipped)]) == (ReadStatus.BAD_CHECKSUM,) * 2
+    assert verdicts(head, [PAYLOAD[:-1]]) == (ReadStatus.SHORT, ReadStatus.SHORT)
+    # A header buffer that is not a whole header is never one.
+    assert verdicts(head[:100], [PAYLOAD]) == (ReadStatus.BAD_HEADER,) * 2
+
+
+@needs_native
+def test_random_damage_gets_the_same_verdict_from_both() -> None:
+    rng = random.Random(2024)
+    good = GOOD.encode()
+    seen = set()
+    for _ in range(2000):
+        at = rng.randrange(64 + 96) if rng.random() < 0.8 else rng.randrange(len(good))
+        value = bytes([rng.randrange(256)])
+        head = mutate(at, value, resign=rng.random() < 0.7)
+        python, native = verdicts(head, [PAYLOAD])
+        assert python == native, (at, value)
+        seen.add(python)
+    assert seen == {ReadStatus.OK, ReadStatus.BAD_HEADER}

@@ -5,13 +5,14 @@ and recovery after clean and torn shutdowns."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from kvd.iobackend import IoBackend, IoOp, OpKind
+from kvd.iobackend import IoBackend, IoOp, OpKind, RecordRead
 from kvd.l2 import tier as tier_module
 from kvd.l2.format import RECORD_ALIGN_BYTES
 from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier, SegmentState
@@ -119,6 +120,61 @@ async def test_corrupted_payload_is_a_miss(small: Env, where: str) -> None:
     assert tier.counters.checksum_failures == 1
     assert tier.stats()["checksum_failures"] == 1
     assert await get(tier, other) == data
+
+
+@pytest.mark.parametrize("where", ["magic", "seq", "key", "header_checksum"])
+async def test_damaged_header_is_a_miss(small: Env, where: str) -> None:
+    tier = await small.open()
+    data = payload(SMALL_PAYLOAD_BYTES - 100, 9)
+    record = await put(tier, b"victim", data)
+    other = await put(tier, b"bystander", data)
+    # Header offsets (kvd/l2/format.py): the key follows 64 fixed bytes and "ns".
+    at = {"magic": 0, "seq": 24, "key": 66, "header_checksum": record.header_bytes - 1}[where]
+    small.flip(record, at)
+    with pytest.raises(ChecksumMismatch, match="header"):
+        await get(tier, record)
+    assert record.live is False
+    assert small.dropped == [record]
+    assert tier.counters.checksum_failures == 1
+    assert await get(tier, other) == data
+
+
+async def test_read_that_lands_on_another_record_is_a_miss(small: Env) -> None:
+    # Same bytes under two keys: only the header tells the records apart.
+    tier = await small.open()
+    data = payload(SMALL_PAYLOAD_BYTES, 3)
+    first = await put(tier, b"first", data)
+    second = await put(tier, b"second", data)
+    misdirected = dataclasses.replace(first, offset=second.offset)
+    with pytest.raises(ChecksumMismatch, match="header"):
+        await get(tier, misdirected)
+    assert await get(tier, second) == data
+
+
+async def test_read_of_a_deleted_record_is_a_miss(small: Env) -> None:
+    tier = await small.open()
+    data = payload(SMALL_PAYLOAD_BYTES, 4)
+    record = await put(tier, b"gone", data)
+    await tier.delete_record(record)  # its tombstone overwrites the header
+    with pytest.raises(ChecksumMismatch, match="header"):
+        await get(tier, record)
+
+
+async def test_concurrent_reads_go_out_as_one_batch(small: Env) -> None:
+    tier = await small.open()
+    values = await fill(tier, 6)
+    records = [tier.lookup("ns", key) for key in values]
+    batches: list[int] = []
+    run = tier.reads._run
+
+    async def counted(batch: Sequence[RecordRead]) -> list[int]:
+        batches.append(len(batch))
+        return await run(batch)
+
+    tier.reads._run = counted
+    got = await asyncio.gather(*(get(tier, r) for r in records if r is not None))
+    assert got == list(values.values())
+    assert batches == [6]
 
 
 async def test_flip_in_padding_is_harmless(small: Env) -> None:

@@ -1,0 +1,49 @@
+/*
+ * Checks of one L2 record as read back from disk: its header against what
+ * the index expects, and its payload against the checksum the index holds.
+ * Plain C (no Python): the ring runs them with the GIL released, and the
+ * layout is kvd/l2/format.py's, field for field.
+ */
+#ifndef KVD_RECORD_H
+#define KVD_RECORD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Result of a record read: 0, or one of these (a miss, never a hit), or -errno. */
+enum {
+    KVD_READ_OK = 0,
+    KVD_READ_SHORT = 1,         /* fewer bytes than asked for (EOF, truncated file) */
+    KVD_READ_BAD_HEADER = 2,    /* not this record's header: torn, misdirected, deleted */
+    KVD_READ_BAD_CHECKSUM = 3,  /* the payload does not match its checksum */
+};
+
+typedef struct {
+    const uint8_t *buf;
+    size_t len;
+} kvd_span;
+
+typedef struct {
+    uint64_t payload_bytes;
+    uint64_t payload_checksum;
+    uint64_t seq;
+    uint64_t generation;
+    const uint8_t *ns;
+    size_t ns_len;
+    const uint8_t *key;
+    size_t key_len;
+} kvd_expect;
+
+/* xxh3-64 (seed 0) of the concatenation of `spans`, cut at `nbytes`. */
+uint64_t kvd_xxh3_spans(const kvd_span *spans, int nspans, uint64_t nbytes);
+
+/* KVD_READ_OK when `header` (header_len bytes: 4096 or 8192) is the record
+ * `expect` describes; KVD_READ_BAD_HEADER otherwise. */
+int kvd_check_header(const uint8_t *header, size_t header_len, const kvd_expect *expect);
+
+/* Header check, then the payload checksum over the first payload_bytes of
+ * `payload` (which must hold at least that many; KVD_READ_SHORT if not). */
+int kvd_check_record(const uint8_t *header, size_t header_len, const kvd_span *payload,
+                     int npayload, const kvd_expect *expect);
+
+#endif
