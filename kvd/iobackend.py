@@ -110,7 +110,7 @@ class IoOp:
             raise ValueError("fsync ops take no buffers")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordRead:
     """One L2 record read: ``ops`` land its header in ``header`` and its payload
     in ``payload`` (in order; at least ``payload_bytes`` long), and the header
@@ -128,7 +128,26 @@ class RecordRead:
     key: bytes
 
 
-ReadRecordsFn = Callable[[Sequence[RecordRead]], Awaitable[list[int]]]
+# on_done(index in the batch, ReadStatus or -errno), called as each record ends
+RecordDone = Callable[[int, int], None]
+ReadRecordsFn = Callable[[Sequence[RecordRead], RecordDone], Awaitable[None]]
+
+
+class _RecordBatch:
+    """One read_records call: its callback, how many records are still out,
+    and a future done when none is (the call returns only then)."""
+
+    __slots__ = ("done", "left", "on_done")
+
+    def __init__(self, on_done: RecordDone, left: int, done: asyncio.Future[None]) -> None:
+        self.on_done = on_done
+        self.left = left
+        self.done = done
+
+    def end(self, count: int = 1) -> None:
+        self.left -= count
+        if self.left == 0 and not self.done.done():
+            self.done.set_result(None)
 
 
 class IoBackend(Protocol):
@@ -256,7 +275,8 @@ class UringBackend(_BackendBase):
         self._ring = _uring.Ring(depth)
         self._efd = self._ring.eventfd()
         self._waiting: dict[int, asyncio.Future[int]] = {}
-        self._slots_of: dict[int, int] = {}  # records holding more than one slot
+        # user_data -> (batch, index in it, slots held) of each record read in flight
+        self._records: dict[int, tuple[_RecordBatch, int, int]] = {}
         self._acquiring = asyncio.Lock()  # one read_records call admits at a time
         self._next_user_data = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -324,11 +344,17 @@ class UringBackend(_BackendBase):
 
     def _deliver(self, done: list[tuple[int, int]]) -> None:
         for user_data, result in done:
-            fut = self._waiting.pop(user_data)
-            for _ in range(self._slots_of.pop(user_data, 1)):
+            fut = self._waiting.pop(user_data, None)
+            if fut is not None:
                 self._slots.release()
-            if not fut.done():
-                fut.set_result(result)
+                if not fut.done():
+                    fut.set_result(result)
+                continue
+            batch, index, slots = self._records.pop(user_data)
+            for _ in range(slots):
+                self._slots.release()
+            batch.on_done(index, result)
+            batch.end()
 
     async def _run(self, ops: Sequence[IoOp]) -> list[int]:
         self._check_ops(ops)
@@ -353,9 +379,11 @@ class UringBackend(_BackendBase):
         return await _settle(futs)
 
     def _push_records(
-        self, loop: asyncio.AbstractEventLoop, records: Sequence[RecordRead]
-    ) -> list[asyncio.Future[int]]:
-        """Hand records (holding a semaphore slot per op) to the ring in one call."""
+        self, loop: asyncio.AbstractEventLoop, records: Sequence[RecordRead],
+        batch: _RecordBatch, first: int,
+    ) -> None:  # fmt: skip
+        """Hand records (holding a semaphore slot per op) to the ring in one call;
+        ``first`` is the first one's index in ``batch``."""
         if self._closed:
             raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
         native: list[_uring.Record] = []
@@ -365,29 +393,19 @@ class UringBackend(_BackendBase):
                    for op in r.ops]  # fmt: skip
             native.append((user_data, ops, r.header, r.payload, r.payload_bytes, r.checksum,
                            r.seq, r.generation, r.namespace, r.key))  # fmt: skip
-            if len(ops) > 1:
-                self._slots_of[user_data] = len(ops)
             user_data += 1
-        try:
-            accepted = self._ring.submit_reads(native)
-        except BaseException:
-            for item in native:
-                self._slots_of.pop(item[0], None)
-            raise
+        accepted = self._ring.submit_reads(native)
         assert accepted == len(native), (accepted, len(native))  # room: see _push
-        futs: list[asyncio.Future[int]] = []
-        for item in native:
-            fut: asyncio.Future[int] = loop.create_future()
-            self._waiting[item[0]] = fut
-            futs.append(fut)
+        for i, r in enumerate(records):
+            self._records[self._next_user_data + i] = (batch, first + i, len(r.ops))
         self._next_user_data = user_data
         if self._ring.unsubmitted and not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_later(0.001, self._flush)
-        return futs
 
-    async def read_records(self, records: Sequence[RecordRead]) -> list[int]:
-        """Read and check records; one ``ReadStatus`` or ``-errno`` per record."""
+    async def read_records(self, records: Sequence[RecordRead], on_done: RecordDone) -> None:
+        """Read and check records; ``on_done(index, status)`` as each one ends
+        (a ``ReadStatus`` or ``-errno``). Returns once every record ended."""
         if self._closed:
             raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
         if len(records) > OPS_PER_CALL_MAX:
@@ -397,8 +415,11 @@ class UringBackend(_BackendBase):
                 raise ValueError(f"a record takes 1..{self._depth} ops, got {len(record.ops)}")
             for op in record.ops:
                 op.check()
+        if not records:
+            return
         loop = self._bind()
-        futs: list[asyncio.Future[int]] = []
+        batch = _RecordBatch(on_done, len(records), loop.create_future())
+        pushed = 0  # records in the ring
         pending: list[RecordRead] = []  # hold their semaphore slots, not yet in the ring
         held = 0  # slots held for the record being admitted
         try:
@@ -410,21 +431,24 @@ class UringBackend(_BackendBase):
                 for record in records:
                     for _ in record.ops:
                         if pending and self._slots.locked():
-                            futs += self._push_records(loop, pending)
+                            self._push_records(loop, pending, batch, pushed)
+                            pushed += len(pending)
                             pending = []
                         await self._slots.acquire()
                         held += 1
                     pending.append(record)
                     held = 0
                 if pending:
-                    futs += self._push_records(loop, pending)
+                    self._push_records(loop, pending, batch, pushed)
+                    pushed += len(pending)
                     pending = []
         except BaseException:
             for _ in range(held + sum(len(r.ops) for r in pending)):
                 self._slots.release()
-            await _settle(futs)
+            batch.end(len(records) - pushed)  # those never went out
+            await settle([batch.done])
             raise
-        return await _settle(futs)
+        await settle([batch.done])
 
     def close(self) -> None:
         """Stop taking ops, deliver the results of ops in flight, free the ring.

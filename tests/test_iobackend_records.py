@@ -191,10 +191,19 @@ def test_many_records_through_a_small_ring(record_file: tuple[int, dict[str, int
             reads = native_record_reads(io)
             assert reads is not None
             half = count // 2
-            a, b = await asyncio.wait_for(
-                asyncio.gather(reads(records[:half]), reads(records[half:])), TEST_TIMEOUT_S
+            statuses = [-1] * count
+
+            def done(index: int, status: int) -> None:
+                statuses[index] = status
+
+            def done_second(index: int, status: int) -> None:
+                statuses[half + index] = status
+
+            await asyncio.wait_for(
+                asyncio.gather(reads(records[:half], done), reads(records[half:], done_second)),
+                TEST_TIMEOUT_S,
             )
-            return a + b
+            return statuses
         finally:
             io.close()
 

@@ -21,7 +21,14 @@ import logging
 from collections.abc import Sequence
 
 from kvd.aio import settle
-from kvd.iobackend import IoBackend, ReadRecordsFn, ReadStatus, RecordRead, native_record_reads
+from kvd.iobackend import (
+    IoBackend,
+    ReadRecordsFn,
+    ReadStatus,
+    RecordDone,
+    RecordRead,
+    native_record_reads,
+)
 from kvd.l2.format import check_record
 
 log = logging.getLogger("kvd.l2")
@@ -30,6 +37,17 @@ log = logging.getLogger("kvd.l2")
 # backend admits at most `depth` ops at a time), this only caps its list.
 BATCH_RECORDS_MAX = 1024
 CHECKS = ("auto", "python")
+
+
+class _Turn:
+    """The reads asked for in one loop turn, and the tasks that run them."""
+
+    __slots__ = ("futs", "records", "tasks")
+
+    def __init__(self) -> None:
+        self.records: list[RecordRead] = []
+        self.futs: list[asyncio.Future[int]] = []
+        self.tasks: list[asyncio.Task[None]] = []
 
 
 class RecordReads:
@@ -42,8 +60,7 @@ class RecordReads:
         self._run: ReadRecordsFn = native if native is not None else self._read_checked
         self.native = native is not None
         self._io = io
-        self._batch: list[tuple[RecordRead, asyncio.Future[int]]] = []
-        self._scheduled = False
+        self._turn: _Turn | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         if self.native:
             log.info("L2 record reads: batched, checked in C (kvd._uring)")
@@ -55,49 +72,58 @@ class RecordReads:
         """A ``ReadStatus`` or ``-errno``; returns only once the read's ops ended,
         cancelled or not, so the caller's buffers are free again."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[int] = loop.create_future()
-        self._batch.append((record, fut))
-        if not self._scheduled:
-            self._scheduled = True
+        turn = self._turn
+        if turn is None:
+            turn = self._turn = _Turn()
             loop.call_soon(self._flush)
+        fut: asyncio.Future[int] = loop.create_future()
+        turn.records.append(record)
+        turn.futs.append(fut)
         try:
-            return await asyncio.shield(fut)
+            return await fut
         except asyncio.CancelledError:
-            await settle([fut])
+            # Not sent yet: the flush skips it. Sent: wait until its ops ended.
+            if turn.tasks:
+                await settle(turn.tasks)
             raise
 
     def _flush(self) -> None:
-        self._scheduled = False
-        batch, self._batch = self._batch, []
+        turn, self._turn = self._turn, None
+        assert turn is not None
+        live = [i for i, fut in enumerate(turn.futs) if not fut.done()]
         loop = asyncio.get_running_loop()
-        for start in range(0, len(batch), BATCH_RECORDS_MAX):
-            task = loop.create_task(self._one(batch[start : start + BATCH_RECORDS_MAX]))
+        for start in range(0, len(live), BATCH_RECORDS_MAX):
+            chunk = live[start : start + BATCH_RECORDS_MAX]
+            task = loop.create_task(
+                self._one([turn.records[i] for i in chunk], [turn.futs[i] for i in chunk])
+            )
+            turn.tasks.append(task)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _one(self, batch: list[tuple[RecordRead, asyncio.Future[int]]]) -> None:
+    async def _one(self, records: list[RecordRead], futs: list[asyncio.Future[int]]) -> None:
+        def done(index: int, status: int) -> None:
+            fut = futs[index]
+            if not fut.done():
+                fut.set_result(status)
+
         try:
-            results = await self._run([record for record, _ in batch])
+            await self._run(records, done)
         except asyncio.CancelledError:
             # Only at shutdown; the backend returned after its ops ended.
-            for _, fut in batch:
+            for fut in futs:
                 fut.cancel()
             raise
         except Exception as exc:
-            for _, fut in batch:
+            for fut in futs:
                 if not fut.done():
                     fut.set_exception(exc)
-            return
-        for (_, fut), result in zip(batch, results, strict=True):
-            if not fut.done():
-                fut.set_result(result)
 
-    async def _read_checked(self, records: Sequence[RecordRead]) -> list[int]:
+    async def _read_checked(self, records: Sequence[RecordRead], on_done: RecordDone) -> None:
         """The plain-Python path: every op in one ``submit_many``, checks here."""
         ops = [op for record in records for op in record.ops]
         results = iter(await self._io.submit_many(ops))
-        out: list[int] = []
-        for record in records:
+        for index, record in enumerate(records):
             status: int = ReadStatus.OK
             for op in record.ops:
                 result = next(results)
@@ -110,5 +136,4 @@ class RecordReads:
                     record.header, record.payload, record.payload_bytes, record.checksum,
                     record.seq, record.generation, record.namespace, record.key,
                 )  # fmt: skip
-            out.append(int(status))
-        return out
+            on_done(index, int(status))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.iobackend import IoBackend, IoOp, OpKind, RecordRead
+from kvd.iobackend import IoBackend, IoOp, OpKind, RecordDone, RecordRead
 from kvd.l2 import tier as tier_module
 from kvd.l2.format import RECORD_ALIGN_BYTES
 from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier, SegmentState
@@ -167,9 +167,9 @@ async def test_concurrent_reads_go_out_as_one_batch(small: Env) -> None:
     batches: list[int] = []
     run = tier.reads._run
 
-    async def counted(batch: Sequence[RecordRead]) -> list[int]:
+    async def counted(batch: Sequence[RecordRead], on_done: RecordDone) -> None:
         batches.append(len(batch))
-        return await run(batch)
+        await run(batch, on_done)
 
     tier.reads._run = counted
     got = await asyncio.gather(*(get(tier, r) for r in records if r is not None))
