@@ -76,9 +76,28 @@ def _grpc(args: argparse.Namespace) -> int:
 
 
 def _l2(args: argparse.Namespace) -> int:
-    from kvd.bench import l2_read
+    import contextlib
 
-    rows = l2_read.run(Path(args.dir), _progress)
+    from kvd.bench import l2_read, ramdisk
+    from kvd.sizes import parse_size
+
+    options = {
+        "blocks_bytes": [parse_size(s) for s in args.sizes] or l2_read.BLOCKS_BYTES,
+        "depths": args.depths or l2_read.DEPTHS,
+        "read_paths": args.paths or l2_read.READ_PATHS,
+        "seconds": args.seconds,
+    }
+    with contextlib.ExitStack() as stack:
+        if args.ramdisk:
+            made = stack.enter_context(
+                ramdisk.ramdisks(args.ramdisk_count, parse_size(args.ramdisk), args.ramdisk_fs)
+            )
+            on_fs = args.ramdisk_fs != "none"
+            target = l2_read.Target.of(made if on_fs else [], [] if on_fs else made)
+            _progress(f"ramdisks: {', '.join(made)}")
+        else:
+            target = l2_read.Target.of([args.dir], args.device)
+        rows = l2_read.run(target, _progress, **options)
     table = l2_read.markdown(rows)
     data = {"suite": "l2", "machine": machine(), "rows": [r.as_dict() for r in rows]}
     path = write_results("l2", data, table, Path(args.out))
@@ -172,8 +191,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     grpc_cmd = sub.add_parser("grpc", help="gRPC Put/Get next to a plain echo and memcpy")
     grpc_cmd.add_argument("--target", default="", help="a running daemon (default: start one)")
     grpc_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
-    l2_cmd = sub.add_parser("l2", help="L2 cold reads next to fio on the same file")
+    l2_cmd = sub.add_parser("l2", help="L2 cold reads next to fio on the same device")
     l2_cmd.add_argument("--dir", default="kvd-bench-data", help="work directory on the SSD")
+    l2_cmd.add_argument("--device", action="append", default=[],
+                        help="a block device to read (repeat to stripe); ITS DATA IS OVERWRITTEN")
+    l2_cmd.add_argument("--ramdisk", default="", metavar="SIZE",
+                        help="make RAM-backed loop devices of SIZE (e.g. 2GiB) for the run (root)")
+    l2_cmd.add_argument("--ramdisk-count", type=int, default=1, help="how many (striped)")
+    l2_cmd.add_argument("--ramdisk-fs", default="none", choices=("none", "ext4"),
+                        help="read the loop devices raw, or a file on ext4 on each")
+    l2_cmd.add_argument("--sizes", nargs="*", default=[], help="block sizes (64KiB 1MiB 4MiB)")
+    l2_cmd.add_argument("--depths", nargs="*", type=int, default=[], help="queue depths (1 8 32)")
+    l2_cmd.add_argument("--paths", nargs="*", default=[], choices=("store", "tier"),
+                        help="read paths: the store's get, or the L2 tier alone (both)")
+    l2_cmd.add_argument("--seconds", type=float, default=2.0, help="seconds per case")
     from kvd.replay import report as replay_report
 
     replay_report.add_arguments(sub.add_parser("replay", help="replay a request trace"))

@@ -1,20 +1,36 @@
-"""L2 cold-read throughput of the store, next to fio on the same file.
+"""L2 cold-read throughput and CPU cost, next to fio on the same device(s).
 
-The store's whole read path is measured in-process (no transport): a
-fresh daemon-like store recovers the L2 index from disk (L1 empty), then
-``depth`` concurrent gets of random keys each read a record into pool pages
-(O_DIRECT, striped), verify its checksum and link it into L1. L1 is kept
-far smaller than the data, so nearly every get is an L2 read; only bytes
-read from L2 are counted. fio (io_uring, O_DIRECT, random reads of the
-same block size at the same depth, on the same file) is the ceiling.
+Two read paths are measured in-process (no transport), each at queue depth
+``depth`` (that many concurrent readers) for each block size:
+
+* ``store``: the store's whole get path. A fresh daemon-like store recovers
+  the L2 index from disk (L1 empty), then each reader gets random keys: an
+  L2 read into pool pages (O_DIRECT, striped), header and checksum checks,
+  a link into L1, and an evict to keep the next read cold. L1 is far
+  smaller than the data, so nearly every get is an L2 read; only bytes
+  read from L2 are counted.
+* ``tier``: ``L2Tier.read`` alone, into fixed pages: the L2 read path
+  without the store's index and pool work.
+
+Besides GB/s, each case reports the process's CPU time (all threads, user
+and kernel) per read, which noise from other processes on the machine moves
+far less than throughput. fio (io_uring, O_DIRECT, random reads of the same
+block size at the same depth over the same device(s)) is the ceiling.
+
+The target is a directory (a file in it), one or more devices (striped like
+the daemon stripes ``ssd_path`` entries; their contents are overwritten), or
+RAM-backed loop devices made for the run (kvd.bench.ramdisk).
 """
 
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 import random
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,16 +47,24 @@ SEGMENT_BYTES = 64 * MiB
 STRIPE_BYTES = 256 << 10
 DATA_BYTES = 512 * MiB
 CASE_SECONDS = 2.0
+CASE_SECONDS_MAX = 30.0
 BLOCKS_BYTES = (64 << 10, MiB, 4 * MiB)
 DEPTHS = (1, 8, 32)
+DEPTH_MAX = 256
+READ_PATHS = ("store", "tier")
+IO_DEPTH = 128  # the io backend's depth: above every reader depth benched by default
+DATA_FILE = "l2-bench.dat"
 
 
 @dataclass
 class Row:
     backend: str
+    path: str
+    devices: int
     block_bytes: int
     depth: int
     kvd_gbps: float
+    cpu_us_per_read: float
     fio_gbps: float | None
 
     def as_dict(self) -> dict[str, Any]:
@@ -49,14 +73,45 @@ class Row:
         return out
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where the bench reads: data files, or block devices (overwritten)."""
+
+    paths: tuple[str, ...]
+    block_devices: bool
+    data_bytes: int = DATA_BYTES  # values stored and read at random
+
+    @classmethod
+    def of(
+        cls, dirs: Sequence[str], devices: Sequence[str], data_bytes: int = DATA_BYTES
+    ) -> Target:
+        if devices:
+            for device in devices:
+                if not stat.S_ISBLK(os.stat(device).st_mode):
+                    raise ValueError(f"{device} is not a block device")
+            return cls(tuple(devices), True, data_bytes)
+        return cls(tuple(str(Path(d) / DATA_FILE) for d in dirs), False, data_bytes)
+
+
+@dataclass
+class Case:
+    gbps: float
+    cpu_us_per_read: float
+
+
 def _key(i: int) -> bytes:
     return b"blk%08d" % i
 
 
-def _open(path: Path, backend: str, pool_bytes: int) -> tuple[Store, L2Tier]:
+def _devices(target: Target) -> DeviceSet:
     # 64 KiB values take 128 KiB on disk (a 4 KiB header tips them into a second page).
-    devices = DeviceSet([str(path)], 3 * DATA_BYTES, SEGMENT_BYTES, STRIPE_BYTES)
-    tier = L2Tier(devices, open_backend(backend, depth=128))
+    per_path = 3 * target.data_bytes // len(target.paths)
+    return DeviceSet(list(target.paths), max(per_path, 2 * SEGMENT_BYTES), SEGMENT_BYTES,
+                     STRIPE_BYTES)  # fmt: skip
+
+
+def _open(target: Target, backend: str, pool_bytes: int) -> tuple[Store, L2Tier]:
+    tier = L2Tier(_devices(target), open_backend(backend, depth=IO_DEPTH))
     store = Store(Pool(pool_bytes), StoreLimits(max_value_bytes=8 * MiB), l2=tier)
     return store, tier
 
@@ -69,10 +124,29 @@ async def _close(store: Store, tier: L2Tier) -> None:
     store.pool.close()
 
 
-async def _fill(path: Path, block_bytes: int) -> int:
-    store, tier = _open(path, "threads", 64 * MiB)
+def _wipe(target: Target) -> None:
+    """Forget earlier runs: remove the files, or zero each segment's first page
+    on the devices (the marker a recovery starts from)."""
+    if not target.block_devices:
+        for path in target.paths:
+            Path(path).unlink(missing_ok=True)
+        return
+    with mmap.mmap(-1, 64 << 10) as zeros:
+        for path in target.paths:
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            try:
+                size = os.lseek(fd, 0, os.SEEK_END)
+                for offset in range(0, size - SEGMENT_BYTES + 1, SEGMENT_BYTES):
+                    os.pwritev(fd, [zeros], offset)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+async def _fill(target: Target, block_bytes: int) -> int:
+    store, tier = _open(target, "threads", 64 * MiB)
     store.start()
-    count = DATA_BYTES // block_bytes
+    count = target.data_bytes // block_bytes
     value = random.Random(block_bytes).randbytes(block_bytes)
     try:
         for i in range(count):
@@ -82,12 +156,14 @@ async def _fill(path: Path, block_bytes: int) -> int:
     return count
 
 
-async def _read(path: Path, backend: str, block_bytes: int, count: int, depth: int) -> float:
-    store, tier = _open(path, backend, max(64 * MiB, 2 * depth * block_bytes))
+async def _read_store(
+    target: Target, backend: str, block_bytes: int, count: int, depth: int, seconds: float
+) -> Case:
+    store, tier = _open(target, backend, max(64 * MiB, 2 * depth * block_bytes))
     await tier.recover()
     store.start()
     read_bytes = 0
-    deadline = time.perf_counter() + CASE_SECONDS
+    deadline = time.perf_counter() + seconds
 
     async def worker(seed: int) -> None:
         nonlocal read_bytes
@@ -101,41 +177,108 @@ async def _read(path: Path, backend: str, block_bytes: int, count: int, depth: i
             reader.close()
             store.evict("bench", key)  # keep every read cold
 
-    start = time.perf_counter()
+    reads_before = tier.counters.reads
+    cpu_before, start = time.process_time(), time.perf_counter()
     try:
         await asyncio.gather(*(worker(i) for i in range(depth)))
     finally:
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
+        reads = tier.counters.reads - reads_before
         await _close(store, tier)
-    return read_bytes / elapsed / 1e9
+    return Case(read_bytes / elapsed / 1e9, cpu / max(reads, 1) * 1e6)
 
 
-def run(workdir: Path, progress: Callable[[str], None] = print) -> list[Row]:
+async def _read_tier(target: Target, backend: str, depth: int, seconds: float) -> Case:
+    tier = L2Tier(_devices(target), open_backend(backend, depth=IO_DEPTH))
+    try:
+        await tier.recover()
+        records = list(tier.index.values())
+        read_bytes = records[0].read_bytes
+        arena = mmap.mmap(-1, depth * read_bytes)
+        view = memoryview(arena)
+        done_bytes = 0
+        deadline = time.perf_counter() + seconds
+
+        async def worker(slot: int) -> None:
+            nonlocal done_bytes
+            rng = random.Random(slot)
+            page = view[slot * read_bytes : (slot + 1) * read_bytes]
+            while time.perf_counter() < deadline:
+                record = records[rng.randrange(len(records))]
+                await tier.read(record, [page])
+                done_bytes += record.size
+            page.release()
+
+        cpu_before, start = time.process_time(), time.perf_counter()
+        try:
+            await asyncio.gather(*(worker(i) for i in range(depth)))
+        finally:
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
+            view.release()
+            arena.close()
+        return Case(done_bytes / elapsed / 1e9, cpu / max(tier.counters.reads, 1) * 1e6)
+    finally:
+        tier.close()
+        tier.io.close()
+        tier.devices.close()
+
+
+def run(
+    target: Target,
+    progress: Callable[[str], None] = print,
+    *,
+    blocks_bytes: Sequence[int] = BLOCKS_BYTES,
+    depths: Sequence[int] = DEPTHS,
+    read_paths: Sequence[str] = READ_PATHS,
+    seconds: float = CASE_SECONDS,
+) -> list[Row]:
+    if not 0 < seconds <= CASE_SECONDS_MAX:
+        raise ValueError(f"seconds per case must be in (0, {CASE_SECONDS_MAX}]")
+    for depth in depths:
+        if not 1 <= depth <= DEPTH_MAX:
+            raise ValueError(f"depth must be in 1..{DEPTH_MAX}, got {depth}")
+    for block_bytes in blocks_bytes:
+        if block_bytes < 4096 or block_bytes % 4096 or block_bytes > 8 * MiB:
+            raise ValueError(f"block size must be a multiple of 4 KiB up to 8 MiB: {block_bytes}")
+    for read_path in read_paths:
+        if read_path not in READ_PATHS:
+            raise ValueError(f"read path must be one of {READ_PATHS}, got {read_path!r}")
     backends = ["uring", "threads"] if native_available()[0] else ["threads"]
     rows = []
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / "l2-bench.dat"
-    for block_bytes in BLOCKS_BYTES:
-        path.unlink(missing_ok=True)
-        progress(f"l2 read: filling {DATA_BYTES >> 20} MiB of {block_bytes >> 10} KiB blocks")
-        count = asyncio.run(_fill(path, block_bytes))
-        for depth in DEPTHS:
+    for path in target.paths:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    n = len(target.paths)
+    for block_bytes in blocks_bytes:
+        _wipe(target)
+        mib, kib = target.data_bytes >> 20, block_bytes >> 10
+        progress(f"l2 read: filling {mib} MiB of {kib} KiB blocks")
+        count = asyncio.run(_fill(target, block_bytes))
+        for depth in depths:
             fio = fio_randread(
-                str(path), block_bytes=block_bytes, queue_depth=depth,
-                seconds=CASE_SECONDS, file_bytes=DATA_BYTES,
+                ":".join(target.paths), block_bytes=block_bytes, queue_depth=depth,
+                seconds=seconds, file_bytes=target.data_bytes,
             )  # fmt: skip
-            for backend in backends:
-                progress(f"l2 read: {backend} {block_bytes >> 10} KiB qd {depth}")
-                gbps = asyncio.run(_read(path, backend, block_bytes, count, depth))
-                rows.append(Row(backend, block_bytes, depth, gbps, fio))
-    path.unlink(missing_ok=True)
+            for read_path in read_paths:
+                for backend in backends:
+                    progress(f"l2 read: {backend} {read_path} {block_bytes >> 10} KiB qd {depth}")
+                    if read_path == "store":
+                        case = asyncio.run(
+                            _read_store(target, backend, block_bytes, count, depth, seconds)
+                        )
+                    else:
+                        case = asyncio.run(_read_tier(target, backend, depth, seconds))
+                    rows.append(Row(backend, read_path, n, block_bytes, depth, case.gbps,
+                                    case.cpu_us_per_read, fio))  # fmt: skip
+    if not target.block_devices:
+        _wipe(target)  # the data files; devices keep the last fill
     return rows
 
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| backend | block | QD | kvd L2 read GB/s | fio GB/s | kvd/fio |",
-        "|---|---|---|---|---|---|",
+        "| backend | path | devices | block | QD | kvd L2 read GB/s | CPU µs/read | fio GB/s "
+        "| kvd/fio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         fio = f"{r.fio_gbps:.2f}" if r.fio_gbps else "n/a"
@@ -143,5 +286,8 @@ def markdown(rows: list[Row]) -> str:
         size = (
             f"{r.block_bytes >> 20} MiB" if r.block_bytes >= MiB else f"{r.block_bytes >> 10} KiB"
         )
-        lines.append(f"| {r.backend} | {size} | {r.depth} | {r.kvd_gbps:.2f} | {fio} | {ratio} |")
+        lines.append(
+            f"| {r.backend} | {r.path} | {r.devices} | {size} | {r.depth} | {r.kvd_gbps:.2f} "
+            f"| {r.cpu_us_per_read:.1f} | {fio} | {ratio} |"
+        )
     return "\n".join(lines)
