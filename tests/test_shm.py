@@ -23,7 +23,7 @@ import pytest
 from kvd.client import Client, InvalidArgument, ResourceExhausted
 from kvd.errors import KvdError
 from kvd.grpc_handlers import KVStoreStub
-from kvd.shm import PIECE_BYTES, copy_slices
+from kvd.shm import PIECE_BYTES, POPULATE_BYTES_MAX, _populate, copy_slices
 from kvd.shm_client import SEALS
 from kvd.shm_ops import RegionOps
 from kvd.shm_service import SPLIT_COPY_BYTES
@@ -160,6 +160,40 @@ def test_large_values_are_copied_by_several_threads(daemon_factory: DaemonFactor
         assert bytes(halves[0]) == values[1] and bytes(halves[1]) == values[0]
         assert client.get(NS, b"big1") == values[1]
         del room, halves
+
+
+def _minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+def test_a_fresh_region_is_mapped_with_its_pages_in_place(daemon_factory: DaemonFactory) -> None:
+    """The daemon maps a region's pages at attach, so the first get into it
+    does not fault one 4 KiB page at a time (4,096 faults for 16 MiB)."""
+    daemon = daemon_factory("--dram-bytes", "256MiB", "--max-value-bytes", "32MiB")
+    value = os.urandom(16 << 20)
+    with Client(daemon.socket_target) as client:
+        assert client.put(NS, b"v", value) is False
+        room = client.buffer(len(value))  # a region the daemon has never written
+        before = _minor_faults(daemon.proc.pid)
+        assert client.get_into(NS, b"v", room) == len(value)
+        faults = _minor_faults(daemon.proc.pid) - before
+        assert bytes(room) == value
+        assert faults < 256, f"{faults} page faults in the daemon for one 16 MiB get"
+        del room
+
+
+def test_a_region_with_holes_is_not_populated() -> None:
+    """The daemon maps only a region the client allocated in full with all
+    its pages: populating holes would allocate them on the daemon's account."""
+    fd = os.memfd_create("holes", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        assert _populate(os.fstat(fd), 1 << 20) == 0
+        os.posix_fallocate(fd, 0, 1 << 20)
+        assert _populate(os.fstat(fd), 1 << 20) == mmap.MAP_POPULATE
+        assert _populate(os.fstat(fd), POPULATE_BYTES_MAX + 4096) == 0  # too large: no stall
+    finally:
+        os.close(fd)
 
 
 def test_copy_slices_cover_the_value_at_piece_boundaries() -> None:
