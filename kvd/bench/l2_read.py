@@ -10,7 +10,11 @@ Two read paths are measured in-process (no transport), each at queue depth
   smaller than the data, so nearly every get is an L2 read; only bytes
   read from L2 are counted.
 * ``tier``: ``L2Tier.read`` alone, into fixed pages: the L2 read path
-  without the store's index and pool work.
+  without the store's index and pool work (each read its own coroutine;
+  the reads of one loop turn still go out as one batch).
+* ``batch``: ``L2Tier.read_many``: two readers each hand the tier half the
+  depth's worth of records at a time, so the Python work is per batch, not
+  per read (what a batched get of many keys can use).
 
 Besides GB/s, each case reports the process's CPU time (all threads, user
 and kernel) per read, which noise from other processes on the machine moves
@@ -51,7 +55,8 @@ CASE_SECONDS_MAX = 30.0
 BLOCKS_BYTES = (64 << 10, MiB, 4 * MiB)
 DEPTHS = (1, 8, 32)
 DEPTH_MAX = 256
-READ_PATHS = ("store", "tier")
+READ_PATHS = ("store", "tier", "batch")
+BATCH_READERS = 2  # batch path: one batch in flight while the other's results are handled
 IO_DEPTH = 128  # the io backend's depth: above every reader depth benched by default
 DATA_FILE = "l2-bench.dat"
 
@@ -188,7 +193,9 @@ async def _read_store(
     return Case(read_bytes / elapsed / 1e9, cpu / max(reads, 1) * 1e6)
 
 
-async def _read_tier(target: Target, backend: str, depth: int, seconds: float) -> Case:
+async def _read_tier(
+    target: Target, backend: str, depth: int, seconds: float, batched: bool = False
+) -> Case:
     tier = L2Tier(_devices(target), open_backend(backend, depth=IO_DEPTH))
     try:
         await tier.recover()
@@ -209,9 +216,31 @@ async def _read_tier(target: Target, backend: str, depth: int, seconds: float) -
                 done_bytes += record.size
             page.release()
 
+        async def batch_worker(first: int, count: int) -> None:
+            nonlocal done_bytes
+            rng = random.Random(first)
+            pages = [
+                [view[i * read_bytes : (i + 1) * read_bytes]] for i in range(first, first + count)
+            ]
+            while time.perf_counter() < deadline:
+                batch = [records[rng.randrange(len(records))] for _ in range(count)]
+                errors = await tier.read_many(list(zip(batch, pages, strict=True)))
+                assert not any(errors), errors
+                done_bytes += sum(r.size for r in batch)
+            for page in pages:
+                page[0].release()
+
+        readers = min(depth, BATCH_READERS)
+        shares = [depth // readers + (i < depth % readers) for i in range(readers)]
+        firsts = [sum(shares[:i]) for i in range(readers)]
         cpu_before, start = time.process_time(), time.perf_counter()
         try:
-            await asyncio.gather(*(worker(i) for i in range(depth)))
+            if batched:
+                await asyncio.gather(
+                    *(batch_worker(f, n) for f, n in zip(firsts, shares, strict=True))
+                )
+            else:
+                await asyncio.gather(*(worker(i) for i in range(depth)))
         finally:
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
             view.release()
@@ -266,7 +295,8 @@ def run(
                             _read_store(target, backend, block_bytes, count, depth, seconds)
                         )
                     else:
-                        case = asyncio.run(_read_tier(target, backend, depth, seconds))
+                        batched = read_path == "batch"
+                        case = asyncio.run(_read_tier(target, backend, depth, seconds, batched))
                     rows.append(Row(backend, read_path, n, block_bytes, depth, case.gbps,
                                     case.cpu_us_per_read, fio))  # fmt: skip
     if not target.block_devices:

@@ -87,6 +87,19 @@ class RecordReads:
                 await settle(turn.tasks)
             raise
 
+    async def read_batch(self, records: Sequence[RecordRead]) -> list[int]:
+        """Many reads in one backend call (no waiting for the loop turn): one
+        ``ReadStatus`` or ``-errno`` each, once every op of the batch ended."""
+        statuses = [int(ReadStatus.SHORT)] * len(records)
+
+        def done(index: int, status: int) -> None:
+            statuses[index] = status
+
+        for start in range(0, len(records), BATCH_RECORDS_MAX):
+            chunk = records[start : start + BATCH_RECORDS_MAX]
+            await self._run(chunk, done if start == 0 else _shifted(done, start))
+        return statuses
+
     def _flush(self) -> None:
         turn, self._turn = self._turn, None
         assert turn is not None
@@ -137,3 +150,10 @@ class RecordReads:
                     record.seq, record.generation, record.namespace, record.key,
                 )  # fmt: skip
             on_done(index, int(status))
+
+
+def _shifted(done: RecordDone, offset: int) -> RecordDone:
+    def shifted(index: int, status: int) -> None:
+        done(index + offset, status)
+
+    return shifted

@@ -393,34 +393,67 @@ class L2Tier:
         (torn, overwritten by a later use of the segment, a tombstone) or a
         payload that fails its checksum raises ChecksumMismatch; a failed or
         short read raises IoError (errno kept). Either drops the record and
-        is counted.
+        is counted. Reads made in the same loop turn go out as one batch.
         """
-        assert sum(len(v) for v in views) == record.read_bytes
         segment = self.segments[record.segment]
         buffer = self._header_buffer()
         segment.io_inflight += 1
         try:
-            header = buffer.view[: record.header_bytes]
-            ops = self.devices.ops(OpKind.READ, record.segment, record.offset, [header, *views])
-            status = await self.reads.read(RecordRead(
-                ops, header, views, record.size, record.checksum, record.seq,
-                segment.generation, record.namespace.encode(), record.key,
-            ))  # fmt: skip
+            status = await self.reads.read(self._record_read(record, segment, buffer, views))
         finally:
             segment.io_inflight -= 1
             self._buffers.append(buffer)
             self._io_done.set()
+        error = self._outcome(record, status)
+        if error is not None:
+            raise error
+
+    async def read_many(
+        self, items: Sequence[tuple[L2Record, Sequence[memoryview]]]
+    ) -> list[Exception | None]:
+        """``read`` for many records in one backend call: per item None, or the
+        exception ``read`` would have raised (ChecksumMismatch or IoError)."""
+        segments: list[Segment] = []
+        buffers: list[AlignedBuffer] = []
+        try:
+            reads = []
+            for record, views in items:
+                segment = self.segments[record.segment]
+                segment.io_inflight += 1
+                segments.append(segment)
+                buffers.append(self._header_buffer())
+                reads.append(self._record_read(record, segment, buffers[-1], views))
+            statuses = await self.reads.read_batch(reads)
+        finally:
+            for segment in segments:
+                segment.io_inflight -= 1
+            self._buffers += buffers
+            self._io_done.set()
+        return [self._outcome(r, status) for (r, _), status in zip(items, statuses, strict=True)]
+
+    def _record_read(
+        self, record: L2Record, segment: Segment, buffer: AlignedBuffer,
+        views: Sequence[memoryview],
+    ) -> RecordRead:  # fmt: skip
+        assert sum(len(v) for v in views) == record.read_bytes
+        header = buffer.view[: record.header_bytes]
+        ops = self.devices.ops(OpKind.READ, record.segment, record.offset, [header, *views])
+        return RecordRead(ops, header, views, record.size, record.checksum, record.seq,
+                          segment.generation, record.namespace.encode(), record.key)  # fmt: skip
+
+    def _outcome(self, record: L2Record, status: int) -> Exception | None:
+        """Count a finished read; a failed one drops its record and becomes an error."""
         self.counters.reads += 1
         if status == ReadStatus.OK:
             self.counters.read_bytes += record.size
-            return
+            return None
         self.discard(record)
         if status < 0 or status == ReadStatus.SHORT:
             self.counters.read_errors += 1
-            raise IoError(-status if status < 0 else errno.EIO, "L2 read")
+            return IoError(-status if status < 0 else errno.EIO, "L2 read")
         self.counters.checksum_failures += 1
         what = "header" if status == ReadStatus.BAD_HEADER else "checksum"
-        raise ChecksumMismatch(f"L2 record {record.key.hex()} failed its {what} check")
+        return ChecksumMismatch(f"L2 record {record.key.hex()} failed its {what} check")
 
     def discard(self, record: L2Record) -> None:
         """Forget a bad record (it stays on disk; its checksum keeps failing)."""

@@ -18,6 +18,7 @@ from kvd.l2.format import RECORD_ALIGN_BYTES
 from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier, SegmentState
 from tests.l2 import (
     BACKENDS,
+    Aligned,
     Env,
     KiB,
     MiB,
@@ -175,6 +176,36 @@ async def test_concurrent_reads_go_out_as_one_batch(small: Env) -> None:
     got = await asyncio.gather(*(get(tier, r) for r in records if r is not None))
     assert got == list(values.values())
     assert batches == [6]
+
+
+async def test_read_many_reports_each_record(small: Env) -> None:
+    tier = await small.open()
+    values = await fill(tier, 5)
+    found = [tier.lookup("ns", key) for key in values]
+    records = [r for r in found if r is not None]
+    good, flipped, deleted, _, last = records
+    small.flip(flipped, flipped.header_bytes + 10)
+    await tier.delete_record(deleted)
+    # The slot after the last record was never written.
+    blank = dataclasses.replace(last, offset=last.offset + RECORD_ALIGN_BYTES)
+    wanted = [good, flipped, deleted, blank, last]
+    buffers = [Aligned(r.read_bytes) for r in wanted]
+    items = [(r, [b.view]) for r, b in zip(wanted, buffers, strict=True)]
+    try:
+        errors = await tier.read_many(items)
+        assert errors[0] is None and errors[4] is None
+        assert isinstance(errors[1], ChecksumMismatch) and "checksum" in str(errors[1])
+        assert isinstance(errors[2], ChecksumMismatch) and "header" in str(errors[2])
+        assert isinstance(errors[3], ChecksumMismatch) and "header" in str(errors[3])
+        assert bytes(buffers[0].view[: good.size]) == values[b"k000"]
+        assert bytes(buffers[4].view[: last.size]) == values[b"k004"]
+        assert tier.counters.reads == 5 and tier.counters.checksum_failures == 3
+        assert not flipped.live and last.live
+        assert await tier.read_many([]) == []
+    finally:
+        items.clear()
+        for buffer in buffers:
+            buffer.close()
 
 
 async def test_flip_in_padding_is_harmless(small: Env) -> None:
