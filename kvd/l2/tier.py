@@ -388,12 +388,11 @@ class L2Tier:
     async def read(self, record: L2Record, views: Sequence[memoryview]) -> None:
         """Read a payload into ``views`` (``record.read_bytes`` long) and verify it.
 
-        The record's header comes along in the same op (it sits right before
-        the payload) and is checked too: a header that is not this record's
-        (torn, overwritten by a later use of the segment, a tombstone) or a
-        payload that fails its checksum raises ChecksumMismatch; a failed or
-        short read raises IoError (errno kept). Either drops the record and
-        is counted. Reads made in the same loop turn go out as one batch.
+        The header comes along in the same op and is checked too: one that
+        is not this record's (torn, a later use of the segment, a tombstone)
+        or a payload that fails its checksum raises ChecksumMismatch; a
+        failed or short read raises IoError (errno kept). Either drops the
+        record and is counted. Reads of one loop turn go out as one batch.
         """
         segment = self.segments[record.segment]
         buffer = self._header_buffer()
