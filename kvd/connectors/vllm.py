@@ -64,6 +64,7 @@ from kvd.connectors.vllm_events import (
     stored_event,
 )
 from kvd.connectors.vllm_stats import KvdConnectorStats
+from kvd.errors import AlreadyExists, Cancelled, KvdError, Unavailable
 from kvd.keys import chain_keys
 
 try:
@@ -139,7 +140,8 @@ class _Tracked:
     """Scheduler-side state of one request."""
 
     keys: list[bytes]
-    hit_blocks: int = 0  # leading blocks kvd holds
+    hit_blocks: int = 0  # leading blocks kvd holds that this request may load
+    stored_blocks: int = 0  # leading blocks kvd holds (one more than hit_blocks at most)
     local_blocks: int = 0  # leading blocks vLLM's own prefix cache holds
     load: bool = False
     lease: tuple[str, int] | None = None
@@ -230,8 +232,13 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if len(prompt) <= self.block_size:
             return 0, False
         lora_name, salt = _request_extras(request)
-        # One token is always left to compute: vLLM needs logits for it.
-        keys = block_keys(prompt[:-1], self.block_size, lora_name, salt)
+        # Every full block is looked up, so that blocks kvd holds are not saved
+        # again (a block this engine computes after a restore can differ from
+        # the stored one in the last bits, and keys are write-once); one token
+        # is always left to compute, so the last block of a prompt that fills
+        # its blocks exactly is never claimed: vLLM needs logits for it.
+        keys = block_keys(prompt, self.block_size, lora_name, salt)
+        claimable = (len(prompt) - 1) // self.block_size
         lookup_ns = self._namespace(0)
         previous = self._tracked.get(request.request_id)
         if previous is not None and previous.lease is not None:
@@ -240,12 +247,10 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         found = self.guard.call(
             "lookup", None, lambda: self.client.lookup_ex(lookup_ns, keys, self.lease_ms)
         )
-        hit_blocks = found.prefix_len if found is not None else 0
-        tracked = _Tracked(
-            block_keys(prompt, self.block_size, lora_name, salt),
-            hit_blocks,
-            num_computed_tokens // self.block_size,
-        )
+        stored_blocks = found.prefix_len if found is not None else 0
+        hit_blocks = min(stored_blocks, claimable)
+        tracked = _Tracked(keys, hit_blocks, num_computed_tokens // self.block_size)
+        tracked.stored_blocks = stored_blocks
         if found is not None and found.lease_id:
             tracked.lease = (lookup_ns, found.lease_id)
         if found is not None:
@@ -290,7 +295,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 meta.loads.append(
                     BlockTransfer(new.req_id, tracked.keys[span], tracked.block_ids[span])
                 )
-            tracked.saved_blocks = tracked.hit_blocks  # kvd holds these already
+            tracked.saved_blocks = tracked.stored_blocks  # kvd holds these already
             computed = int(new.num_computed_tokens) + int(scheduled.get(new.req_id, 0))
             self._plan_save(meta, new.req_id, tracked, computed)
         cached: Any = getattr(scheduler_output, "scheduled_cached_reqs", None)
@@ -375,12 +380,16 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @contextlib.contextmanager
     def _staging_dropped_on_failure(self) -> Iterator[None]:
-        """A failed call gets fresh staging next time: a get that timed out may
-        still be written into the old one (``kvd.shm_client``)."""
+        """A call that may still run in the daemon gets fresh staging next
+        time: a get that timed out may still be written into the old one
+        (``kvd.shm_client``). A refusal the daemon answered (a write-once
+        conflict, a full pool) leaves nothing running: the staging stays, as a
+        fresh region costs its first copies a page fault per 4 KiB."""
         try:
             yield
-        except BaseException:
-            self._staging = None
+        except BaseException as exc:
+            if not isinstance(exc, KvdError) or isinstance(exc, Unavailable | Cancelled):
+                self._staging = None
             raise
 
     def _stage_blocks(self, block_ids: Sequence[int], staging: Any) -> list[memoryview]:
@@ -507,7 +516,13 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             parent = save.keys[start - 1] if start else save.parent
             keys = save.keys[start:end]
             items = [(key, value, block_meta) for key, value in zip(keys, values, strict=True)]
-            self.client.put_many(self.namespace, items, chained=True, parent=parent)
+            try:
+                self.client.put_many(self.namespace, items, chained=True, parent=parent)
+            except AlreadyExists:
+                # Another engine stored a block first, computed with other
+                # rounding: keys are write-once and the first value stays.
+                # The rest of the batch was stored; it was answered in full.
+                self._count("save_conflicts", 1)
 
     def _count(self, name: str, value: float) -> None:
         self._stats.data[name] = self._stats.data.get(name, 0) + value

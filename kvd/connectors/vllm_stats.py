@@ -14,7 +14,16 @@ except ImportError:  # the connector's logic runs without vLLM
     KVConnectorStats = object
 
 # Counters a worker reports to vLLM's stats logger (get_kv_connector_stats).
-STAT_NAMES = ("loaded_blocks", "load_errors", "saved_blocks", "save_failures", "load_s", "save_s")
+# save_conflicts: batches that met a key another engine had stored first.
+STAT_NAMES = (
+    "loaded_blocks",
+    "load_errors",
+    "saved_blocks",
+    "save_failures",
+    "save_conflicts",
+    "load_s",
+    "save_s",
+)
 
 
 @dataclass

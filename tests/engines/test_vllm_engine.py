@@ -44,9 +44,9 @@ TIMEOUT_S = 1.0
 EXTRA = {"timeout_s": TIMEOUT_S}
 
 
-def prompt(seed: int) -> list[int]:
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     """Token ids of a prompt no other seed shares a block with (vocab 49,152)."""
-    return [100 + (i * 7919 + seed * 104_729) % 40_000 for i in range(PROMPT_TOKENS)]
+    return [100 + (i * 7919 + seed * 104_729) % 40_000 for i in range(tokens)]
 
 
 # p5 and p6 only meet the two-engine test: the KV it restores was computed
@@ -54,6 +54,9 @@ def prompt(seed: int) -> list[int]:
 # partly stored would be stored in two passes, whose last digits differ).
 NAMES = ("p1", "p2", "p3", "p4", "p5", "p6")
 PROMPTS = {name: prompt(seed) for seed, name in enumerate(NAMES, start=1)}
+# Six full blocks exactly: a restore claims five (the last token is always
+# computed), and the sixth, computed again, is already stored.
+PROMPTS["exact"] = prompt(len(NAMES) + 1, 6 * BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +139,26 @@ def test_store_in_one_engine_restore_in_a_fresh_one(
     after = kvd_daemon.stats()
     assert after["hits"] - before["hits"] == 5
     assert_restored(restored, reference["p1"])
+
+
+def test_a_restore_stores_no_block_kvd_holds(
+    reference: dict[str, Any],
+    kvd_daemon: RestartableDaemon,
+    engine_a: VllmProcess,
+    engine_b: VllmProcess,
+) -> None:
+    before = kvd_daemon.stats()
+    stored, _ = answer(engine_a, "exact")
+    assert_recomputed(stored, reference["exact"])
+    assert kvd_daemon.stats()["puts"] - before["puts"] == 6
+    before = kvd_daemon.stats()
+    restored, _ = answer(engine_b, "exact")
+    after = kvd_daemon.stats()
+    assert after["hits"] - before["hits"] == 5
+    # The sixth block engine_b computed is not put again: its bits can differ
+    # from the stored block's, and a write-once key would refuse it.
+    assert (after["puts"], after["put_conflicts"]) == (before["puts"], before["put_conflicts"])
+    assert_restored(restored, reference["exact"])
 
 
 def test_restore_from_l2_after_a_restart(
