@@ -226,7 +226,7 @@ class Config:
         max=1 * PiB,
     )
     eviction_policy: str = _setting(
-        "hazard", help="L1 replacement policy", choices=_eviction_policies()
+        "density", help="L1 replacement policy", choices=_eviction_policies()
     )
     shutdown_grace_ms: int = _setting(
         10_000, help="time to drain and flush on SIGTERM before exit", min=0, max=600_000

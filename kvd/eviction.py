@@ -33,9 +33,15 @@ inserted. Priorities differ per policy:
   measurements behind it.
 * ``pred`` -- retention proportional to a reuse probability learned per
   class of lookup (below).
-* ``hazard`` (the default, kvd/eviction_hazard.py) -- a deadline per block:
-  the lookup clock plus a retention learned per class of conversation turn
-  from how long such turns wait for their next turn.
+* ``hazard`` (kvd/eviction_hazard.py) -- a deadline per block: the lookup
+  clock plus a retention learned per class of conversation turn from how
+  long such turns wait for their next turn.
+* ``s3fifo`` (kvd/eviction_s3fifo.py) -- S3-FIFO's small, main and ghost
+  queues, leaves first within each: the scan-resistant baseline.
+* ``density`` (the default, kvd/eviction_density.py) -- a deadline per
+  block: its last reference plus a retention learned per class of block
+  reference (gap since the previous reference x references so far x chain
+  length) from how long such references wait for the next one.
 
 Cost: ``insert``/``touch``/``remove`` are O(log n) (one heap push) and
 ``victim`` is O(log n) amortised plus O(p log n) for p pinned keys it steps
@@ -53,8 +59,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
-POLICIES: tuple[str, ...] = ("lru", "gdf", "pred", "hazard")
-DEFAULT_POLICY = "hazard"
+POLICIES: tuple[str, ...] = ("lru", "gdf", "pred", "hazard", "s3fifo", "density")
+DEFAULT_POLICY = "density"  # the config row eviction_policy's default (a test checks)
 
 # Heaps are rebuilt when they hold more than 2x live entries + this slack:
 # rebuilds then cost O(n) at most once per n stale pushes (amortised O(1)).
@@ -484,4 +490,12 @@ def make_policy(name: str) -> EvictionPolicy[Any]:
         from kvd.eviction_hazard import HazardPolicy  # it builds on _ChainPolicy
 
         return HazardPolicy()
+    if name == "s3fifo":
+        from kvd.eviction_s3fifo import S3FifoPolicy
+
+        return S3FifoPolicy()
+    if name == "density":
+        from kvd.eviction_density import DensityPolicy
+
+        return DensityPolicy()
     raise UnknownPolicyError(f"unknown eviction policy {name!r}; expected one of {POLICIES}")

@@ -300,9 +300,13 @@ def test_pred_pending_and_filling_stay_bounded() -> None:
     assert len(policy._filling) <= 1024
 
 
-def test_default_policy_is_hazard() -> None:
-    assert DEFAULT_POLICY == "hazard" and DEFAULT_POLICY in POLICIES
-    assert isinstance(make_policy(DEFAULT_POLICY), HazardPolicy)
+def test_default_policy_is_density_and_the_config_default() -> None:
+    from kvd.config import Config
+    from kvd.eviction_density import DensityPolicy
+
+    assert DEFAULT_POLICY == "density" and DEFAULT_POLICY in POLICIES
+    assert isinstance(make_policy(DEFAULT_POLICY), DensityPolicy)
+    assert Config().eviction_policy == DEFAULT_POLICY
 
 
 def test_hazard_without_lookups_evicts_exactly_as_lru() -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.replay import load_trace, simulate
+from kvd.eviction import DEFAULT_POLICY
+from kvd.replay import load_trace, simulate, workloads
 from kvd.replay.report import head, markdown, references, store_calls_on_lookup
 from kvd.replay.run import (
     block_value,
@@ -49,7 +50,7 @@ def test_capacity_is_whole_blocks_of_pages() -> None:
     assert capacity_of(dram_bytes_for(1, 1), 1) == 16  # the daemon's 1 MiB minimum
 
 
-@pytest.mark.parametrize("policy", ["lru", "pred", "hazard"])
+@pytest.mark.parametrize("policy", ["lru", "pred", "hazard", "s3fifo", "density"])
 def test_daemon_replay_equals_simulator(tmp_path: Path, first_requests: Trace, policy: str) -> None:
     dram_bytes = dram_bytes_for(CAPACITY_BLOCKS, BLOCK_BYTES)
     daemon = start_l1_daemon(tmp_path, dram_bytes, BLOCK_BYTES, ["--eviction-policy", policy])
@@ -105,3 +106,22 @@ def test_malformed_trace_line_is_named(tmp_path: Path) -> None:
     path.write_text(good + "\n" + '{"timestamp": 1, "input_length": 10}\n')
     with pytest.raises(TraceError, match=r"bad\.jsonl: line 2: missing field 'output_length'"):
         load_trace(path)
+
+
+@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
+def test_daemon_replay_equals_simulator_on_every_workload(tmp_path: Path, name: str) -> None:
+    trace = head(workloads.generate(name), 400)
+    unique = len(set(trace.blocks.tolist()))
+    capacity = unique // 5  # evictions from about the 100th request on
+    daemon = start_l1_daemon(
+        tmp_path, dram_bytes_for(capacity, BLOCK_BYTES), BLOCK_BYTES,
+        ["--eviction-policy", DEFAULT_POLICY],
+    )  # fmt: skip
+    try:
+        stats = replay(daemon.target, trace, block_bytes=BLOCK_BYTES)
+    finally:
+        daemon.stop()
+    expected = simulate(trace, DEFAULT_POLICY, capacity, lookup_hook=store_calls_on_lookup())
+    assert expected.evictions > 0
+    assert (stats.block_hits, stats.token_hits) == (expected.block_hits, expected.token_hits)
+    assert stats.wrong_blocks == 0 and stats.lost_after_lookup == 0

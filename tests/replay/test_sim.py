@@ -153,13 +153,17 @@ def test_real_trace_policies_at_five_percent(real_trace: Trace) -> None:
 
 
 @pytest.mark.parametrize("fraction", [0.05, 0.10])
-def test_real_trace_hazard_is_the_best_online_policy(real_trace: Trace, fraction: float) -> None:
+def test_real_trace_learned_policies_lead(real_trace: Trace, fraction: float) -> None:
     capacity_blocks = capacity_for(real_trace, fraction)
     ratios = {
         name: simulate(real_trace, name, capacity_blocks).block_hit_ratio for name in POLICIES
     }
-    assert max(ratios, key=lambda name: ratios[name]) == "hazard"
-    if fraction == 0.10:  # the goal: 0.8 x Belady (Belady is the unbounded 36.64 % here)
-        assert ratios["hazard"] >= 0.8 * belady(real_trace, capacity_blocks).block_hit_ratio
-    else:  # 22.7 % (lru 19.6 %)
-        assert ratios["hazard"] > 1.12 * ratios["lru"]
+    # density 23.01 / 29.57 %, hazard 22.76 / 29.86 %, lru 19.58 / 27.89 %
+    assert max(ratios, key=lambda name: ratios[name]) in ("density", "hazard")
+    best = belady(real_trace, capacity_blocks).block_hit_ratio  # the unbounded 36.64 %
+    for name in ("density", "hazard"):
+        if fraction == 0.10:  # the goal: 0.8 x Belady
+            assert ratios[name] >= 0.8 * best, name
+        else:
+            assert ratios[name] > 1.15 * ratios["lru"], name
+    assert ratios["s3fifo"] < ratios["lru"]  # 15.21 / 22.11 %: its small queue is too short here
