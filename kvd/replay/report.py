@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.eviction import DEFAULT_POLICY, POLICIES
-from kvd.replay import prefill
+from kvd.replay import prefill, suite, workloads
 from kvd.replay.run import (
     MODEL_BLOCK_BYTES,
     ReplayStats,
@@ -188,7 +188,10 @@ def run_bench(
     args: argparse.Namespace, progress: Callable[[str], None]
 ) -> tuple[dict[str, Any], str]:
     """What ``kvd bench replay`` runs; returns the report and its markdown."""
-    trace_all = load_trace(args.trace)
+    if args.workload:
+        trace_all = workloads.generate(args.workload, args.seed)
+    else:
+        trace_all = load_trace(args.trace)
     trace = head(trace_all, args.requests)
     unique = len(set(trace.blocks.tolist()))
     capacity = max(1, int(unique * args.capacity_fraction))
@@ -229,7 +232,7 @@ def run_bench(
     rows = curve(trace)
     report: dict[str, Any] = {
         "suite": "replay",
-        "trace": str(args.trace),
+        "trace": f"{args.workload} (seed {args.seed})" if args.workload else str(args.trace),
         "run": {
             "requests": stats.requests,
             "clients": args.clients,
@@ -266,7 +269,33 @@ def run_bench(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="JSONL trace (Mooncake format)")
+    parser.add_argument("--trace", default="", help="JSONL trace (Mooncake format)")
+    parser.add_argument(
+        "--workload",
+        default="",
+        choices=("", *workloads.WORKLOADS),
+        help="replay a synthetic workload (kvd.replay.workloads) instead of --trace",
+    )
+    parser.add_argument(
+        "--workloads",
+        default="",
+        metavar="SET",
+        help="simulate every policy on a set of workloads (all, tuning, held-out, or "
+        "names) next to LRU and Belady, with the policies' CPU time; no daemon. "
+        "--trace adds the conversation trace (a tuning workload)",
+    )
+    parser.add_argument("--seed", type=int, default=workloads.SEED_DEFAULT, help="workload seed")
+    parser.add_argument(
+        "--l2-ratios",
+        default="",
+        help="with --workloads: also replay L1 (the first of --fractions) + L2 of these "
+        "multiples of L1 (e.g. 10,50), each L2 admission rule (kvd.replay.tiers)",
+    )
+    parser.add_argument(
+        "--fractions",
+        default="0.05,0.10",
+        help="capacities of --workloads, as fractions of each workload's unique blocks",
+    )
     parser.add_argument("--target", default="", help="a running daemon (default: start one)")
     parser.add_argument(
         "--block-bytes",
@@ -310,7 +339,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def run_suite(
+    args: argparse.Namespace, progress: Callable[[str], None]
+) -> tuple[dict[str, Any], str]:
+    """What ``kvd bench replay --workloads SET`` runs (kvd.replay.suite)."""
+    fractions = tuple(float(f) for f in args.fractions.split(",") if f)
+    conversation = Path(args.trace) if args.trace else None
+    started = time.perf_counter()
+    rows = suite.run(args.workloads, conversation, fractions=fractions, seed=args.seed,
+                     progress=progress)  # fmt: skip
+    table = suite.markdown(rows)
+    ratios = tuple(int(r) for r in args.l2_ratios.split(",") if r)
+    tier_rows: list[dict[str, Any]] = []
+    if ratios:
+        tiers = suite.run_tiers(args.workloads, conversation, fraction=fractions[0],
+                                ratios=ratios, seed=args.seed, progress=progress)  # fmt: skip
+        table += "\n\n" + suite.tiers_markdown(tiers)
+        tier_rows = [{"workload": name, **result.as_dict()} for name, result in tiers]
+    report: dict[str, Any] = {
+        "suite": "replay-workloads",
+        "workloads": args.workloads,
+        "seed": args.seed,
+        "trace": str(conversation) if conversation else "",
+        "default_policy": DEFAULT_POLICY,
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": [row.as_dict() for row in rows],
+        "tiers": tier_rows,
+    }
+    return report, table
+
+
 def main(args: argparse.Namespace, out_dir: Path, progress: Callable[[str], None]) -> int:
+    if args.workloads:
+        report, table = run_suite(args, progress)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        path = out_dir / f"{stamp}-replay-workloads.json"
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        path.with_suffix(".md").write_text(table + "\n")
+        print(table)
+        print(f"\nraw: {path}")
+        return 0
+    if bool(args.trace) == bool(args.workload):
+        raise SystemExit("kvd bench replay: --trace FILE or --workload NAME, or --workloads SET")
     report, table = run_bench(args, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.eviction import POLICIES, make_policy
+from kvd.eviction import POLICIES, EvictionPolicy, make_policy
 from kvd.replay.trace import Trace
 
 SWEEP_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
@@ -94,15 +94,23 @@ def _token_hits(hit_blocks: int, chain_blocks: int, input_tokens: int, block_tok
 
 
 def simulate(
-    trace: Trace, policy_name: str, capacity_blocks: int, *, lookup_hook: bool = True
+    trace: Trace,
+    policy_name: str,
+    capacity_blocks: int,
+    *,
+    lookup_hook: bool = True,
+    wrap: Callable[[EvictionPolicy[int]], EvictionPolicy[int]] | None = None,
 ) -> SimResult:
     """Replay ``trace`` through a fresh ``policy_name`` policy (see module doc);
     without ``lookup_hook`` the policy never hears of lookups, as in a store
-    that does not call ``on_lookup``."""
+    that does not call ``on_lookup``; ``wrap`` may wrap the policy (to time
+    its calls, kvd.replay.suite)."""
     _check_capacity(capacity_blocks)
     if policy_name not in POLICIES:
         raise SimError(f"unknown policy {policy_name!r}; expected one of {POLICIES}")
-    policy = make_policy(policy_name)
+    policy: EvictionPolicy[int] = make_policy(policy_name)
+    if wrap is not None:
+        policy = wrap(policy)
     blocks: list[int] = trace.blocks.tolist()
     offsets: list[int] = trace.offsets.tolist()
     inputs: list[int] = trace.input_tokens.tolist()
