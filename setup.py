@@ -29,7 +29,10 @@ NATIVE_SOURCE = ROOT / "native" / "kvd_uring.c"
 # kvd._uring is one extension built from these files (native/README.md).
 NATIVE_SOURCES = [
     ROOT / "native" / name
-    for name in ("kvd_uring.c", "kvd_slots.c", "kvd_reads.c", "kvd_record.c", "kvd_xxh3_avx2.c")
+    for name in (
+        "kvd_uring.c", "kvd_slots.c", "kvd_reads.c", "kvd_record.c", "kvd_xxh3_avx2.c",
+        "kvd_xxh3_avx512.c",
+    )
 ]
 
 

@@ -4,8 +4,9 @@
  * same headers, good and damaged field by field, to both and expects the
  * same verdicts. xxh3-64 comes from xxHash's own header-only build
  * (XXH_INLINE_ALL, Debian libxxhash-dev), the algorithm the Python
- * `xxhash` package exposes as xxh3_64: same input, same 64 bits. An AVX2
- * build of it (kvd_xxh3_avx2.c) runs where the CPU has AVX2.
+ * `xxhash` package exposes as xxh3_64: same input, same 64 bits. AVX-512
+ * and AVX2 builds of it (kvd_xxh3_avx512.c, kvd_xxh3_avx2.c) run where
+ * the CPU has them.
  */
 #include "kvd_record.h"
 
@@ -45,34 +46,21 @@ align_up(uint64_t n, uint64_t unit)
     return (n + unit - 1) / unit * unit;
 }
 
-static uint64_t
-xxh3_spans_default(const kvd_span *spans, int nspans, uint64_t nbytes)
-{
-    if (nspans <= 1 || nbytes == 0) {
-        /* One buffer, the common case (a 64 KiB value in one pool page run). */
-        size_t n = nspans ? spans[0].len : 0;
-        return XXH3_64bits(nspans ? spans[0].buf : NULL, nbytes < n ? nbytes : n);
-    }
-    XXH3_state_t state;
-    XXH3_INITSTATE(&state);
-    XXH3_64bits_reset(&state);
-    for (int i = 0; i < nspans && nbytes > 0; i++) {
-        size_t take = spans[i].len < nbytes ? spans[i].len : (size_t)nbytes;
-        XXH3_64bits_update(&state, spans[i].buf, take);
-        nbytes -= take;
-    }
-    return XXH3_64bits_digest(&state);
-}
+#define KVD_XXH3_SPANS xxh3_spans_sse2
+static uint64_t xxh3_spans_sse2(const kvd_span *spans, int nspans, uint64_t nbytes);
+#include "kvd_xxh3_spans.h"
 
 uint64_t
 kvd_xxh3_spans(const kvd_span *spans, int nspans, uint64_t nbytes)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
-    /* Checked on every call: one cached cpuid bit test, and no state to race on. */
+    /* Checked on every call: a cached cpuid bit test, and no state to race on. */
+    if (__builtin_cpu_supports("avx512f"))
+        return kvd_xxh3_spans_avx512(spans, nspans, nbytes);
     if (__builtin_cpu_supports("avx2"))
         return kvd_xxh3_spans_avx2(spans, nspans, nbytes);
 #endif
-    return xxh3_spans_default(spans, nspans, nbytes);
+    return xxh3_spans_sse2(spans, nspans, nbytes);
 }
 
 static uint64_t

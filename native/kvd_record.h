@@ -37,8 +37,9 @@ typedef struct {
 /* xxh3-64 (seed 0) of the concatenation of `spans`, cut at `nbytes`. */
 uint64_t kvd_xxh3_spans(const kvd_span *spans, int nspans, uint64_t nbytes);
 #if defined(__x86_64__) && defined(__GNUC__)
-/* The same, built for AVX2 (kvd_xxh3_avx2.c): call only where the CPU has it. */
+/* The same, built for AVX2 and AVX-512F: call only where the CPU has them. */
 uint64_t kvd_xxh3_spans_avx2(const kvd_span *spans, int nspans, uint64_t nbytes);
+uint64_t kvd_xxh3_spans_avx512(const kvd_span *spans, int nspans, uint64_t nbytes);
 #endif
 
 /* KVD_READ_OK when `header` (header_len bytes: 4096 or 8192) is the record
