@@ -173,10 +173,16 @@ def _engine(args: argparse.Namespace) -> int:
         from kvd.bench import engine_turns
         from kvd.bench.engine_proc import find_engine_env
 
-        with tempfile.TemporaryDirectory(prefix="kvd-bench-turns-") as tmp:
-            turns = engine_turns.run(find_engine_env(), trace, Path(tmp), args.turns, _progress)
-        table += "\n\nMulti-turn (" + str(trace.name) + "):\n\n" + engine_turns.markdown(turns)
-        data["turns"] = {"trace": str(trace), "rows": [row.as_dict() for row in turns]}
+        try:
+            with tempfile.TemporaryDirectory(prefix="kvd-bench-turns-") as tmp:
+                turns = engine_turns.run(find_engine_env(), trace, Path(tmp), args.turns, _progress)
+        except (RuntimeError, OSError) as exc:  # the rows above are kept and written
+            reason = engine.root_cause(str(exc))
+            table += f"\n\nMulti-turn ({trace.name}): failed: {reason}"
+            data["turns"] = {"trace": str(trace), "failed": reason}
+        else:
+            table += f"\n\nMulti-turn ({trace.name}):\n\n" + engine_turns.markdown(turns)
+            data["turns"] = {"trace": str(trace), "rows": [row.as_dict() for row in turns]}
     data["seconds"] = round(time.perf_counter() - started, 1)
     path = write_results("engine", data, table, Path(args.out))
     print(table)
