@@ -4,8 +4,10 @@ Requests come from a conversation trace (the Mooncake format of
 ``../shared/traces/``: each request lists its prefix blocks, equal ids for
 equal prefixes), scaled to this CPU: a trace block becomes one 128-token
 engine block of token ids derived from the block id, prompts are cut to
-``BLOCKS_MAX`` blocks, and the first ``requests`` requests are played in
-order, alternately on two engine processes; engine B is restarted halfway.
+``BLOCKS_MAX`` blocks, and ``requests`` requests of the trace's first
+conversations (``conversations``) are played in trace order, alternately on
+two engine processes, so a conversation's next turn often lands on the
+other engine; engine B is restarted halfway.
 Three configurations, each from fresh engines:
 
 - **recompute**: vLLM alone, its prefix cache off;
@@ -52,16 +54,38 @@ class TurnsRow:
         return asdict(self)
 
 
-def trace_prompts(trace: Path, requests: int) -> list[list[int]]:
-    """The first ``requests`` requests of ``trace`` as token ids."""
-    prompts: list[list[int]] = []
+def conversations(trace: Path, requests: int) -> list[list[int]]:
+    """The block ids of at least ``requests`` requests (the first ones are
+    kept) from the trace's first conversations of two turns or more, in
+    trace order.
+
+    A request belongs to the conversation of the first request that shares
+    its first two blocks (the first block alone is a system prompt every
+    request shares). The trace's first requests mostly start conversations
+    whose next turns come thousands of requests later; played in plain
+    order, 12 of them shared 1.2 % of their blocks.
+    """
+    rows: list[list[int]] = []
+    members: dict[tuple[int, int], list[int]] = {}
     with trace.open() as lines:
         for line in lines:
-            blocks = json.loads(line)["hash_ids"][:BLOCKS_MAX]
-            ids = [t for block in blocks for t in _block_tokens(int(block))]
-            prompts.append(ids + _block_tokens(-len(prompts) - 1)[:TAIL_TOKENS])
-            if len(prompts) == requests:
-                break
+            blocks = [int(block) for block in json.loads(line)["hash_ids"]]
+            rows.append(blocks)
+            if len(blocks) >= 2:
+                members.setdefault((blocks[0], blocks[1]), []).append(len(rows) - 1)
+    chosen: list[int] = []
+    for turns in members.values():  # in order of each conversation's first turn
+        if len(turns) > 1 and len(chosen) < requests:
+            chosen += turns
+    return [rows[i] for i in sorted(chosen)[:requests]]
+
+
+def trace_prompts(trace: Path, requests: int) -> list[list[int]]:
+    """``requests`` requests of ``trace``'s conversations as token ids."""
+    prompts: list[list[int]] = []
+    for blocks in conversations(trace, requests):
+        ids = [t for block in blocks[:BLOCKS_MAX] for t in _block_tokens(block)]
+        prompts.append(ids + _block_tokens(-len(prompts) - 1)[:TAIL_TOKENS])
     return prompts
 
 

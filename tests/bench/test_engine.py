@@ -40,14 +40,21 @@ def test_prompts_of_different_sizes_share_no_block() -> None:
 
 def test_trace_requests_become_prompts_that_share_their_prefix_blocks(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
-    lines = [{"hash_ids": [0, 1, 2]}, {"hash_ids": [0, 1, 2, 3]}, {"hash_ids": [0, 9]}]
+    lines = [
+        {"hash_ids": [0, 1, 2]},
+        {"hash_ids": [0, 9]},  # one turn only: left out
+        {"hash_ids": [0, 5, 6]},
+        {"hash_ids": [0, 1, 2, 3]},
+        {"hash_ids": [0, 5, 6, 7]},
+    ]
     trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert engine_turns.conversations(trace, 3) == [[0, 1, 2], [0, 5, 6], [0, 1, 2, 3]]
     first, second, third = engine_turns.trace_prompts(trace, 3)
     block = engine_turns.BLOCK_TOKENS
     assert len(first) == 3 * block + engine_turns.TAIL_TOKENS
-    assert second[: 3 * block] == first[: 3 * block]  # the turn extends the last
-    assert third[:block] == first[:block] and third[block : 2 * block] != first[block : 2 * block]
-    assert first[3 * block :] != second[3 * block : 3 * block + engine_turns.TAIL_TOKENS]
+    assert third[: 3 * block] == first[: 3 * block]  # the turn extends the last
+    assert second[:block] == first[:block] and second[block : 2 * block] != first[block : 2 * block]
+    assert first[3 * block :] != third[3 * block : 3 * block + engine_turns.TAIL_TOKENS]
 
 
 def test_the_turns_table() -> None:
