@@ -61,9 +61,10 @@ from kvd.eviction import _HEAP_SLACK, K, _ChainPolicy, _Node
 
 # Bucket upper edges (inclusive) per feature; past the last edge is one more
 # bucket. Gap 0 means "no previous reference". Measured on the tuning set
-# (conversation trace at 5 / 10 %, documents at 10 %): reference counts
-# 1 | 2 | 3-4 | 5+ instead of gaps gave 21.08 / 28.63 / 46.53 %; gaps
-# 22.74 / 29.39 / 48.17; gaps x counts (shipped) 23.04 / 29.57 / 47.99.
+# (conversation trace at 5 / 10 %, documents at 10 %): gap x new blocks x
+# length 22.74 / 29.39 / 48.17 %; gap x count x length (shipped) 23.04 /
+# 29.57 / 47.99 %; other edges and a fourth feature moved them < 0.3 points
+# (docs/eviction-workloads.md).
 _GAP_EDGES = (0, 16, 64, 256, 1024)
 _COUNT_EDGES = (1, 3, 7)
 _LENGTH_EDGES = (16, 64)
@@ -98,7 +99,8 @@ _PENDING_MAX = 1 << 16
 _FILLING_MAX = 1024
 _ACCESS_MASK = (1 << 64) - 1
 # Ghost size per block tracked. 1x / 4x / 16x: documents at 10 % 48.23 /
-# 48.22 / 48.03 % (before the gap x count classes), so 4x is plenty.
+# 48.22 / 48.03 %, the conversation trace at 5 % 21.45 / 22.16 / 22.13 %
+# (an early variant, measured with the ghost's fields swapped).
 _GHOST_FACTOR = 4
 # No retention beyond this many mean residences (blocks tracked / references
 # per lookup). The plan treats blocks as independent, and a class whose
@@ -115,6 +117,9 @@ _WIDTHS = np.diff(np.concatenate([[0.0], _EDGES]))
 _RETENTIONS = np.concatenate([[0.0], _EDGES])  # choice 0 keeps nothing
 _EDGE_TICKS = np.array(_AGE_EDGES[:-1], dtype=np.int64)
 _IDS = np.arange(_CLASSES)
+_ZERO_ROW = array("i", [0]) * _CLASSES
+_COUNT_BUCKET = tuple(bisect_left(_COUNT_EDGES, count) for count in range(_COUNT_EDGES[-1] + 1))
+_COUNT_TOP = len(_COUNT_EDGES)
 _FEATURES: tuple[npt.NDArray[np.int64], ...] = (
     np.where(_IDS < _PRODUCT, _IDS // (_COUNT_BUCKETS * _LENGTH_BUCKETS), 0),
     np.where(_IDS < _PRODUCT, (_IDS // _LENGTH_BUCKETS) % _COUNT_BUCKETS, 0),
@@ -171,7 +176,6 @@ class DensityPolicy(_ChainPolicy[K]):
         self._ring = np.frombuffer(self._ring_flat, dtype=np.int32).reshape(_RING, _CLASSES)
         self._reused_flat = array("d", [0.0]) * (_CLASSES * _BINS)
         self._reused = np.frombuffer(self._reused_flat, dtype=np.float64).reshape(_CLASSES, _BINS)
-        self._row = [0] * _CLASSES  # this lookup's references per class
         self._entered = np.zeros((_CLASSES, _BINS))  # waiting references that reached bin j
         self._per_lookup = np.zeros(_CLASSES)  # decayed references per class
         self._lookups = 0.0  # decayed lookups
@@ -201,9 +205,15 @@ class DensityPolicy(_ChainPolicy[K]):
         self._now += 1
         now = self._now
         n = len(keys)
-        row = self._row
+        # This lookup's row of the ring, counted in place.
+        slot = now & (_RING - 1)
+        row_start = slot * _CLASSES
+        ring = self._ring_flat
+        ring[row_start : row_start + _CLASSES] = _ZERO_ROW
+        self._ring_tick[slot] = now
         nodes, ghost, pending = self._nodes, self._ghost, self._pending
         retention = self._retention
+        length_bucket = bisect_left(_LENGTH_EDGES, n)  # one per chain
         bound = now + _RETENTION_MAX  # the deadline of the block before
         for position, key in enumerate(keys):
             node = nodes.get(key)
@@ -217,8 +227,14 @@ class DensityPolicy(_ChainPolicy[K]):
                 else:
                     gap = self._ended(remembered[0], remembered[1], remembered[2])
                     count = min(remembered[3] + 1, _COUNT_MAX)
-            klass = reference_class(gap, count, n, position == n - 1)
-            row[klass] += 1
+            if position == n - 1:
+                klass = _LAST
+            else:  # reference_class, inlined (a call per key is ~10 % of the cost)
+                count_bucket = _COUNT_BUCKET[count] if count < len(_COUNT_BUCKET) else _COUNT_TOP
+                klass = (
+                    bisect_left(_GAP_EDGES, gap) * _COUNT_BUCKETS + count_bucket
+                ) * _LENGTH_BUCKETS + length_bucket
+            ring[row_start + klass] += 1
             due = now + retention[klass]
             if klass == _LAST:
                 # The chain's leaf: kept past the block before it, it would
@@ -229,7 +245,8 @@ class DensityPolicy(_ChainPolicy[K]):
             if isinstance(node, _DensityNode):
                 node.klass, node.gap, node.tick, node.count = klass, gap, now, count
                 node.due = due
-                node.priority = self._priority(due)
+                self._accesses += 1
+                node.priority = (due << 64) | self._accesses
                 self._push(key, node)
             else:
                 pending[key] = (klass, gap, now, count, due)
@@ -312,14 +329,10 @@ class DensityPolicy(_ChainPolicy[K]):
         return age
 
     def _close_row(self) -> None:
-        """Store this lookup's row; rows that reach an age edge now enter
+        """Count this lookup's row; rows that reach an age edge now enter
         the next bin with the references still waiting in them."""
         now = self._now
-        slot = now & (_RING - 1)
-        row = np.array(self._row, dtype=np.int32)
-        self._row = [0] * _CLASSES
-        self._ring[slot] = row
-        self._ring_tick[slot] = now
+        row = self._ring[now & (_RING - 1)]
         self._entered[:, 0] += row
         self._per_lookup += row
         self._lookups += 1.0
