@@ -355,3 +355,36 @@ def test_ring_does_not_leak_over_2e4_records(record_file: tuple[int, dict[str, i
     assert _rss_bytes() - rss_warm < 4 * 1024 * 1024
     del head, body
     region.close()
+
+
+def test_the_record_checks_are_chosen_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> list[bool]:
+        kinds = [("uring", "auto"), ("uring", "python")] if NATIVE_OK else []
+        native = []
+        for kind, checks in [*kinds, ("threads", "auto")]:
+            io = open_backend(kind, depth=4)
+            try:
+                native.append(RecordReads(io, checks).native)
+            finally:
+                io.close()
+        return native
+
+    with caplog.at_level("INFO", logger="kvd.l2"):
+        native = asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvd.l2"]
+    if NATIVE_OK:
+        assert native == [True, False, False]
+        assert lines == [
+            "L2 record reads: batched, checked in C (kvd._uring)",
+            "L2 record reads: batched, checked in Python (requested)",
+            "L2 record reads: batched, checked in Python (threads io backend)",
+        ]
+    else:
+        assert native == [False]
+        assert lines == ["L2 record reads: batched, checked in Python (threads io backend)"]
+    io = open_backend("threads", depth=1)
+    try:
+        with pytest.raises(ValueError, match="record checks"):
+            RecordReads(io, "c")
+    finally:
+        io.close()
