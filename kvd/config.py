@@ -27,6 +27,7 @@ from kvd.config_rules import (
     check_io_faults,
     check_nonempty,
     check_paths,
+    check_pool_members,
     check_socket_path,
     is_loopback_host,
     parse_address,
@@ -336,6 +337,38 @@ class Config:
         help="namespaces exported by name in /metrics (largest first); the rest sum into other",
         min=0,
         max=1000,
+    )
+
+    # The pool across nodes (docs/pool.md).
+    pool_members: str = _setting(
+        "",
+        help="where the pool's members come from: static:HOST:PORT,... or "
+        "etcd://HOST:PORT[,HOST:PORT]/PREFIX; empty: a single-node daemon",
+        check=check_pool_members,
+    )
+    pool_advertise: str = _setting(
+        "",
+        help="gRPC HOST:PORT the other members reach this daemon at; empty: listen",
+        check=check_address_or_empty,
+    )
+    pool_token_file: str = _setting(
+        "",
+        help="file holding the token this daemon sends to its peers (each member's "
+        "auth_tokens_file must admit it to every namespace); empty: none",
+    )
+    pool_peer_timeout_ms: int = _setting(
+        200,
+        help="longest a call to a peer may take (less when the caller's deadline is nearer); "
+        "past it the key is a miss",
+        min=1,
+        max=60_000,
+    )
+    pool_etcd_ttl_ms: int = _setting(
+        10_000,
+        help="lease of this daemon's etcd registration: a daemon gone leaves the pool within it "
+        "(whole seconds, rounded up)",
+        min=2_000,
+        max=3_600_000,
     )
 
     def __post_init__(self) -> None:

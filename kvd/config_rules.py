@@ -99,6 +99,12 @@ def check_io_faults(value: object) -> None:
     parse(str(value))
 
 
+def check_pool_members(value: object) -> None:
+    from kvd.cluster.spec import parse_spec  # the grammar lives with the pool
+
+    parse_spec(str(value))
+
+
 def validate_together(config: Config) -> None:
     """Rules that tie several settings together."""
     if config.ssd_path:
@@ -118,6 +124,12 @@ def validate_together(config: Config) -> None:
             key="max_message_bytes",
         )
     _validate_tls(config)
+    if config.pool_members and config.tls_cert_file:
+        raise ConfigError(
+            "pool_members: peers call each other over plaintext gRPC for now; "
+            "a pool with tls_cert_file is not supported yet",
+            key="pool_members",
+        )
     if config.auth_tokens_file:
         return  # every request carries a checked token: any address may listen
     if config.bulk_listen:

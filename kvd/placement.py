@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from kvd.index import TIER_L2, Entry, Namespace, Reader, StoreCounters, check_key
+from kvd.index import TIER_L1, TIER_L2, Entry, Namespace, Reader, StoreCounters, check_key
 from kvd.iobackend import IoError
 from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
 from kvd.pool import Pool, Run
@@ -34,6 +35,7 @@ class L2Placement:
     counters: StoreCounters
     _promotions: dict[tuple[str, bytes], asyncio.Future[None]]
     _direct_reads: OrderedDict[tuple[str, bytes], None]
+    on_miss: Callable[[str, bytes], Awaitable[Reader | None]] | None
 
     if TYPE_CHECKING:  # defined by Store
 
@@ -46,10 +48,21 @@ class L2Placement:
         def open(self, ns_name: str, key: bytes) -> Reader | None: ...
         async def _alloc(self, size: int) -> list[Run]: ...
 
+    def peek(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin an L1 value for the daemon's own use: no hit counted, no
+        recency given to the eviction policy (handing a put to its owner)."""
+        entry = self._l1(ns_name, key)
+        if entry is None:
+            return None
+        entry.readers += 1
+        views = self.pool.views(entry.runs, entry.size)
+        return Reader(self, entry, views, TIER_L1)  # type: ignore[arg-type]  # self: the Store
+
     async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
         """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
 
-        Every transport's get starts here.
+        Every transport's get starts here. A value held nowhere here goes to
+        ``on_miss`` (the pool asks the key's owner) before it is a miss.
         """
         while True:
             reader = self.open(ns_name, key)
@@ -57,8 +70,10 @@ class L2Placement:
                 return reader
             record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
             if record is None:
-                self._miss(ns_name)
-                return None
+                remote = await self.on_miss(ns_name, key) if self.on_miss is not None else None
+                if remote is None:
+                    self._miss(ns_name)
+                return remote
             pending = self._promotions.get((ns_name, key))
             if pending is None:
                 break

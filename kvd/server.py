@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__, crashpoints, faults, logs
 from kvd.auth import Authenticator
+from kvd.cluster.node import POOL_COUNTERS, POOL_GAUGES, PoolNode, start_pool
 from kvd.config import SETTINGS, ConfigError, is_loopback_host, parse_address
 from kvd.config_rules import l2_capacity_warning
 from kvd.eviction import make_policy
@@ -177,6 +178,7 @@ class Daemon:
         self.health = health.aio.HealthServicer()
         self._server: Any = None
         self.fast_paths: FastPaths | None = None
+        self.pool_node: PoolNode | None = None
         self._stopping = asyncio.Event()
         self.port = 0
         self.metrics_port = 0
@@ -255,6 +257,12 @@ class Daemon:
         self._server = server
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.pool_node = await start_pool(cfg, self.store, self.port)
+        if self.pool_node is not None:
+            self.service.pool = self.pool_node.router
+            self.metrics.add_collector(
+                SnapshotCollector(self.pool_node.stats, POOL_GAUGES, POOL_COUNTERS)
+            )
         if cfg.metrics_listen:
             host, port = split_host_port(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)
@@ -284,6 +292,7 @@ class Daemon:
                 "max_concurrent_rpcs": cfg.max_concurrent_rpcs,
                 "auth": f"{self.auth.token_count} tokens" if self.auth is not None else "off",
                 "tls": self.tls.mode if self.tls is not None else "off",
+                "pool": len(self.pool_node.membership.members) if self.pool_node else 0,
                 "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
             },
         )
@@ -343,11 +352,15 @@ class Daemon:
         sd_notify("STOPPING=1")
         self.metrics.up.set(0)
         await self.health.enter_graceful_shutdown()
+        if self.pool_node is not None:
+            await self.pool_node.leave()
         # Requests in flight get half the deadline; the write-back flush the rest.
         if self._server is not None:
             await self._server.stop(grace_s / 2)
         if self.fast_paths is not None:
             await self.fast_paths.stop(max(0.0, deadline - time.monotonic()) / 2)
+        if self.pool_node is not None:
+            await self.pool_node.close()
         left = await self.store.close(flush_s=max(0.0, deadline - time.monotonic()))
         if left:
             log.warning("write-back not finished at shutdown", extra={"values_left": left})

@@ -25,6 +25,8 @@ from google.protobuf.message import Message
 from kvd import __version__
 from kvd.auth import Authenticator, bearer_token, check_grpc, request_scope
 from kvd.checksum import Hasher, checksum
+from kvd.cluster import scope
+from kvd.cluster.router import PoolRouter
 from kvd.errors import DeadlineExceeded, InvalidArgument, KvdError, ResourceExhausted
 from kvd.metrics import Metrics
 from kvd.pool import ViewWriter, chunked
@@ -92,6 +94,7 @@ def _unary(op: str) -> Callable[[Handler], Handler]:
             start = time.perf_counter()
             code = "OK"
             self.inflight.requests += 1
+            pool_scope = self._enter_pool(context)
             try:
                 if isinstance(request, Message):  # Put checks once its header arrived
                     namespace, admin = request_scope(request)
@@ -105,6 +108,8 @@ def _unary(op: str) -> Callable[[Handler], Handler]:
                 code = "CANCELLED"
                 raise
             finally:
+                if pool_scope is not None:
+                    scope.leave(pool_scope)
                 self.inflight.requests -= 1
                 self.metrics.requests.labels(op, code).inc()
                 self.metrics.latency.labels(op).observe(time.perf_counter() - start)
@@ -127,6 +132,13 @@ class KVStoreService(RegionHandlers):
         self.metrics = metrics
         self.auth = auth
         self.inflight = InflightBytes(limits.max_inflight_bytes)
+        self.pool: PoolRouter | None = None  # set when the daemon is part of a pool
+
+    def _enter_pool(self, context: Any) -> Any:
+        """The pool scope of this call (its deadline, whether a peer sent it), or None."""
+        if self.pool is None:
+            return None
+        return scope.enter(context.invocation_metadata(), context.time_remaining())
 
     # ---- Put -------------------------------------------------------------------
     @_unary("put")
@@ -196,6 +208,7 @@ class KVStoreService(RegionHandlers):
         code = "OK"
         self.inflight.requests += 1
         held = 0
+        pool_scope = self._enter_pool(context)
         try:
             check_grpc(self.auth, context, request.namespace)
             fetch_start = time.perf_counter()
@@ -233,6 +246,8 @@ class KVStoreService(RegionHandlers):
             code = "CANCELLED"
             raise
         finally:
+            if pool_scope is not None:
+                scope.leave(pool_scope)
             if held:
                 self.inflight.release(held)
             self.inflight.requests -= 1
@@ -315,7 +330,11 @@ class KVStoreService(RegionHandlers):
 
     @_unary("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        result = self.store.lookup(request.namespace, request.keys, request.lease_ms)
+        if self.pool is not None:
+            keys = list(request.keys)
+            result = await self.pool.lookup(request.namespace, keys, request.lease_ms)
+        else:
+            result = self.store.lookup(request.namespace, request.keys, request.lease_ms)
         if result.prefix_len:
             self.metrics.hits.labels("lookup", "l1").inc(result.l1_hits)
             self.metrics.hits.labels("lookup", "l2").inc(result.l2_hits)

@@ -33,7 +33,7 @@ import dataclasses
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -106,6 +106,9 @@ class Store(L2Placement, Uploads):
         self.prefetcher: Prefetcher | None = None
         self._promotions: dict[tuple[str, bytes], asyncio.Future[None]] = {}
         self._direct_reads: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        # The pool's hooks (kvd.cluster.router): a miss asks the owner; a put goes to it.
+        self.on_miss: Callable[[str, bytes], Awaitable[Reader | None]] | None = None
+        self.on_put: Callable[[Entry], None] | None = None
         if l2 is not None:
             self.writeback = WriteBack(self, l2, clock)
             l2.on_drop = self._on_l2_drop
@@ -254,6 +257,8 @@ class Store(L2Placement, Uploads):
             entry.dirty = True
             if queue:
                 self.writeback.enqueue(entry)
+        if self.on_put is not None:
+            self.on_put(entry)
         return PutResult(existed=False, checksum=checksum)
 
     def _link(self, entry: Entry) -> None:

@@ -1,0 +1,161 @@
+"""Builds this daemon's part of the pool from the settings: the membership
+and its source, the peer channels and the router, and hooks the router into
+the store. ``kvd.server`` calls ``start_pool`` once gRPC serves (peers that
+see this daemon can reach it) and ``PoolNode.leave`` first at shutdown (etcd
+sees it leave at once), ``PoolNode.close`` once RPCs have drained.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from kvd.cluster.membership import Membership
+from kvd.cluster.peers import Peers
+from kvd.cluster.router import PoolRouter
+from kvd.cluster.spec import parse_spec
+from kvd.config import Config, ConfigError, parse_address
+from kvd.store import Store
+
+if TYPE_CHECKING:
+    from kvd.cluster.etcd import EtcdMembers
+
+log = logging.getLogger("kvd.cluster")
+
+# How long start-up waits for etcd's first member list; past it the daemon
+# serves alone (stale) and joins when etcd answers.
+ETCD_START_WAIT_S = 3.0
+# A pool token file holds one token (auth.TOKEN_BYTES_MAX is 4 KiB).
+TOKEN_FILE_MAX_BYTES = 4096
+
+
+# The pool's metrics: stat name -> (metric name, help), read by the server's collector.
+POOL_GAUGES = {
+    "members": ("kvd_pool_members", "Members of the pool this daemon places keys over"),
+    "membership_stale": (
+        "kvd_pool_membership_stale",
+        "1 while the membership source (etcd) is unreachable and the last members are kept",
+    ),
+    "forward_queue": ("kvd_pool_forward_queue", "Puts waiting to be handed to their owner"),
+}
+POOL_COUNTERS = {
+    "membership_changes": ("kvd_pool_membership_changes", "Member lists accepted"),
+    "membership_refused": (
+        "kvd_pool_membership_refused",
+        "Member lists ignored (not naming this daemon)",
+    ),
+    "etcd_sessions": ("kvd_pool_etcd_sessions", "etcd sessions begun (registrations)"),
+    "remote_lookups": ("kvd_pool_remote_lookups", "Lookups that asked other members"),
+    "remote_lookup_hits": ("kvd_pool_remote_lookup_hits", "Chain keys found on other members"),
+    "remote_gets": ("kvd_pool_remote_gets", "Gets sent to the key's owner"),
+    "remote_hits": ("kvd_pool_remote_hits", "Values fetched from their owner into L1"),
+    "remote_misses": ("kvd_pool_remote_misses", "Gets the owner answered as not found"),
+    "peer_errors": ("kvd_pool_peer_errors", "Peer calls failed or timed out (each a miss)"),
+    "peer_skips": (
+        "kvd_pool_peer_skips",
+        "Peer calls not made: the member failed within the last second (each a miss)",
+    ),
+    "checksum_mismatches": (
+        "kvd_pool_checksum_mismatches",
+        "Peer values whose bytes failed their checksum (each a miss)",
+    ),
+    "forwards": ("kvd_pool_forwards", "Puts handed to their owner"),
+    "forward_errors": ("kvd_pool_forward_errors", "Puts that could not reach their owner"),
+    "forwards_dropped": (
+        "kvd_pool_forwards_dropped",
+        "Puts not handed to their owner: the forward queue was full",
+    ),
+}
+
+
+class PoolNode:
+    """This daemon's membership, its source and the router."""
+
+    def __init__(
+        self, membership: Membership, router: PoolRouter, etcd: EtcdMembers | None
+    ) -> None:
+        self.membership = membership
+        self.router = router
+        self.etcd = etcd
+
+    def stats(self) -> dict[str, int]:
+        values = self.router.stats()
+        values["etcd_sessions"] = self.etcd.sessions if self.etcd is not None else 0
+        return values
+
+    async def leave(self) -> None:
+        """Leave the membership (etcd revokes this daemon's key); first at shutdown."""
+        if self.etcd is not None:
+            await self.etcd.stop()
+
+    async def close(self) -> None:
+        """Stop the router, once no RPC is in flight."""
+        await self.router.close()
+
+
+def advertise_address(config: Config, port: int) -> str:
+    """``pool_advertise``, or ``listen`` with the port it bound."""
+    if config.pool_advertise:
+        return config.pool_advertise
+    host, _ = parse_address(config.listen)
+    try:
+        unspecified = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        unspecified = False
+    if unspecified:
+        raise ConfigError(
+            f"pool_advertise: listen {config.listen} is no address a peer can reach; "
+            "set pool_advertise to this node's HOST:PORT",
+            key="pool_advertise",
+        )
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _read_token(path: str) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(TOKEN_FILE_MAX_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(
+            f"pool_token_file: cannot read {path}: {error.strerror}", key="pool_token_file"
+        ) from None
+    token = data.decode("utf-8", "replace").strip()
+    if not token or len(data) > TOKEN_FILE_MAX_BYTES:
+        raise ConfigError(
+            f"pool_token_file: {path} must hold one token of 1 to {TOKEN_FILE_MAX_BYTES} bytes",
+            key="pool_token_file",
+        )
+    return token
+
+
+async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None:
+    """Join the pool ``pool_members`` names; None for a single-node daemon."""
+    spec = parse_spec(config.pool_members)
+    if spec is None:
+        return None
+    membership = Membership(advertise_address(config, port))
+    peers = Peers(_read_token(config.pool_token_file), config.max_message_bytes)
+    router = PoolRouter(store, membership, peers, config.pool_peer_timeout_ms / 1000)
+    router.start()
+    etcd: EtcdMembers | None = None
+    if spec.kind == "static":
+        membership.update(spec.members, "pool_members")
+    else:
+        from kvd.cluster.etcd import EtcdMembers  # aetcd loads only for an etcd pool
+
+        etcd = EtcdMembers(spec, membership, math.ceil(config.pool_etcd_ttl_ms / 1000))
+        await etcd.start(ETCD_START_WAIT_S)
+    log.info(
+        "pool joined",
+        extra={
+            "source": spec.kind,
+            "advertise": membership.advertise,
+            "members": ",".join(membership.members),
+            "peer_token": "on" if config.pool_token_file else "off",
+        },
+    )
+    return PoolNode(membership, router, etcd)

@@ -1,0 +1,153 @@
+"""Calls from this daemon to the other members of the pool, over their gRPC
+``listen``: Exists for a lookup (one call per owner), Get for a value,
+BatchPut to hand a put to its owner.
+
+Every call carries the hop header (kvd.cluster.scope) and, with
+``pool_token_file``, the pool token as its bearer token, and is bounded by
+the time it is given: the gRPC deadline and an asyncio timeout both, so a
+stopped peer (SIGSTOP) costs the budget and no more. Any failure is a
+``PeerError``, which the router turns into a miss. One channel per member,
+opened on first use and closed when the member leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvd.cluster.scope import HOP_HEADER
+from kvd.grpc_handlers import KVStoreStub
+from kvd.v1 import kvd_pb2 as pb
+
+log = logging.getLogger("kvd.cluster.peers")
+
+# Room over max_message_bytes for framing, as the server allows (kvd.server).
+_MESSAGE_SLACK_BYTES = 1 << 20
+
+
+class PeerError(Exception):
+    """A peer did not answer in time, refused, or answered something unusable."""
+
+
+@dataclass(frozen=True)
+class PeerValue:
+    data: bytes
+    checksum: int
+    meta: bytes
+
+
+class Peers:
+    """gRPC channels to the members; every method takes the seconds it may use."""
+
+    def __init__(self, token: str, max_message_bytes: int) -> None:
+        self._metadata: tuple[tuple[str, str], ...] = ((HOP_HEADER, "1"),)
+        if token:
+            self._metadata += (("authorization", f"Bearer {token}"),)
+        self._limit = max_message_bytes + _MESSAGE_SLACK_BYTES
+        self._channels: dict[str, tuple[Any, KVStoreStub]] = {}
+
+    def _stub(self, member: str) -> KVStoreStub:
+        found = self._channels.get(member)
+        if found is None:
+            channel = grpc.aio.insecure_channel(
+                member,
+                options=[
+                    ("grpc.max_receive_message_length", self._limit),
+                    ("grpc.max_send_message_length", self._limit),
+                    # A peer that went away is retried soon after it is back.
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 2000),
+                ],
+            )
+            found = (channel, KVStoreStub(channel))
+            self._channels[member] = found
+        return found[1]
+
+    async def retain(self, members: tuple[str, ...]) -> None:
+        """Close the channels of members no longer in the pool."""
+        for member in [m for m in self._channels if m not in members]:
+            channel, _ = self._channels.pop(member)
+            await channel.close()
+
+    async def close(self) -> None:
+        await self.retain(())
+
+    async def _call(self, member: str, what: str, timeout_s: float, call: Any) -> Any:
+        if timeout_s <= 0:
+            raise PeerError(f"{member}: no time left for {what}")
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await call
+        except TimeoutError:
+            raise PeerError(f"{member}: {what} took more than {timeout_s * 1000:.0f} ms") from None
+        except grpc.aio.AioRpcError as exc:
+            raise PeerError(f"{member}: {what}: {exc.code().name} {exc.details()}") from None
+
+    async def exists(
+        self, member: str, namespace: str, keys: list[bytes], timeout_s: float
+    ) -> list[bool]:
+        stub = self._stub(member)
+        request = pb.ExistsRequest(namespace=namespace, keys=keys)
+        call = stub.Exists(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
+        reply = await self._call(member, "Exists", timeout_s, call)
+        if len(reply.exists) != len(keys):
+            raise PeerError(f"{member}: Exists answered {len(reply.exists)} of {len(keys)} keys")
+        return list(reply.exists)
+
+    async def get(
+        self, member: str, namespace: str, key: bytes, timeout_s: float
+    ) -> PeerValue | None:
+        """The value, or None when the peer does not hold it."""
+        stub = self._stub(member)
+        request = pb.GetRequest(namespace=namespace, key=key)
+        stream = stub.Get(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
+        try:
+            return await self._call(member, "Get", timeout_s, _read_value(stream))  # type: ignore[no-any-return]
+        finally:
+            stream.cancel()  # a no-op once read in full
+
+    async def put(
+        self,
+        member: str,
+        namespace: str,
+        key: bytes,
+        value: bytes,
+        meta: bytes,
+        checksum: int,
+        timeout_s: float,
+    ) -> None:
+        stub = self._stub(member)
+        item = pb.PutItem(key=key, value=value, meta=meta, checksum=checksum)
+        request = pb.BatchPutRequest(namespace=namespace, items=[item])
+        call = stub.BatchPut(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
+        reply = await self._call(member, "BatchPut", timeout_s, call)
+        status = reply.statuses[0] if reply.statuses else None
+        if status is None or status.code not in (0, grpc.StatusCode.ALREADY_EXISTS.value[0]):
+            detail = status.message if status is not None else "no status"
+            raise PeerError(f"{member}: BatchPut refused: {detail}")
+
+
+async def _read_value(stream: Any) -> PeerValue | None:
+    header: Any = None
+    pieces: list[bytes] = []
+    received = 0
+    async for message in stream:
+        if header is None:
+            if not message.HasField("header"):
+                raise PeerError("Get answer without a header")
+            header = message.header
+            if not header.found:
+                return None
+        received += len(message.data)
+        if received > header.size:
+            raise PeerError(f"Get sent more than the {header.size} bytes it declared")
+        pieces.append(message.data)
+    if header is None:
+        raise PeerError("Get answer was empty")
+    if received != header.size:
+        raise PeerError(f"Get sent {received} of {header.size} bytes")
+    return PeerValue(b"".join(pieces), header.checksum, header.meta)
