@@ -15,7 +15,7 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; 
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv proto build run test test-fault lint liburing readme clean engine-env
+.PHONY: venv proto build run test test-fault lint liburing etcd readme clean engine-env
 
 venv: $(STAMP_INSTALL)
 
@@ -57,13 +57,24 @@ liburing:
 		|| echo "make: could not install liburing-dev libxxhash-dev; kvd builds without io_uring" >&2; \
 	fi
 
+# etcd-server (Debian) is the etcd tests/pool start on loopback ports for the
+# pool's etcd membership; install it when root and missing (those tests skip without it).
+etcd:
+	@if ! command -v etcd >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make: installing etcd-server"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q --no-install-recommends etcd-server >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends etcd-server >/dev/null 2>&1; } \
+		|| echo "make: could not install etcd-server; the pool's etcd tests skip" >&2; \
+	fi
+
 run: venv proto build
 	$(VENV)/bin/kvd serve
 
 # The suite includes the real-engine tests (tests/engines); their environment
 # is built first. A machine where it cannot be built (no registry) still runs
 # the rest: those tests then skip and say why.
-test: venv proto build
+test: venv proto build etcd
 	@$(MAKE) --no-print-directory engine-env || echo "make: the engine environment did not build; tests/engines skip" >&2
 	$(PY) -m pytest -q
 

@@ -190,3 +190,31 @@ def test_list_not_naming_the_daemon_serves_alone(tmp_path: Path) -> None:
         assert "more than once" in text
     finally:
         daemon.discard()
+
+
+def test_the_callers_deadline_bounds_peer_calls(tmp_path: Path) -> None:
+    """Peer calls may take 3 s here, the caller gives 0.5 s: a stopped owner
+    must still cost a miss inside the caller's deadline, not DEADLINE_EXCEEDED."""
+    daemons = start_static_pool(tmp_path, 2, peer_timeout_ms=3000)
+    a, b = daemons
+    try:
+        put = client_of(a)
+        keys = chain("deadline", 30)
+        store_chain(put, "deadline", keys)
+        on_b = _owned_by(daemons, "deadline", keys, 1)
+        on_a = _owned_by(daemons, "deadline", keys, 0)
+        assert on_a and on_b
+        hurried = Client(a.target, timeout_s=0.5, bulk=False)
+        _open.append(hurried)
+        assert wait_until(lambda: hurried.lookup("deadline", keys) == len(keys))
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            # a asks b only for what a lacks: drop a's own copies of b's keys.
+            assert put.delete("deadline", on_b) == len(on_b)
+            assert hurried.get("deadline", on_b[0]) is None
+            assert hurried.lookup("deadline", keys) == keys.index(on_b[0])
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+    finally:
+        for daemon in daemons:
+            daemon.discard()
