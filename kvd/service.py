@@ -326,6 +326,9 @@ class KVStoreService(RegionHandlers):
     # ---- index -----------------------------------------------------------------
     @_unary("exists")
     async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
+        if self.pool is not None:
+            found = await self.pool.exists(request.namespace, list(request.keys))
+            return pb.ExistsResponse(exists=found)
         return pb.ExistsResponse(exists=self.store.exists(request.namespace, request.keys))
 
     @_unary("lookup")

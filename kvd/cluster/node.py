@@ -47,7 +47,10 @@ POOL_COUNTERS = {
         "Member lists ignored (not naming this daemon)",
     ),
     "etcd_sessions": ("kvd_pool_etcd_sessions", "etcd sessions begun (registrations)"),
-    "remote_lookups": ("kvd_pool_remote_lookups", "Lookups that asked other members"),
+    "remote_lookups": (
+        "kvd_pool_remote_lookups",
+        "Lookup and Exists calls that asked other members",
+    ),
     "remote_lookup_hits": ("kvd_pool_remote_lookup_hits", "Chain keys found on other members"),
     "remote_gets": ("kvd_pool_remote_gets", "Gets sent to the key's owner"),
     "remote_hits": ("kvd_pool_remote_hits", "Values fetched from their owner into L1"),

@@ -117,11 +117,13 @@ class Peers:
         key: bytes,
         value: bytes,
         meta: bytes,
+        parent: bytes | None,
         checksum: int,
         timeout_s: float,
     ) -> None:
+        """Store a value on ``member`` (its chain link kept); an equal value there is fine."""
         stub = self._stub(member)
-        item = pb.PutItem(key=key, value=value, meta=meta, checksum=checksum)
+        item = pb.PutItem(key=key, value=value, meta=meta, parent=parent or b"", checksum=checksum)
         request = pb.BatchPutRequest(namespace=namespace, items=[item])
         call = stub.BatchPut(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
         reply = await self._call(member, "BatchPut", timeout_s, call)

@@ -60,7 +60,7 @@ ERRORS_LOGGED_MAX = 10
 class PoolCounters:
     """Plain integers the metrics collector reads at scrape time."""
 
-    remote_lookups: int = 0  # lookups that asked at least one peer
+    remote_lookups: int = 0  # lookups and exists that asked at least one peer
     remote_lookup_hits: int = 0  # chain keys found on a peer
     remote_gets: int = 0
     remote_hits: int = 0
@@ -149,7 +149,7 @@ class PoolRouter:
             self._errors_logged[member] = logged + 1
             log.warning("peer call failed; answered as a miss", extra={"error": str(error)})
 
-    # ---- lookup ----------------------------------------------------------------
+    # ---- lookup and exists ------------------------------------------------------
     async def lookup(self, namespace: str, keys: list[bytes], lease_ms: int) -> LookupResult:
         """The chain's longest prefix held anywhere in the pool (one Exists per owner)."""
         local = self.store.lookup(namespace, keys, lease_ms)
@@ -167,18 +167,7 @@ class PoolRouter:
             if owner is None:
                 break  # this daemon owns it and does not hold it: the chain ends here
             asks.setdefault(owner, []).append(i)
-        for owner in [owner for owner in asks if self._is_down(owner)]:
-            del asks[owner]
-        if asks:
-            self.counters.remote_lookups += 1
-        budget_s = scope.budget_s(self.peer_timeout_s)
-        answers = await asyncio.gather(
-            *(self._exists(owner, namespace, [keys[i] for i in idx], budget_s)
-              for owner, idx in asks.items())
-        )  # fmt: skip
-        for idx, answer in zip(asks.values(), answers, strict=True):
-            for i, held in zip(idx, answer, strict=True):
-                found[i] = held
+        await self._ask_owners(namespace, keys, asks, found)
         extra = 0
         for i in range(start, len(keys)):
             if not found[i]:
@@ -194,6 +183,38 @@ class PoolRouter:
             local.lease_id,
             local.lease_ms,
         )
+
+    async def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Which keys the pool holds: here, else asked of their owners (one call each)."""
+        found = self.store.exists(namespace, keys)
+        if all(found) or scope.current().hop:
+            return found
+        asks: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            owner = None if found[i] else self._remote_owner(namespace, key)
+            if owner is not None:
+                asks.setdefault(owner, []).append(i)
+        await self._ask_owners(namespace, keys, asks, found)
+        return found
+
+    async def _ask_owners(
+        self, namespace: str, keys: list[bytes], asks: dict[str, list[int]], found: list[bool]
+    ) -> None:
+        """Ask each owner, all at once, about its keys (indices into ``keys``);
+        set ``found`` for those it holds. An owner that fails holds none."""
+        for owner in [owner for owner in asks if self._is_down(owner)]:
+            del asks[owner]
+        if not asks:
+            return
+        self.counters.remote_lookups += 1
+        budget_s = scope.budget_s(self.peer_timeout_s)
+        answers = await asyncio.gather(
+            *(self._exists(owner, namespace, [keys[i] for i in idx], budget_s)
+              for owner, idx in asks.items())
+        )  # fmt: skip
+        for idx, answer in zip(asks.values(), answers, strict=True):
+            for i, held in zip(idx, answer, strict=True):
+                found[i] = found[i] or held
 
     async def _exists(
         self, member: str, namespace: str, keys: list[bytes], budget_s: float
@@ -280,11 +301,13 @@ class PoolRouter:
                 continue  # evicted or deleted before its turn, or the owner is down
             try:
                 value = b"".join(reader.views)
-                sum_, meta = reader.checksum, reader.meta
+                sum_, meta, parent = reader.checksum, reader.meta, reader.entry.parent
             finally:
                 reader.close()
             try:
-                await self.peers.put(owner, namespace, key, value, meta, sum_, FORWARD_TIMEOUT_S)
+                await self.peers.put(
+                    owner, namespace, key, value, meta, parent, sum_, FORWARD_TIMEOUT_S
+                )
             except PeerError as error:
                 self.counters.forward_errors += 1
                 self._peer_failed(error, owner)

@@ -83,6 +83,7 @@ def test_chain_stored_on_one_is_found_and_read_through_another(pool: list[Spawne
     assert wait_until(lambda: b.lookup("found", keys) == len(keys))
     assert c.lookup("found", keys) == len(keys)
     assert a.lookup("found", keys) == len(keys)
+    assert c.exists("found", keys) == [True] * len(keys)  # the connectors' other question
     # Gets through another daemon: bulk TCP (the client's default) and gRPC.
     assert [b.get("found", key) for key in keys] == [value_of(key) for key in keys]
     c_grpc = client_of(pool[2], bulk=False)
