@@ -130,6 +130,12 @@ def validate_together(config: Config) -> None:
             "a pool with tls_cert_file is not supported yet",
             key="pool_members",
         )
+    if config.pool_members and config.auth_tokens_file and not config.pool_token_file:
+        raise ConfigError(
+            "pool_token_file: with auth_tokens_file, peers refuse calls without a token; "
+            "give the pool a token file (admitted to every namespace by each member)",
+            key="pool_token_file",
+        )
     if config.auth_tokens_file:
         return  # every request carries a checked token: any address may listen
     if config.bulk_listen:

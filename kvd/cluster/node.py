@@ -33,41 +33,41 @@ TOKEN_FILE_MAX_BYTES = 4096
 
 # The pool's metrics: stat name -> (metric name, help), read by the server's collector.
 POOL_GAUGES = {
-    "members": ("kvd_pool_members", "Members of the pool this daemon places keys over"),
+    "members": ("kvd_cluster_members", "Members of the pool this daemon places keys over"),
     "membership_stale": (
-        "kvd_pool_membership_stale",
+        "kvd_cluster_membership_stale",
         "1 while the membership source (etcd) is unreachable and the last members are kept",
     ),
-    "forward_queue": ("kvd_pool_forward_queue", "Puts waiting to be handed to their owner"),
+    "forward_queue": ("kvd_cluster_forward_queue", "Puts waiting to be handed to their owner"),
 }
 POOL_COUNTERS = {
-    "membership_changes": ("kvd_pool_membership_changes", "Member lists accepted"),
+    "membership_changes": ("kvd_cluster_membership_changes", "Member lists accepted"),
     "membership_refused": (
-        "kvd_pool_membership_refused",
+        "kvd_cluster_membership_refused",
         "Member lists ignored (not naming this daemon)",
     ),
-    "etcd_sessions": ("kvd_pool_etcd_sessions", "etcd sessions begun (registrations)"),
+    "etcd_sessions": ("kvd_cluster_etcd_sessions", "etcd sessions begun (registrations)"),
     "remote_lookups": (
-        "kvd_pool_remote_lookups",
+        "kvd_cluster_remote_lookups",
         "Lookup and Exists calls that asked other members",
     ),
-    "remote_lookup_hits": ("kvd_pool_remote_lookup_hits", "Chain keys found on other members"),
-    "remote_gets": ("kvd_pool_remote_gets", "Gets sent to the key's owner"),
-    "remote_hits": ("kvd_pool_remote_hits", "Values fetched from their owner into L1"),
-    "remote_misses": ("kvd_pool_remote_misses", "Gets the owner answered as not found"),
-    "peer_errors": ("kvd_pool_peer_errors", "Peer calls failed or timed out (each a miss)"),
+    "remote_lookup_hits": ("kvd_cluster_remote_lookup_hits", "Chain keys found on other members"),
+    "remote_gets": ("kvd_cluster_remote_gets", "Gets sent to the key's owner"),
+    "remote_hits": ("kvd_cluster_remote_hits", "Values fetched from their owner into L1"),
+    "remote_misses": ("kvd_cluster_remote_misses", "Gets the owner answered as not found"),
+    "peer_errors": ("kvd_cluster_peer_errors", "Peer calls failed or timed out (each a miss)"),
     "peer_skips": (
-        "kvd_pool_peer_skips",
+        "kvd_cluster_peer_skips",
         "Peer calls not made: the member failed within the last second (each a miss)",
     ),
     "checksum_mismatches": (
-        "kvd_pool_checksum_mismatches",
+        "kvd_cluster_checksum_mismatches",
         "Peer values whose bytes failed their checksum (each a miss)",
     ),
-    "forwards": ("kvd_pool_forwards", "Puts handed to their owner"),
-    "forward_errors": ("kvd_pool_forward_errors", "Puts that could not reach their owner"),
+    "forwards": ("kvd_cluster_forwards", "Puts handed to their owner"),
+    "forward_errors": ("kvd_cluster_forward_errors", "Puts that could not reach their owner"),
     "forwards_dropped": (
-        "kvd_pool_forwards_dropped",
+        "kvd_cluster_forwards_dropped",
         "Puts not handed to their owner: the forward queue was full",
     ),
 }

@@ -1,6 +1,6 @@
 """Pool membership from a real etcd: daemons register under a lease and see
 each other join and leave; garbage under the prefix is ignored; etcd going
-away keeps the last members (kvd_pool_membership_stale says so) and the
+away keeps the last members (kvd_cluster_membership_stale says so) and the
 daemons register again when it is back."""
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ def value_of(key: bytes) -> bytes:
 
 
 def members_of(daemon: SpawnedDaemon) -> float:
-    return metric(daemon.metrics_port, "kvd_pool_members")
+    return metric(daemon.metrics_port, "kvd_cluster_members")
 
 
 def stale(daemon: SpawnedDaemon) -> float:
-    return metric(daemon.metrics_port, "kvd_pool_membership_stale")
+    return metric(daemon.metrics_port, "kvd_cluster_membership_stale")
 
 
 def start_member(root: Path, etcd: EtcdServer, name: str) -> SpawnedDaemon:

@@ -50,6 +50,13 @@ def test_pool_with_tls_is_refused() -> None:
         )
 
 
+def test_pool_with_auth_needs_a_pool_token() -> None:
+    with pytest.raises(ConfigError, match="pool_token_file"):
+        load_config(
+            overrides={"pool_members": "static:127.0.0.1:7070", "auth_tokens_file": "t.toml"}
+        )
+
+
 def test_list_naming_this_daemon_twice_counts_it_once(caplog: pytest.LogCaptureFixture) -> None:
     membership = Membership("127.0.0.1:7070")
     with caplog.at_level(logging.WARNING, "kvd.cluster"):

@@ -58,12 +58,12 @@ def test_a_wrong_pool_token_is_refused_and_costs_misses(tmp_path: Path) -> None:
         on_bad = [k for k, o in zip(keys, owners, strict=True) if o == bad.target]
         assert on_good and on_bad
         # good's token is right: its puts reach bad, and it reads bad's keys.
-        forwards = "kvd_pool_forwards_total"
+        forwards = "kvd_cluster_forwards_total"
         assert wait_until(lambda: metric(good.metrics_port, forwards) == len(on_bad))
         assert all(b.get(ns, k) == k * 50 for k in on_bad)
         # bad's token is wrong: good refuses it, so good's keys are misses through bad.
         assert [b.get(ns, k) for k in on_good] == [None] * len(on_good)
-        assert metric(bad.metrics_port, "kvd_pool_peer_errors_total") >= 1
+        assert metric(bad.metrics_port, "kvd_cluster_peer_errors_total") >= 1
         assert any("UNAUTHENTICATED" in line for line in bad.log)
     finally:
         a.close()

@@ -88,9 +88,9 @@ def test_chain_stored_on_one_is_found_and_read_through_another(pool: list[Spawne
     assert [b.get("found", key) for key in keys] == [value_of(key) for key in keys]
     c_grpc = client_of(pool[2], bulk=False)
     assert [c_grpc.get("found", key) for key in keys] == [value_of(key) for key in keys]
-    assert metric(pool[1].metrics_port, "kvd_pool_members") == 3
-    assert metric(pool[0].metrics_port, "kvd_pool_forwards_total") > 0
-    assert metric(pool[1].metrics_port, "kvd_pool_remote_hits_total") > 0
+    assert metric(pool[1].metrics_port, "kvd_cluster_members") == 3
+    assert metric(pool[0].metrics_port, "kvd_cluster_forwards_total") > 0
+    assert metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total") > 0
 
 
 def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[SpawnedDaemon]) -> None:
@@ -101,11 +101,11 @@ def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[SpawnedDaemon]) ->
               if o == pool[2].target]  # fmt: skip
     assert remote
     assert wait_until(lambda: b.lookup("kept", keys) == len(keys))
-    before = metric(pool[1].metrics_port, "kvd_pool_remote_gets_total")
+    before = metric(pool[1].metrics_port, "kvd_cluster_remote_gets_total")
     assert [b.get("kept", key) for key in remote] == [value_of(key) for key in remote]
     assert [b.get("kept", key) for key in remote] == [value_of(key) for key in remote]
     # The second round came from b's own L1: one peer read per key in all.
-    assert metric(pool[1].metrics_port, "kvd_pool_remote_gets_total") - before == len(remote)
+    assert metric(pool[1].metrics_port, "kvd_cluster_remote_gets_total") - before == len(remote)
 
 
 def test_a_key_nobody_holds_is_a_miss(pool: list[SpawnedDaemon]) -> None:
@@ -152,7 +152,7 @@ def test_stopped_owner_costs_misses_within_the_deadline(pool: list[SpawnedDaemon
         found = b.lookup("stopped", keys)
         first_c = keys.index(on_c[0])
         assert found <= first_c or found == len(keys)
-        assert metric(pool[1].metrics_port, "kvd_pool_peer_errors_total") > 0
+        assert metric(pool[1].metrics_port, "kvd_cluster_peer_errors_total") > 0
     finally:
         os.kill(pool[2].proc.pid, signal.SIGCONT)
     # c is back: its keys read again once b tries it again (within PEER_DOWN_S).
@@ -185,7 +185,7 @@ def test_list_not_naming_the_daemon_serves_alone(tmp_path: Path) -> None:
         client.put("alone", b"k", b"v")
         assert client.get("alone", b"k") == b"v"
         assert client.lookup("alone", [b"k", b"other"]) == 1
-        assert metric(daemon.metrics_port, "kvd_pool_members") == 1
+        assert metric(daemon.metrics_port, "kvd_cluster_members") == 1
         text = "\n".join(daemon.log)
         assert "does not name this daemon" in text
         assert "more than once" in text
