@@ -292,6 +292,8 @@ class KVStoreService(RegionHandlers):
         self._check_batch(len(request.keys))
         budget = self.limits.max_message_bytes - _BATCH_OVERHEAD_BYTES
         inline_max = request.inline_bytes_max or budget
+        if self.pool is not None:
+            await self.pool.fetch_many(request.namespace, list(request.keys))
         items = []
         for key in request.keys:
             fetch_start = time.perf_counter()

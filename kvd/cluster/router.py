@@ -52,6 +52,8 @@ FORWARD_TIMEOUT_S = 10.0
 # then tried again: a batch of 100 gets owned by a stopped peer costs one
 # timeout, not 100 (each would spend pool_peer_timeout_ms).
 PEER_DOWN_S = 1.0
+# Peer reads one batch may have in flight (each holds one value in transit).
+FETCH_PARALLEL_MAX = 32
 # Peer errors logged per member before the rest are only counted.
 ERRORS_LOGGED_MAX = 10
 
@@ -249,6 +251,29 @@ class PoolRouter:
         except TimeoutError:
             return None
         return self.store.open(namespace, key) if stored else None
+
+    async def fetch_many(self, namespace: str, keys: list[bytes]) -> None:
+        """Fetch into L1, at once, the keys of a batch held nowhere here, so a
+        BatchGet that then reads them in order waits one peer round trip, not
+        one per key (at most ``FETCH_PARALLEL_MAX`` reads in flight)."""
+        if scope.current().hop or len(self.membership.members) == 1:
+            return
+        try:
+            held = self.store.exists(namespace, keys)
+        except KvdError:
+            return  # the batch's own reads word the error
+        missing = list(dict.fromkeys(k for k, h in zip(keys, held, strict=True) if not h))
+        if len(missing) < 2:
+            return
+        room = asyncio.Semaphore(FETCH_PARALLEL_MAX)
+
+        async def fetch(key: bytes) -> None:
+            async with room:
+                reader = await self.fetch_remote(namespace, key)
+            if reader is not None:
+                reader.close()
+
+        await asyncio.gather(*(fetch(key) for key in missing))
 
     async def _fetch_into_l1(self, owner: str, namespace: str, key: bytes, budget_s: float) -> bool:
         try:

@@ -108,3 +108,19 @@ def test_members_join_leave_and_survive_etcd_going_away(tmp_path: Path, etcd: Et
             client.close()
         for daemon in daemons:
             daemon.discard()
+
+
+def test_daemon_starts_alone_when_etcd_is_not_there(tmp_path: Path) -> None:
+    (port, nobody) = free_ports(2)
+    args = ["--listen", f"127.0.0.1:{port}", "--pool-members", f"etcd://127.0.0.1:{nobody}/p"]
+    daemon = SpawnedDaemon(tmp_path, args, ssd="")
+    client = Client(daemon.target, timeout_s=5)
+    try:
+        assert stale(daemon) == 1
+        assert members_of(daemon) == 1
+        client.put("alone", b"k", b"v")
+        assert client.get("alone", b"k") == b"v"
+        assert any("membership source unreachable" in line for line in daemon.log)
+    finally:
+        client.close()
+        daemon.discard()

@@ -108,6 +108,18 @@ def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[SpawnedDaemon]) ->
     assert metric(pool[1].metrics_port, "kvd_cluster_remote_gets_total") - before == len(remote)
 
 
+def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[SpawnedDaemon]) -> None:
+    a, b, _ = clients(pool)
+    keys = chain("batch", 50)
+    store_chain(a, "batch", keys)
+    assert wait_until(lambda: b.lookup("batch", keys) == len(keys))
+    lacking = len(keys) - len(_owned_by(pool, "batch", keys, 1))  # b holds its own share
+    before = metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total")
+    b_grpc = client_of(pool[1], bulk=False)
+    assert b_grpc.get_many_with_meta("batch", keys) == [(value_of(k), b"") for k in keys]
+    assert metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total") - before == lacking
+
+
 def test_a_key_nobody_holds_is_a_miss(pool: list[SpawnedDaemon]) -> None:
     a, b, _ = clients(pool)
     keys = chain("absent", 20)
