@@ -208,6 +208,29 @@ async def test_read_many_reports_each_record(small: Env) -> None:
             buffer.close()
 
 
+async def test_striped_reads_go_out_together(tmp_path: Path, kind: str) -> None:
+    """A value striped over three paths is one record read of three ops, and
+    concurrent reads of such values share one backend call."""
+    env = Env(tmp_path, kind, paths=3, segments=3, segment_bytes=MiB)
+    try:
+        tier = await env.open()
+        values = {b"s%d" % i: payload(MiB - 8 * KiB, i) for i in range(2)}
+        records = [await put(tier, key, data) for key, data in values.items()]
+        calls: list[list[int]] = []
+        run = tier.reads._run
+
+        async def counted(batch: Sequence[RecordRead], on_done: RecordDone) -> None:
+            calls.append([len({op.fd for op in r.ops}) for r in batch])
+            await run(batch, on_done)
+
+        tier.reads._run = counted
+        got = await asyncio.gather(*(get(tier, r) for r in records))
+        assert got == list(values.values())
+        assert calls == [[3, 3]]  # one call; each record one op per path
+    finally:
+        env.close_all()
+
+
 async def test_flip_in_padding_is_harmless(small: Env) -> None:
     # Bytes after the payload (inside its last 4 KiB block) are not part of it.
     tier = await small.open()
