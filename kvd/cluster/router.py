@@ -206,10 +206,10 @@ class PoolRouter:
         set ``found`` for those it holds. An owner that fails holds none."""
         for owner in [owner for owner in asks if self._is_down(owner)]:
             del asks[owner]
-        if not asks:
-            return
-        self.counters.remote_lookups += 1
         budget_s = scope.budget_s(self.peer_timeout_s)
+        if not asks or budget_s <= 0:
+            return  # no time left is a miss, and no fault of the owners
+        self.counters.remote_lookups += 1
         answers = await asyncio.gather(
             *(self._exists(owner, namespace, [keys[i] for i in idx], budget_s)
               for owner, idx in asks.items())
@@ -236,6 +236,8 @@ class PoolRouter:
         if owner is None or self._is_down(owner):
             return None
         budget_s = scope.budget_s(self.peer_timeout_s)
+        if budget_s <= 0:
+            return None  # no time left is a miss, and no fault of the owner
         task = self._fetching.get((namespace, key))
         if task is None:
             self.counters.remote_gets += 1
