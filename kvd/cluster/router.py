@@ -230,14 +230,20 @@ class PoolRouter:
     # ---- get -------------------------------------------------------------------
     async def fetch_remote(self, namespace: str, key: bytes) -> Reader | None:
         """The store's miss hook: the value from its owner, now in local L1, or None."""
+        if await self._fetch(namespace, key):
+            return self.store.open(namespace, key)
+        return None
+
+    async def _fetch(self, namespace: str, key: bytes) -> bool:
+        """Bring a value from its owner into local L1; False when it could not."""
         if scope.current().hop:
-            return None
+            return False
         owner = self._remote_owner(namespace, key)
         if owner is None or self._is_down(owner):
-            return None
+            return False
         budget_s = scope.budget_s(self.peer_timeout_s)
         if budget_s <= 0:
-            return None  # no time left is a miss, and no fault of the owner
+            return False  # no time left is a miss, and no fault of the owner
         task = self._fetching.get((namespace, key))
         if task is None:
             self.counters.remote_gets += 1
@@ -249,10 +255,9 @@ class PoolRouter:
         try:
             # A later caller with less time than the first waits only its own.
             async with asyncio.timeout(budget_s):
-                stored = await asyncio.shield(task)
+                return await asyncio.shield(task)
         except TimeoutError:
-            return None
-        return self.store.open(namespace, key) if stored else None
+            return False
 
     async def fetch_many(self, namespace: str, keys: list[bytes]) -> None:
         """Fetch into L1, at once, the keys of a batch held nowhere here, so a
@@ -271,9 +276,7 @@ class PoolRouter:
 
         async def fetch(key: bytes) -> None:
             async with room:
-                reader = await self.fetch_remote(namespace, key)
-            if reader is not None:
-                reader.close()
+                await self._fetch(namespace, key)  # the batch's own read counts the hit
 
         await asyncio.gather(*(fetch(key) for key in missing))
 
