@@ -116,6 +116,8 @@ _EDGES = np.array(_AGE_EDGES, dtype=np.float64)
 _WIDTHS = np.diff(np.concatenate([[0.0], _EDGES]))
 _RETENTIONS = np.concatenate([[0.0], _EDGES])  # choice 0 keeps nothing
 _EDGE_TICKS = np.array(_AGE_EDGES[:-1], dtype=np.int64)
+# Edges below each lookup number, up to the last edge (after it: all).
+_EDGES_CROSSED = tuple(bisect_left(_AGE_EDGES[:-1], now) for now in range(_AGE_EDGES[-2] + 1))
 _IDS = np.arange(_CLASSES)
 _ZERO_ROW = array("i", [0]) * _CLASSES
 _COUNT_BUCKET = tuple(bisect_left(_COUNT_EDGES, count) for count in range(_COUNT_EDGES[-1] + 1))
@@ -172,12 +174,10 @@ class DensityPolicy(_ChainPolicy[K]):
         # per-lookup and per-refresh vector work.
         self._ring_tick = array("q", [-1]) * _RING
         self._ring_flat = array("i", [0]) * (_RING * _CLASSES)
-        self._ring_ticks = np.frombuffer(self._ring_tick, dtype=np.int64)
         self._ring = np.frombuffer(self._ring_flat, dtype=np.int32).reshape(_RING, _CLASSES)
         self._reused_flat = array("d", [0.0]) * (_CLASSES * _BINS)
         self._reused = np.frombuffer(self._reused_flat, dtype=np.float64).reshape(_CLASSES, _BINS)
         self._entered = np.zeros((_CLASSES, _BINS))  # waiting references that reached bin j
-        self._per_lookup = np.zeros(_CLASSES)  # decayed references per class
         self._lookups = 0.0  # decayed lookups
 
     # -- what tests and operators may read ------------------------------------
@@ -332,20 +332,18 @@ class DensityPolicy(_ChainPolicy[K]):
         """Count this lookup's row; rows that reach an age edge now enter
         the next bin with the references still waiting in them."""
         now = self._now
-        row = self._ring[now & (_RING - 1)]
-        self._entered[:, 0] += row
-        self._per_lookup += row
+        self._entered[:, 0] += self._ring[now & (_RING - 1)]
         self._lookups += 1.0
-        born = now - _EDGE_TICKS
-        slots = born & (_RING - 1)
-        live = (born > 0) & (self._ring_ticks[slots] == born)
-        if live.any():
-            self._entered[:, 1:][:, live] += self._ring[slots[live]].T
+        # Every lookup writes its row and the ring outlasts the edges, so
+        # the rows born at now - edge exist for every edge below now.
+        crossing = _EDGES_CROSSED[now] if now < len(_EDGES_CROSSED) else len(_EDGE_TICKS)
+        if crossing:
+            slots = (now - _EDGE_TICKS[:crossing]) & (_RING - 1)
+            self._entered[:, 1 : crossing + 1] += self._ring[slots].T
 
     def _decay(self) -> None:
         self._entered *= 0.5
         self._reused *= 0.5  # a view: halves the flat array in place
-        self._per_lookup *= 0.5
         self._lookups *= 0.5
 
     def _refresh(self) -> None:
@@ -357,7 +355,7 @@ class DensityPolicy(_ChainPolicy[K]):
         zeros = np.zeros((_CLASSES, 1))
         gain = np.concatenate([zeros, 1.0 - survival], axis=1)
         cost = np.concatenate([zeros, np.cumsum(before * _WIDTHS, axis=1)], axis=1)
-        scale = self._per_lookup / self._lookups  # references per lookup, per class
+        scale = self._entered[:, 0] / self._lookups  # references per lookup, per class
         rows = np.arange(_CLASSES)
         target = float(len(self._nodes))
         low, high = _LOG_LAMBDA

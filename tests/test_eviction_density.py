@@ -131,7 +131,7 @@ def test_density_retention_is_capped_by_the_residence() -> None:
     _, policy = replay("density", cycles=300)
     # 200 blocks tracked, ~53 references per lookup: a mean residence of
     # ~4 lookups; no class is kept past 4 of them.
-    residence = 200 / (policy._per_lookup.sum() / policy._lookups)
+    residence = 200 / (policy._entered[:, 0].sum() / policy._lookups)
     assert max(policy._retention) <= 4 * residence
 
 
