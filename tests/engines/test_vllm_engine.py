@@ -119,16 +119,25 @@ def assert_recomputed(output: dict[str, Any], reference: dict[str, Any]) -> None
     assert output["tokens"] == reference["cold"]["tokens"]
 
 
+def store(
+    engine: VllmProcess, daemon: RestartableDaemon, reference: dict[str, Any], name: str
+) -> dict[str, Any]:
+    """``name`` answered by ``engine``, which stores each of its full blocks;
+    the daemon's counters from before."""
+    before = daemon.stats()
+    stored, _ = answer(engine, name)
+    assert_recomputed(stored, reference[name])
+    assert daemon.stats()["puts"] - before["puts"] == len(PROMPTS[name]) // BLOCK
+    return before
+
+
 def test_store_in_one_engine_restore_in_a_fresh_one(
     reference: dict[str, Any],
     kvd_daemon: RestartableDaemon,
     engine_a: VllmProcess,
     engine_b: VllmProcess,
 ) -> None:
-    before = kvd_daemon.stats()
-    stored, _ = answer(engine_a, "p1")
-    assert_recomputed(stored, reference["p1"])
-    assert kvd_daemon.stats()["puts"] - before["puts"] == 5
+    before = store(engine_a, kvd_daemon, reference, "p1")
     # vLLM published the stored blocks as KV-cache events, by kvd's keys.
     ours = [e for e in engine_a.events() if e["type"] == "BlockStored" and e["medium"] == "CPU"]
     assert [h for e in ours for h in e["block_hashes"]] == [
@@ -147,10 +156,7 @@ def test_a_restore_stores_no_block_kvd_holds(
     engine_a: VllmProcess,
     engine_b: VllmProcess,
 ) -> None:
-    before = kvd_daemon.stats()
-    stored, _ = answer(engine_a, "exact")
-    assert_recomputed(stored, reference["exact"])
-    assert kvd_daemon.stats()["puts"] - before["puts"] == 6
+    store(engine_a, kvd_daemon, reference, "exact")
     before = kvd_daemon.stats()
     restored, _ = answer(engine_b, "exact")
     after = kvd_daemon.stats()
