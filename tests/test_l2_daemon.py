@@ -18,6 +18,7 @@ from kvd.bench.daemon import SpawnedDaemon
 from kvd.client import Client, ResourceExhausted, Unavailable
 from kvd.iobackend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
+from tests.conftest import wait_until
 
 MiB = 1 << 20
 BACKENDS = ["threads", "uring"]
@@ -243,8 +244,11 @@ def test_write_back_errors_keep_puts_in_l1_and_the_daemon_up(tmp_path: Path) -> 
             for key in keys:
                 got = client.get("wb", key)
                 assert got is None or got == value_for(key, 100_000)
+            # Write-back runs behind the puts: on a busy machine the third
+            # write may not have been tried yet when the gets end.
+            assert wait_until(lambda: client.stats()["l2_write_errors"] >= 1, 30.0)
             stats = client.stats()
-        assert stats["l2_write_errors"] >= 1 and stats["checksum_failures"] == 0
+        assert stats["checksum_failures"] == 0
         assert daemon.alive()
     finally:
         assert daemon.stop() == 0
