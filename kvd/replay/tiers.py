@@ -20,9 +20,10 @@ Admission (``admit``):
 
 Per request, as in ``kvd.replay.sim``: the policy hears the lookup
 (``on_lookup`` with the leading L1 hits), the promoted L2 hits and the
-missed blocks are inserted into L1 in chain order, pinned while the request
-is served. Reported: combined block hit ratio, the L1 share of the hits,
-and the blocks written to L2 (SSD wear and write bandwidth).
+missed blocks are inserted into L1 in chain order, the hits pinned while
+the request is served (as the replay's lease pins them in the daemon).
+Reported: combined block hit ratio, the L1 share of the hits, and the
+blocks written to L2 (SSD wear and write bandwidth).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def simulate_tiers(
             hits += 1
         policy.on_lookup(chain, leading_l1)
         pinned.clear()
-        pinned.update(chain)
+        pinned.update(chain[:hits])
         parent: int | None = None
         for position, key in enumerate(chain):
             if seen[key] < 2:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvd.eviction import DEFAULT_POLICY
@@ -123,5 +124,24 @@ def test_daemon_replay_equals_simulator_on_every_workload(tmp_path: Path, name: 
         daemon.stop()
     expected = simulate(trace, DEFAULT_POLICY, capacity, lookup_hook=store_calls_on_lookup())
     assert expected.evictions > 0
+    assert (stats.block_hits, stats.token_hits) == (expected.block_hits, expected.token_hits)
+    assert stats.wrong_blocks == 0 and stats.lost_after_lookup == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "density"])
+def test_daemon_replay_equals_simulator_when_a_chain_is_longer_than_l1(
+    tmp_path: Path, policy: str
+) -> None:
+    trace = head(workloads.generate("agents"), 300)  # chains of up to 58 blocks
+    capacity = 44
+    daemon = start_l1_daemon(
+        tmp_path, dram_bytes_for(capacity, BLOCK_BYTES), BLOCK_BYTES, ["--eviction-policy", policy]
+    )
+    try:
+        stats = replay(daemon.target, trace, block_bytes=BLOCK_BYTES)
+    finally:
+        daemon.stop()
+    expected = simulate(trace, policy, capacity, lookup_hook=store_calls_on_lookup())
+    assert int(np.diff(trace.offsets).max()) > capacity
     assert (stats.block_hits, stats.token_hits) == (expected.block_hits, expected.token_hits)
     assert stats.wrong_blocks == 0 and stats.lost_after_lookup == 0
