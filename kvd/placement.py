@@ -1,5 +1,6 @@
 """Placement between L1 and L2: promotion of an L2 hit into L1 (shared by
-concurrent gets of one key), prefetch after a Lookup, explicit eviction,
+concurrent gets of one key; a batched get's in one ``L2Tier.read_many``
+call, ``fetch_many``), prefetch after a Lookup, explicit eviction,
 rewrites of values whose L2 record was dropped (within write-back's
 credit), and withdrawal of a durable put that failed. A mixin of
 ``kvd.store.Store``: the store's index and pool are declared here only for
@@ -11,10 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvd.index import TIER_L1, TIER_L2, Entry, Namespace, Reader, StoreCounters, check_key
+from kvd.errors import ResourceExhausted
+from kvd.index import (
+    KEY_BYTES_MAX,
+    TIER_L1,
+    TIER_L2,
+    Entry,
+    Namespace,
+    Reader,
+    StoreCounters,
+    check_key,
+)
 from kvd.iobackend import IoError
 from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
 from kvd.pool import Pool, Run
@@ -26,6 +37,11 @@ if TYPE_CHECKING:
 # Keys read from L2 straight into a client's memory that are remembered: a
 # second such get within the last this many promotes the value into L1.
 DIRECT_READS_REMEMBERED = 4096
+# Bytes one ``fetch_many`` reads from L2 in one backend call. A batched get
+# of a chain pins all its values until its copies end either way; this only
+# bounds the pages allocated for reads not yet done. 32 MiB: 512 values of
+# 64 KiB, where the batch's Python work is already per call (kvd bench l2).
+FETCH_BATCH_BYTES_MAX = 32 << 20
 
 
 class L2Placement:
@@ -47,6 +63,7 @@ class L2Placement:
         def _miss(self, ns_name: str) -> None: ...
         def open(self, ns_name: str, key: bytes) -> Reader | None: ...
         async def _alloc(self, size: int) -> list[Run]: ...
+        def _alloc_now(self, size: int) -> list[Run] | None: ...
 
     def peek(self, ns_name: str, key: bytes) -> Reader | None:
         """Pin an L1 value for the daemon's own use: no hit counted, no
@@ -85,6 +102,98 @@ class L2Placement:
             self._miss(ns_name)
             return None
         return self._reader(entry, TIER_L2)
+
+    async def fetch_many(self, ns_name: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:
+        """``fetch`` for the keys of a batched get whose values are only on
+        L2, read in one ``L2Tier.read_many`` call per ``FETCH_BATCH_BYTES_MAX``.
+
+        Returns, by index into ``keys``, a pinned reader or None for a miss
+        (a failed read: counted and its record dropped, as ``fetch`` does).
+        Indices left out (values in L1, not stored here, being read by
+        another get, a key repeated in the batch, no room in a pool pinned
+        full) go through ``fetch``.
+        """
+        if self.l2 is None:
+            return {}
+        records: list[tuple[int, L2Record]] = []
+        seen: set[bytes] = set()
+        for index, key in enumerate(keys):
+            if not key or len(key) > KEY_BYTES_MAX:
+                continue  # ``fetch`` refuses it, for this item alone
+            if key in seen or (ns_name, key) in self._promotions:
+                continue
+            seen.add(key)
+            if self._l1(ns_name, key) is None and (record := self.l2.lookup(ns_name, key)):
+                records.append((index, record))
+        readers: dict[int, Reader | None] = {}
+        try:
+            while records:
+                taken = await self._promote_some(records, readers)
+                del records[:taken]
+        except ResourceExhausted:
+            pass  # the pool is pinned full: the rest go to ``fetch``, which says so per key
+        except BaseException:
+            for reader in readers.values():
+                if reader is not None:
+                    reader.close()
+            raise
+        return readers
+
+    async def _promote_some(
+        self, records: list[tuple[int, L2Record]], readers: dict[int, Reader | None]
+    ) -> int:
+        """Promote a prefix of ``records`` with one L2 read; its length.
+
+        The first record's pages may wait for eviction; the others' are
+        taken only when free at once, so that no batch waits holding pages.
+        """
+        assert self.l2 is not None
+        loop = asyncio.get_running_loop()
+        batch: list[tuple[int, L2Record, list[Run]]] = []
+        promotions: list[tuple[tuple[str, bytes], asyncio.Future[None]]] = []
+        batch_bytes = taken = 0
+        try:
+            for index, record in records:
+                pk = (record.namespace, record.key)
+                if batch and batch_bytes + record.read_bytes > FETCH_BATCH_BYTES_MAX:
+                    break
+                if pk in self._promotions or not record.live:
+                    # Another get began reading it while this batch waited for
+                    # pages, or it was deleted: ``fetch`` shares or misses.
+                    taken += 1
+                    continue
+                runs = self._alloc_now(record.size) if batch else await self._alloc(record.size)
+                if runs is None:
+                    break
+                done: asyncio.Future[None] = loop.create_future()
+                self._promotions[pk] = done
+                promotions.append((pk, done))
+                batch.append((index, record, runs))
+                batch_bytes += record.read_bytes
+                taken += 1
+            errors = await self.l2.read_many(
+                [(r, self.pool.views(runs, r.read_bytes)) for _, r, runs in batch]
+            )
+            read, batch = batch, []
+            for (index, record, runs), error in zip(read, errors, strict=True):
+                entry = None
+                if error is None:
+                    entry = self._adopt(record, runs)
+                else:
+                    self.pool.free(runs)
+                    self.counters.promotion_failures += 1
+                if entry is None:
+                    self._miss(record.namespace)
+                    readers[index] = None
+                else:
+                    readers[index] = self._reader(entry, TIER_L2)
+            return taken
+        finally:
+            for _, _, runs in batch:  # not read: cancelled, or the backend failed
+                self.pool.free(runs)
+            for pk, done in promotions:
+                del self._promotions[pk]
+                done.set_result(None)
 
     def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:
         """The L2 record of a value that is not in L1 and not being read into
@@ -145,22 +254,26 @@ class L2Placement:
             except BaseException:
                 self.pool.free(runs)
                 raise
-            current = self._l1(record.namespace, record.key)
-            if current is not None or not record.live:
-                # A put landed meanwhile (same bytes, keys are write-once) or a
-                # delete removed the key: use L1's copy, or miss.
-                self.pool.free(runs)
-                return current
-            ns = self._namespace(record.namespace)
-            entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
-                          record.parent or None, l2=record)  # fmt: skip
-            self._link(entry)
-            self.counters.promotions += 1
-            self.counters.l2_hits += 1
-            return entry
+            return self._adopt(record, runs)
         finally:
             del self._promotions[(record.namespace, record.key)]
             done.set_result(None)
+
+    def _adopt(self, record: L2Record, runs: list[Run]) -> Entry | None:
+        """Link a value read from L2 into ``runs`` into L1 (or free them)."""
+        current = self._l1(record.namespace, record.key)
+        if current is not None or not record.live:
+            # A put landed meanwhile (same bytes, keys are write-once) or a
+            # delete removed the key: use L1's copy, or miss.
+            self.pool.free(runs)
+            return current
+        ns = self._namespace(record.namespace)
+        entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
+                      record.parent or None, l2=record)  # fmt: skip
+        self._link(entry)
+        self.counters.promotions += 1
+        self.counters.l2_hits += 1
+        return entry
 
     async def _withdraw(self, entry: Entry) -> None:
         """Take back a put that was not acknowledged: no copy of it stays visible."""

@@ -8,9 +8,11 @@ Items fail alone (a per-item status); only a bad region fails the whole call.
 A get of a value only on L2 reads it straight into the region when
 ``shm_l2_direct_min_bytes`` is set and the value is whole 4 KiB blocks of
 at least that size (``_l2_direct``); others are promoted into L1 and
-copied. Off by default: on the development VM direct reads into 4 KiB
-shared-memory pages ran at 1.0-1.1 GB/s, reads through L1's huge pages at
-1.2-1.5 GB/s. The same handlers serve the shm socket (``kvd.shm_channel``)
+copied, the batch's L2 reads in one ``L2Tier.read_many`` call
+(``_fetch_batched``: an engine restores a chain with one batch get).
+Direct reads are off by default: on the development VM direct reads into
+4 KiB shared-memory pages ran at 1.0-1.1 GB/s, reads through L1's huge
+pages at 1.2-1.5 GB/s. The same handlers serve the shm socket (``kvd.shm_channel``)
 through ``get_into_region``, ``get_now`` and ``put_from_region``.
 
 Batches under ``INLINE_COPY_BYTES`` copy on the event loop thread: handing a
@@ -36,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -414,16 +416,23 @@ class RegionHandlers:
         jobs: list[CopyJob] = []
         registry.enter(region)
         try:
+            batched = await self._fetch_batched(region, request.namespace, request.items)
+            readers += [r for r in batched.values() if r is not None]
             for i, item in enumerate(request.items):
                 if is_late(request.deadline_ns):
                     results[i] = late_result("a get that would start")
                     continue
                 try:
-                    direct = await self._l2_direct(region, request.namespace, item)
-                    if direct is not None:
-                        results[i] = direct
-                        continue
-                    reader = await self._open(region, request.namespace, item)
+                    if i in batched:
+                        reader = batched[i]
+                    else:
+                        direct = await self._l2_direct(region, request.namespace, item)
+                        if direct is not None:
+                            results[i] = direct
+                            continue
+                        reader = await self._open(region, request.namespace, item)
+                        if reader is not None:
+                            readers.append(reader)
                 except KvdError as exc:
                     results[i] = item_status(exc)
                     continue
@@ -431,7 +440,6 @@ class RegionHandlers:
                     self.metrics.misses.labels("shm_get").inc()
                     results[i] = pb.RegionItemResult(code=CODES["NOT_FOUND"], message="miss")
                     continue
-                readers.append(reader)
                 results[i] = self._admit(i, item, reader, region, jobs)
             if is_late(request.deadline_ns):
                 self._refuse_late("shm_get", jobs, results)  # none of them copied
@@ -548,6 +556,27 @@ class RegionHandlers:
         return pb.RegionItemResult(
             size=record.size, checksum=record.checksum, meta=record.meta, tier=pb.TIER_L2
         )
+
+    async def _fetch_batched(
+        self, region: Region, ns: str, items: Sequence[pb.RegionItem]
+    ) -> dict[int, Reader | None]:
+        """The values of a batch that are only on L2, read into L1 in one
+        ``read_many`` call (``Store.fetch_many``), by item index. Left out:
+        items that may go straight into the region (``_l2_direct``) and
+        items whose room is not inside it (``_open`` words the error)."""
+        if len(items) < 2:
+            return {}
+        least = self.l2_direct_min_bytes
+        indices = [
+            i for i, item in enumerate(items)
+            if (not least or item.length < least or item.offset % BLOCK_BYTES)
+            and region.holds(item.offset, item.length)
+        ]  # fmt: skip
+        start = time.perf_counter()
+        found = await self.store.fetch_many(ns, [items[i].key for i in indices])
+        for reader in found.values():
+            self.metrics.fetched("shm_get", "l2" if reader else "miss", start)
+        return {indices[j]: reader for j, reader in found.items()}
 
     async def _open(self, region: Region, ns: str, item: pb.RegionItem) -> Reader | None:
         region.span(item.offset, item.length)  # the room must lie inside the region

@@ -208,8 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="read the loop devices raw, or a file on ext4 on each")
     l2_cmd.add_argument("--sizes", nargs="*", default=[], help="block sizes (64KiB 1MiB 4MiB)")
     l2_cmd.add_argument("--depths", nargs="*", type=int, default=[], help="queue depths (1 8 32)")
-    l2_cmd.add_argument("--paths", nargs="*", default=[], choices=("store", "tier", "batch"),
-                        help="read paths: the store's get, L2Tier.read, L2Tier.read_many (all)")
+    l2_cmd.add_argument("--paths", nargs="*", default=[],
+                        choices=("store", "tier", "batch", "store-batch"),
+                        help="read paths: the store's get, L2Tier.read, L2Tier.read_many, "
+                        "the store's batched get (all)")
     l2_cmd.add_argument("--seconds", type=float, default=2.0, help="seconds per case")
     from kvd.replay import report as replay_report
 

@@ -15,6 +15,9 @@ Two read paths are measured in-process (no transport), each at queue depth
 * ``batch``: ``L2Tier.read_many``: two readers each hand the tier half the
   depth's worth of records at a time, so the Python work is per batch, not
   per read (what a batched get of many keys can use).
+* ``store-batch``: the store's batched get (``Store.fetch_many``, what a
+  shm batch get of a chain runs): two readers each get half the depth's
+  worth of distinct random keys at a time, then evict them as ``store`` does.
 
 Besides GB/s, each case reports the process's CPU time (all threads, user
 and kernel) per read, which noise from other processes on the machine moves
@@ -56,7 +59,7 @@ CASE_SECONDS_MAX = 30.0
 BLOCKS_BYTES = (64 << 10, MiB, 4 * MiB)
 DEPTHS = (1, 8, 32)
 DEPTH_MAX = 256
-READ_PATHS = ("store", "tier", "batch")
+READ_PATHS = ("store", "tier", "batch", "store-batch")
 BATCH_READERS = 2  # batch path: one batch in flight while the other's results are handled
 IO_DEPTH = 128  # the io backend's depth: above every reader depth benched by default
 DATA_FILE = "l2-bench.dat"
@@ -163,8 +166,9 @@ async def _fill(target: Target, block_bytes: int) -> int:
 
 
 async def _read_store(
-    target: Target, backend: str, block_bytes: int, count: int, depth: int, seconds: float
-) -> Case:
+    target: Target, backend: str, block_bytes: int, count: int, depth: int, seconds: float,
+    batched: bool = False,
+) -> Case:  # fmt: skip
     store, tier = _open(target, backend, max(64 * MiB, 2 * depth * block_bytes))
     await tier.recover()
     store.start()
@@ -183,10 +187,31 @@ async def _read_store(
             reader.close()
             store.evict("bench", key)  # keep every read cold
 
+    async def batch_worker(seed: int, keys_per_get: int) -> None:
+        nonlocal read_bytes
+        rng = random.Random(seed)
+        while time.perf_counter() < deadline:
+            keys = [_key(i) for i in rng.sample(range(count), keys_per_get)]
+            readers = await store.fetch_many("bench", keys)
+            for i, key in enumerate(keys):
+                reader = readers.get(i)
+                if reader is None:  # in L1 (the other reader's batch) or being read
+                    reader = await store.fetch("bench", key)
+                assert reader is not None, "a stored block is missing"
+                if reader.tier == 2:
+                    read_bytes += reader.size
+                reader.close()
+                store.evict("bench", key)
+
+    readers = min(depth, BATCH_READERS)
+    shares = [depth // readers + (i < depth % readers) for i in range(readers)]
     reads_before = tier.counters.reads
     cpu_before, start = time.process_time(), time.perf_counter()
     try:
-        await asyncio.gather(*(worker(i) for i in range(depth)))
+        if batched:
+            await asyncio.gather(*(batch_worker(i, n) for i, n in enumerate(shares)))
+        else:
+            await asyncio.gather(*(worker(i) for i in range(depth)))
     finally:
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
         reads = tier.counters.reads - reads_before
@@ -294,10 +319,11 @@ def run(
             for read_path in read_paths:
                 for backend in backends:
                     progress(f"l2 read: {backend} {read_path} {block_bytes >> 10} KiB qd {depth}")
-                    if read_path == "store":
+                    if read_path in ("store", "store-batch"):
                         case = asyncio.run(
-                            _read_store(target, backend, block_bytes, count, depth, seconds)
-                        )
+                            _read_store(target, backend, block_bytes, count, depth, seconds,
+                                        batched=read_path == "store-batch")
+                        )  # fmt: skip
                     else:
                         batched = read_path == "batch"
                         case = asyncio.run(_read_tier(target, backend, depth, seconds, batched))

@@ -29,7 +29,7 @@ def _attached() -> str:
 
 def _check_rows(rows: list[l2_read.Row], devices: int) -> None:
     backends = {"uring", "threads"} if native_available()[0] else {"threads"}
-    cases = {(b, p) for b in backends for p in ("store", "tier", "batch")}
+    cases = {(b, p) for b in backends for p in l2_read.READ_PATHS}
     assert {(r.backend, r.path) for r in rows} == cases
     for row in rows:
         assert row.devices == devices and row.block_bytes == 64 << 10 and row.depth == 4

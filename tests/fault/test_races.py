@@ -33,11 +33,11 @@ from pathlib import Path
 
 import pytest
 
-from kvd import bulk
+from kvd import bulk, placement
 from kvd.bench.daemon import SpawnedDaemon
 from kvd.checksum import checksum
 from kvd.client import AlreadyExists, Client
-from kvd.errors import Unavailable
+from kvd.errors import ResourceExhausted, Unavailable
 from kvd.iobackend import IoBackend, IoOp, OpKind
 from kvd.l2.tier import L2Tier, SegmentState
 from kvd.pool import PAGE_BYTES, Pool
@@ -478,3 +478,133 @@ async def test_delete_during_write_back_stays_deleted_after_restart(rig: Rig) ->
     await rig.open()  # recovery from the segments on disk
     assert rig.tier.lookup(NS, b"a") is None, "a deleted value came back after recovery"
     assert await rig.read(b"b") == (value_for(b"b"), TIER_L2)
+
+
+# ---- batched gets (Store.fetch_many) -------------------------------------------------
+async def fetch_all(store: Store, keys: Sequence[bytes]) -> dict[int, bytes | None]:
+    readers = await asyncio.wait_for(store.fetch_many(NS, keys), WAIT_S)
+    try:
+        return {i: None if r is None else b"".join(r.views) for i, r in readers.items()}
+    finally:
+        for reader in readers.values():
+            if reader is not None:
+                reader.close()
+
+
+async def l2_only(rig: Rig, keys: Sequence[bytes]) -> None:
+    for key in keys:
+        await rig.put(key)
+    for key in keys:
+        assert rig.store.evict(NS, key)
+
+
+async def test_batched_get_of_a_chain_is_one_l2_read(rig: Rig) -> None:
+    """L2-only values of one batch go out in one backend call; values in L1,
+    not stored, or repeated are left to ``fetch``."""
+    keys = [b"c%02d" % i for i in range(5)]
+    await l2_only(rig, keys)
+    await rig.put(b"in-l1")
+    reads, used = rig.gate.reads, rig.store.pool.used_bytes
+    got = await fetch_all(rig.store, [*keys, b"in-l1", b"nowhere", keys[0]])
+    assert rig.gate.reads - reads == 1
+    assert got == {i: value_for(key) for i, key in enumerate(keys)}
+    assert rig.store.counters.l2_hits >= len(keys)
+    assert rig.store.pool.used_bytes == used + len(keys) * PAGE_BYTES  # now in L1
+    assert not rig.store._promotions
+
+
+async def test_batched_get_bounds_its_read_bytes(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = [b"b%02d" % i for i in range(6)]
+    await l2_only(rig, keys)
+    record = rig.tier.lookup(NS, keys[0])
+    assert record is not None
+    monkeypatch.setattr(placement, "FETCH_BATCH_BYTES_MAX", 2 * record.read_bytes)
+    reads = rig.gate.reads
+    got = await fetch_all(rig.store, keys)
+    assert rig.gate.reads - reads == 3
+    assert got == {i: value_for(key) for i, key in enumerate(keys)}
+
+
+async def test_batched_get_misses_torn_damaged_and_short_records(rig: Rig) -> None:
+    """A damaged payload, a wrong header and a short read are misses in a
+    batch (records dropped, counted), never hits; the others hit."""
+    keys = [b"t%02d" % i for i in range(5)]
+    await l2_only(rig, keys)
+    records = [rig.tier.lookup(NS, key) for key in keys]
+    assert all(records)
+    where = {
+        k: r.segment * SEGMENT_BYTES + r.offset for k, r in zip(keys, records, strict=True) if r
+    }
+    last = max(keys, key=lambda k: where[k])
+    header_bytes = records[0].header_bytes if records[0] else 0
+    with open(rig.path, "r+b") as f:
+        f.seek(where[keys[0]] + header_bytes + 1234)  # payload
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x5A]))
+        f.seek(where[keys[1]] + 80)  # header
+        f.write(b"\xff\xfe")
+        f.truncate(where[last] + header_bytes + 100)  # the last record is cut short
+    checksums, errors = rig.tier.counters.checksum_failures, rig.tier.counters.read_errors
+    got = await fetch_all(rig.store, keys)
+    bad = {keys[0], keys[1], last}
+    assert got == {i: None if k in bad else value_for(k) for i, k in enumerate(keys)}
+    assert rig.tier.counters.checksum_failures - checksums == 2
+    assert rig.tier.counters.read_errors - errors == 1
+    assert all(rig.tier.lookup(NS, k) is None for k in bad), "a bad record stayed indexed"
+    assert await rig.read(keys[0]) is None
+
+
+async def test_delete_during_batched_get_read(rig: Rig) -> None:
+    keys = [b"d%02d" % i for i in range(3)]
+    await l2_only(rig, keys)
+    used = rig.store.pool.used_bytes
+    rig.gate.arm(OpKind.READ)
+    getting = asyncio.create_task(fetch_all(rig.store, keys))
+    await asyncio.wait_for(rig.gate.entered.wait(), WAIT_S)
+    # A get of a key the batch is reading shares the batch's read.
+    single = asyncio.create_task(rig.read(keys[2]))
+    assert await rig.store.delete(NS, [keys[1]]) == 1
+    rig.gate.release.set()
+    assert await getting == {0: value_for(keys[0]), 1: None, 2: value_for(keys[2])}
+    assert await single == (value_for(keys[2]), TIER_L1)
+    assert rig.store.pool.used_bytes == used + 2 * PAGE_BYTES
+
+
+async def test_cancelled_batched_get_gives_its_pages_back(rig: Rig) -> None:
+    keys = [b"x%02d" % i for i in range(4)]
+    await l2_only(rig, keys)
+    used = rig.store.pool.used_bytes
+    rig.gate.arm(OpKind.READ)
+    getting = asyncio.create_task(fetch_all(rig.store, keys))
+    await asyncio.wait_for(rig.gate.entered.wait(), WAIT_S)
+    getting.cancel()
+    await asyncio.sleep(0)
+    rig.gate.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await getting
+    assert rig.store.pool.used_bytes == used
+    assert not rig.store._promotions
+    assert await fetch_all(rig.store, keys) == {i: value_for(k) for i, k in enumerate(keys)}
+
+
+async def test_batched_get_in_a_pool_pinned_full_leaves_the_rest_to_fetch(rig: Rig) -> None:
+    keys = [b"f%02d" % i for i in range(4)]
+    await l2_only(rig, keys)
+    pinned = []
+    for i in range(POOL_PAGES - 2):
+        await rig.put(b"pin%02d" % i)
+        reader = await rig.store.fetch(NS, b"pin%02d" % i)
+        assert reader is not None
+        pinned.append(reader)
+    held = await rig.store.fetch_many(NS, keys)
+    try:
+        assert sorted(held) == [0, 1]
+        assert [b"".join(r.views) for r in held.values() if r] == [value_for(k) for k in keys[:2]]
+        with pytest.raises(ResourceExhausted):
+            await rig.store.fetch(NS, keys[2])
+    finally:
+        for reader in [*pinned, *held.values()]:
+            if reader is not None:
+                reader.close()
+    assert not rig.store._promotions
