@@ -199,7 +199,8 @@ async def test_read_many_reports_each_record(small: Env) -> None:
         assert isinstance(errors[3], ChecksumMismatch) and "header" in str(errors[3])
         assert bytes(buffers[0].view[: good.size]) == values[b"k000"]
         assert bytes(buffers[4].view[: last.size]) == values[b"k004"]
-        assert tier.counters.reads == 5 and tier.counters.checksum_failures == 3
+        # The deleted record is a miss, not damage: the flipped one and the blank slot count.
+        assert tier.counters.reads == 5 and tier.counters.checksum_failures == 2
         assert not flipped.live and last.live
         assert await tier.read_many([]) == []
     finally:
