@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import errno
 import logging
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from kvd import crashpoints
 from kvd.iobackend import IoBackend, IoError, OpKind, ReadStatus, RecordRead
@@ -49,6 +47,25 @@ from kvd.l2.format import (
     header_bytes_at,
 )
 from kvd.l2.reads import RecordReads
+from kvd.l2.records import (  # re-exported: kvd.l2.tier names them too
+    ChecksumMismatch,
+    Key,
+    L2Counters,
+    L2Full,
+    L2Record,
+    Segment,
+    SegmentState,
+)
+
+__all__ = [
+    "ChecksumMismatch",
+    "L2Counters",
+    "L2Full",
+    "L2Record",
+    "L2Tier",
+    "Segment",
+    "SegmentState",
+]
 
 log = logging.getLogger("kvd.l2")
 
@@ -56,73 +73,6 @@ log = logging.getLogger("kvd.l2")
 RECOVERY_PARALLEL_SEGMENTS = 16
 # How long an append waits for a reclaimable segment (all busy or pinned).
 RECLAIM_WAIT_S = 5.0
-
-Key = tuple[str, bytes]
-
-
-class L2Full(Exception):
-    """No segment can be reclaimed right now (all pinned or busy)."""
-
-
-class ChecksumMismatch(Exception):
-    """A record's payload does not match its checksum, or its header is not
-    the one the index expects: a miss, never a hit."""
-
-
-class SegmentState(enum.Enum):
-    FREE = 0
-    OPEN = 1
-    SEALED = 2
-
-
-@dataclass(eq=False, slots=True)
-class L2Record:
-    namespace: str
-    key: bytes
-    parent: bytes
-    meta: bytes
-    size: int
-    checksum: int
-    seq: int
-    segment: int
-    offset: int
-    header_bytes: int
-    pins: int = 0
-    live: bool = True
-
-    @property
-    def read_bytes(self) -> int:
-        """Payload bytes as read from disk: whole O_DIRECT blocks."""
-        return align_up(self.size, BLOCK_BYTES)
-
-
-@dataclass(eq=False, slots=True)
-class Segment:
-    index: int
-    state: SegmentState = SegmentState.FREE
-    generation: int = 0
-    write_pos: int = 0
-    first_seq: int = 0
-    records: dict[Key, L2Record] = field(default_factory=dict)
-    io_inflight: int = 0
-    pinned: int = 0
-    tail: int = 0  # end of the last valid record found by recovery
-
-
-@dataclass
-class L2Counters:
-    writes: int = 0
-    write_bytes: int = 0
-    write_errors: int = 0
-    reads: int = 0
-    read_bytes: int = 0
-    read_errors: int = 0
-    checksum_failures: int = 0
-    reclaims: int = 0
-    reclaimed_records: int = 0
-    tombstones: int = 0
-    syncs: int = 0
-    recovered_records: int = 0
 
 
 class L2Tier:
