@@ -1,5 +1,5 @@
 # kvd container image: `docker build -t kvd .`
-# Build stage: compiles the io_uring helper (kvd._uring, needs liburing-dev)
+# Build stage: compiles the io_uring helper (kvd.io._uring, needs liburing-dev)
 # and installs kvd into a virtual environment; the runtime stage copies it.
 FROM python:3.11-slim AS build
 RUN apt-get update \
@@ -13,11 +13,11 @@ COPY proto ./proto
 COPY native ./native
 COPY kvd ./kvd
 RUN pip install --no-cache-dir . \
- && python -c "import kvd._uring" \
+ && python -c "import kvd.io._uring" \
  && kvd version
 
 FROM python:3.11-slim
-# liburing2: the shared library kvd._uring links against.
+# liburing2: the shared library kvd.io._uring links against.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends liburing2 \
  && rm -rf /var/lib/apt/lists/* \

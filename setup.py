@@ -4,8 +4,8 @@
    proto/kvd/v1/kvd.proto with grpc_tools.protoc, into the source tree, so
    normal and editable installs (and a plain checkout after `make proto`) all
    have it. The service's stub and handlers are built from its descriptor
-   (kvd/grpc_handlers.py).
-2. The C extension kvd._uring (native/*.c, linked with liburing, and
+   (kvd/wire/grpc.py).
+2. The C extension kvd.io._uring (native/*.c, linked with liburing, and
    xxHash's header-only build for the L2 record checks) is optional: when the
    source, the liburing or xxHash headers (Debian liburing-dev,
    libxxhash-dev) or a compiler are missing, the build prints one line and
@@ -26,7 +26,7 @@ GENERATED = [
     ROOT / "kvd" / "v1" / name for name in ("kvd_pb2.py", "kvd_pb2.pyi")
 ]
 NATIVE_SOURCE = ROOT / "native" / "kvd_uring.c"
-# kvd._uring is one extension built from these files (native/README.md).
+# kvd.io._uring is one extension built from these files (native/README.md).
 NATIVE_SOURCES = [
     ROOT / "native" / name
     for name in (
@@ -89,11 +89,11 @@ class OptionalBuildExt(build_ext):
 
 def extensions() -> list[Extension]:
     if not NATIVE_SOURCE.exists():
-        print(f"kvd: {NATIVE_SOURCE.relative_to(ROOT)} is absent; building without kvd._uring")
+        print(f"kvd: {NATIVE_SOURCE.relative_to(ROOT)} is absent; building without kvd.io._uring")
         return []
     return [
         Extension(
-            "kvd._uring",
+            "kvd.io._uring",
             sources=[str(path.relative_to(ROOT)) for path in NATIVE_SOURCES],
             include_dirs=["native"],
             libraries=["uring"],

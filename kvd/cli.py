@@ -1,9 +1,9 @@
 """The ``kvd`` command: ``serve`` runs the daemon, the others talk to one.
 
-``kvd serve`` takes one flag per setting of the table in ``kvd.config``
+``kvd serve`` takes one flag per setting of the table in ``kvd.config.settings``
 (``--dram-bytes 4GiB``, ``--ssd-path P`` repeated, ...), plus ``--config
 FILE``. ``put``/``get``/``lookup``/``stats`` are for people poking at a
-running daemon; programs use ``kvd.client``.
+running daemon; programs use ``kvd.client.clients``.
 
 Exit status: 0 done; 1 a miss (``get``) or the daemon failed; 2 bad usage or
 configuration; 3 the daemon could not be reached or refused the call.
@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvd import __version__
-from kvd.config import SETTINGS, ConfigError, Setting, config_from_environment
+from kvd.config.settings import SETTINGS, ConfigError, Setting, config_from_environment
 
 if TYPE_CHECKING:
-    from kvd.client import Client
+    from kvd.client.clients import Client
 
 EXIT_OK = 0
 EXIT_MISS = 1
@@ -41,9 +41,9 @@ KEY_MAX_BYTES = 64
 # Subcommands that live in their own module and appear once it exists:
 # name -> (module whose main(args: list[str]) -> int runs it, help).
 _PLUGIN_COMMANDS = {
-    "bench": ("kvd.bench", "measure kvd against the hardware and peers"),
-    "fsck": ("kvd.fsck", "verify the L2 data files"),
-    "demo": ("kvd.demo", "TTFT with a real model: recompute vs restore from L1 and L2"),
+    "bench": ("kvd.tools.bench", "measure kvd against the hardware and peers"),
+    "fsck": ("kvd.tools.fsck", "verify the L2 data files"),
+    "demo": ("kvd.tools.demo", "TTFT with a real model: recompute vs restore from L1 and L2"),
 }
 
 
@@ -186,7 +186,7 @@ def _settings_given(args: argparse.Namespace) -> dict[str, object]:
 def _serve(args: argparse.Namespace) -> int:
     given = _settings_given(args)
     config = config_from_environment(args.config, given)
-    from kvd.server import run  # the server pulls in grpc; other commands need not
+    from kvd.daemon.server import run  # the server pulls in grpc; other commands need not
 
     try:
         # SIGHUP reads the same inputs again: the file may have changed.
@@ -217,7 +217,7 @@ def _split_namespace(args: argparse.Namespace, keys_exact: int | None) -> tuple[
 
 def _talk(args: argparse.Namespace, action: "Callable[[Client], int]") -> int:
     """Run ``action`` with a client of ``--target``; daemon errors exit 3."""
-    from kvd.client import Client, KvdError
+    from kvd.client.clients import Client, KvdError
 
     if not 0 < args.timeout_s <= TIMEOUT_S_MAX:
         raise UsageError(f"--timeout-s must be in (0, {TIMEOUT_S_MAX}]")
@@ -236,7 +236,7 @@ def _read_value(path: str) -> bytes:
         with open(path, "rb") as stream:
             data = stream.read(PUT_VALUE_MAX_BYTES + 1)
     if len(data) > PUT_VALUE_MAX_BYTES:
-        raise UsageError(f"value larger than {PUT_VALUE_MAX_BYTES} bytes; use kvd.client")
+        raise UsageError(f"value larger than {PUT_VALUE_MAX_BYTES} bytes; use kvd.client.clients")
     return data
 
 
@@ -325,7 +325,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _token(args: argparse.Namespace) -> int:
-    from kvd.auth import hash_token, new_token
+    from kvd.paths.auth import hash_token, new_token
 
     token = new_token()
     print(f"token: {token}")

@@ -1,7 +1,7 @@
 #!/bin/sh
-# Build kvd._uring with ASan + UBSan into a scratch copy of the package and
-# run the tests that drive it against it: the ring (tests/test_iobackend.py),
-# record reads and their checks in C (tests/test_iobackend_records.py,
+# Build kvd.io._uring with ASan + UBSan into a scratch copy of the package and
+# run the tests that drive it against it: the ring (tests/io/test_backend.py),
+# record reads and their checks in C (tests/io/test_backend_records.py,
 # tests/l2/test_format.py) and the L2 tier on top (tests/l2/test_tier.py).
 # Usage: native/asan_check.sh [pytest args]
 set -eu
@@ -13,15 +13,15 @@ trap 'rm -rf "$scratch"' EXIT
 inc=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 suffix=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 cp -r "$repo/kvd" "$scratch/kvd"
-rm -f "$scratch"/kvd/_uring*.so
+rm -f "$scratch"/kvd/io/_uring*.so
 mkdir -p "$scratch/tests/l2"
-cp "$repo/tests/test_iobackend.py" "$repo/tests/test_iobackend_records.py" "$scratch/tests/"
+cp "$repo/tests/io/test_backend.py" "$repo/tests/io/test_backend_records.py" "$scratch/tests/"
 cp "$repo"/tests/l2/*.py "$scratch/tests/l2/"
 touch "$scratch/tests/__init__.py"
 cp "$repo/pyproject.toml" "$scratch/"  # pytest settings: asyncio mode, warnings are errors
 gcc -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
     -fno-omit-frame-pointer -Wall -Wextra -Werror -std=gnu11 -shared -fPIC -I"$inc" \
-    -I"$repo/native" "$repo"/native/*.c -luring -o "$scratch/kvd/_uring$suffix"
+    -I"$repo/native" "$repo"/native/*.c -luring -o "$scratch/kvd/io/_uring$suffix"
 
 cd "$scratch"
 # The interpreter itself is not instrumented: leak detection off, and no
@@ -29,5 +29,5 @@ cd "$scratch"
 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0:quarantine_size_mb=0 \
 PYTHONMALLOC=malloc \
-    "$python" -m pytest -q -p no:cacheprovider tests/test_iobackend.py \
-    tests/test_iobackend_records.py tests/l2/test_format.py tests/l2/test_tier.py "$@"
+    "$python" -m pytest -q -p no:cacheprovider tests/io/test_backend.py \
+    tests/io/test_backend_records.py tests/l2/test_format.py tests/l2/test_tier.py "$@"

@@ -1,5 +1,5 @@
 /*
- * L2 record reads on kvd._uring's Ring. A record is one or more read ops
+ * L2 record reads on kvd.io._uring's Ring. A record is one or more read ops
  * (one per device its bytes are striped over) that land its header in a
  * scratch buffer and its payload in pool pages. When its last op completes
  * the reap checks, without the GIL, that every op moved all its bytes, that

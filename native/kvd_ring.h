@@ -1,5 +1,5 @@
 /*
- * The Ring object shared by the files of kvd._uring: kvd_uring.c (the
+ * The Ring object shared by the files of kvd.io._uring: kvd_uring.c (the
  * type, submit/reap/close, the module), kvd_slots.c (one slot per op in
  * flight: its exported buffers and SQE) and kvd_reads.c (L2 record reads:
  * a batch of records, each one or more read ops, checked in C when its

@@ -1,5 +1,5 @@
 /*
- * Slots of kvd._uring's Ring: one per op in flight. A slot keeps its op's
+ * Slots of kvd.io._uring's Ring: one per op in flight. A slot keeps its op's
  * buffers exported (PyObject_GetBuffer) from submit until its completion is
  * reaped, so their owner cannot be freed or closed while the kernel may
  * write into them. See kvd_ring.h.

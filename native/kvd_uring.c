@@ -1,5 +1,5 @@
 /*
- * kvd._uring: a bounded io_uring ring for kvd's L2 SSD tier.
+ * kvd.io._uring: a bounded io_uring ring for kvd's L2 SSD tier.
  *
  * The L2 tier moves 64 KiB-aligned O_DIRECT reads and writes between
  * segment files and pool pages. This module owns one io_uring instance per
@@ -375,7 +375,7 @@ static PyGetSetDef Ring_getset[] = {
 
 static PyTypeObject RingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvd._uring.Ring",
+    .tp_name = "kvd.io._uring.Ring",
     .tp_basicsize = sizeof(RingObject),
     .tp_dealloc = (destructor)Ring_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -396,7 +396,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef uring_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvd._uring",
+    .m_name = "kvd.io._uring",
     .m_doc = "Bounded io_uring batches for kvd's L2 tier (GIL released while waiting).",
     .m_size = -1,
     .m_methods = module_methods,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.daemon import SpawnedDaemon
+from kvd.tools.bench.daemon import SpawnedDaemon
 
 REPO = Path(__file__).resolve().parent.parent
 

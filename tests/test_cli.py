@@ -14,7 +14,7 @@ import pytest
 
 from kvd import __version__
 from kvd.cli import UsageError, build_parser, main, parse_key
-from kvd.config import SETTINGS
+from kvd.config.settings import SETTINGS
 
 REPO = Path(__file__).resolve().parent.parent
 SUBPROCESS_TIMEOUT_S = 60
@@ -150,13 +150,13 @@ def test_client_commands_against_a_daemon(
 
 
 def test_plugin_commands_parse_their_own_help(capsys: pytest.CaptureFixture[str]) -> None:
-    if importlib.util.find_spec("kvd.bench") is None:
-        pytest.skip("kvd.bench is not part of this tree")
+    if importlib.util.find_spec("kvd.tools.bench") is None:
+        pytest.skip("kvd.tools.bench is not part of this tree")
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("usage: kvd bench")
-    if importlib.util.find_spec("kvd.fsck") is None:  # an absent plugin is no command
+    if importlib.util.find_spec("kvd.tools.fsck") is None:  # an absent plugin is no command
         with pytest.raises(SystemExit) as exit_info:
             main(["fsck"])
         assert exit_info.value.code == 2

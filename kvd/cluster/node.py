@@ -1,6 +1,6 @@
 """Builds this daemon's part of the pool from the settings: the membership
 and its source, the peer channels and the router, and hooks the router into
-the store. ``kvd.server`` calls ``start_pool`` once gRPC serves (peers that
+the store. ``kvd.daemon.server`` calls ``start_pool`` once gRPC serves (peers that
 see this daemon can reach it) and ``PoolNode.leave`` first at shutdown (etcd
 sees it leave at once), ``PoolNode.close`` once RPCs have drained.
 """
@@ -16,8 +16,8 @@ from kvd.cluster.membership import Membership
 from kvd.cluster.peers import Peers
 from kvd.cluster.router import PoolRouter
 from kvd.cluster.spec import parse_spec
-from kvd.config import Config, ConfigError, parse_address
-from kvd.store import Store
+from kvd.config.settings import Config, ConfigError, parse_address
+from kvd.store.store import Store
 
 if TYPE_CHECKING:
     from kvd.cluster.etcd import EtcdMembers

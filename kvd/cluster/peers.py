@@ -20,12 +20,12 @@ from typing import Any
 import grpc
 
 from kvd.cluster.scope import HOP_HEADER
-from kvd.grpc_handlers import KVStoreStub
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.grpc import KVStoreStub
 
 log = logging.getLogger("kvd.cluster.peers")
 
-# Room over max_message_bytes for framing, as the server allows (kvd.server).
+# Room over max_message_bytes for framing, as the server allows (kvd.daemon.server).
 _MESSAGE_SLACK_BYTES = 1 << 20
 
 

@@ -2,7 +2,7 @@
 hashing. Each (member, key) pair gets a pseudo-random weight and the member
 with the largest weight owns the key, so a member that joins takes ~1/N of
 the keys from the others and one that leaves hands only its own keys out
-(tests/pool/test_rendezvous.py measures it). Pure: no I/O, no grpc, no metrics.
+(tests/cluster/test_rendezvous.py measures it). Pure: no I/O, no grpc, no metrics.
 
 A weight is xxh3-64 of the namespace and key seeded with the member's own
 xxh3-64: one ~50 ns hash per member per key, so placing a 1,000-key chain over

@@ -29,13 +29,13 @@ import logging
 import time
 from dataclasses import dataclass, fields
 
-from kvd.checksum import checksum
 from kvd.cluster import scope
 from kvd.cluster.membership import Membership
 from kvd.cluster.peers import PeerError, Peers
-from kvd.errors import KvdError
-from kvd.index import Entry, LookupResult, Reader
-from kvd.store import Store
+from kvd.store.index import Entry, LookupResult, Reader
+from kvd.store.store import Store
+from kvd.wire.checksum import checksum
+from kvd.wire.errors import KvdError
 
 log = logging.getLogger("kvd.cluster")
 

@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvd.client import Client, Tls
-from kvd.errors import Unavailable
+from kvd.client.clients import Client, Tls
+from kvd.wire.errors import Unavailable
 
 log = logging.getLogger("kvd.connectors")
 

@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvd.client import Client
+from kvd.client.clients import Client
 from kvd.connectors.common import (
     DEFAULT_LEASE_MS,
     DEFAULT_TIMEOUT_S,
@@ -73,7 +73,7 @@ from kvd.connectors.common import (
     tls_config,
 )
 from kvd.connectors.lease_locks import LockTable
-from kvd.errors import ResourceExhausted
+from kvd.wire.errors import ResourceExhausted
 
 try:
     from lmcache.lmcache_native import Bitmap  # type: ignore[import-untyped,import-not-found,unused-ignore]

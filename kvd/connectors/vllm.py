@@ -22,7 +22,7 @@ blocks a step computed. A block that fails to load is reported through
 Block keys follow vLLM's scheme: one key per ``block_size`` tokens, each
 chained over its parent, with the LoRA name and ``cache_salt`` as extra
 keys, so key *i* names exactly vLLM's block *i*. They are computed with
-``kvd.keys.chain_keys`` (SHA-256) rather than taken from
+``kvd.client.keys.chain_keys`` (SHA-256) rather than taken from
 ``request.block_hashes``: vLLM seeds those with ``os.urandom`` unless
 ``PYTHONHASHSEED`` is set, which would make every restart a miss.
 
@@ -43,7 +43,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.client import Client
+from kvd.client.clients import Client
+from kvd.client.keys import chain_keys
 from kvd.connectors.common import (
     DEFAULT_LEASE_MS,
     DEFAULT_TIMEOUT_S,
@@ -64,8 +65,7 @@ from kvd.connectors.vllm_events import (
     stored_event,
 )
 from kvd.connectors.vllm_stats import KvdConnectorStats
-from kvd.errors import AlreadyExists, Cancelled, KvdError, Unavailable
-from kvd.keys import chain_keys
+from kvd.wire.errors import AlreadyExists, Cancelled, KvdError, Unavailable
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
@@ -382,7 +382,7 @@ class KvdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _staging_dropped_on_failure(self) -> Iterator[None]:
         """A call that may still run in the daemon gets fresh staging next
         time: a get that timed out may still be written into the old one
-        (``kvd.shm_client``). A refusal the daemon answered (a write-once
+        (``kvd.client.shm``). A refusal the daemon answered (a write-once
         conflict, a full pool) leaves nothing running: the staging stays, as a
         fresh region costs its first copies a page fault per 4 KiB."""
         try:

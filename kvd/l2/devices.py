@@ -29,7 +29,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvd.iobackend import IoOp, OpKind
+from kvd.io.backend import IoOp, OpKind
 
 log = logging.getLogger("kvd.l2")
 

@@ -45,8 +45,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvd.checksum import checksum, checksum_views
-from kvd.iobackend import ReadStatus
+from kvd.io.backend import ReadStatus
+from kvd.wire.checksum import checksum, checksum_views
 
 MAGIC = b"KVDL2REC"
 VERSION = 1
@@ -170,7 +170,10 @@ def check_record(
     if checksum(header[: size - 8]) != stored:
         return ReadStatus.BAD_HEADER
     if (got_generation, got_seq, got_bytes, got_checksum) != (
-        generation, seq, payload_bytes, payload_checksum
+        generation,
+        seq,
+        payload_bytes,
+        payload_checksum,
     ):
         return ReadStatus.BAD_HEADER
     body = _FIXED.size + ns_len + key_len + parent_len + meta_len

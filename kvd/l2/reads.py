@@ -3,7 +3,7 @@
 The store issues one read per value (a get, a promotion, a prefetch), many
 of them in the same turn of the loop. ``RecordReads`` collects them and, on
 the next turn, hands the whole batch to the io backend in one call: with
-kvd._uring (``native_record_reads``) the ring submits every op in one
+kvd.io._uring (``native_record_reads``) the ring submits every op in one
 syscall and checks each record's header and checksum in C, without the
 GIL, as it completes; otherwise the ops go through ``submit_many`` and each
 record is checked here with ``format.check_record``. Which one runs is
@@ -20,8 +20,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from kvd.aio import settle
-from kvd.iobackend import (
+from kvd.io.backend import (
     IoBackend,
     ReadRecordsFn,
     ReadStatus,
@@ -30,6 +29,7 @@ from kvd.iobackend import (
     native_record_reads,
 )
 from kvd.l2.format import check_record
+from kvd.util.aio import settle
 
 log = logging.getLogger("kvd.l2")
 
@@ -63,7 +63,7 @@ class RecordReads:
         self._turn: _Turn | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         if self.native:
-            log.info("L2 record reads: batched, checked in C (kvd._uring)")
+            log.info("L2 record reads: batched, checked in C (kvd.io._uring)")
         else:
             why = "requested" if checks == "python" else f"{io.name} io backend"
             log.info("L2 record reads: batched, checked in Python (%s)", why)

@@ -31,8 +31,7 @@ import logging
 import secrets
 from collections.abc import Callable, Sequence
 
-from kvd import crashpoints
-from kvd.iobackend import IoBackend, IoError, OpKind, ReadStatus, RecordRead
+from kvd.io.backend import IoBackend, IoError, OpKind, ReadStatus, RecordRead
 from kvd.l2.devices import AlignedBuffer, DeviceSet
 from kvd.l2.format import (
     BLOCK_BYTES,
@@ -56,6 +55,7 @@ from kvd.l2.records import (  # re-exported: kvd.l2.tier names them too
     Segment,
     SegmentState,
 )
+from kvd.util import crashpoints
 
 __all__ = [
     "ChecksumMismatch",

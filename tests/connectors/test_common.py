@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvd.config import SETTINGS_BY_NAME
+from kvd.config.settings import SETTINGS_BY_NAME
 from kvd.connectors import common
 from kvd.connectors.common import Guard
-from kvd.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from kvd.wire.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
 
 def test_a_down_daemon_is_not_asked_again_within_the_window() -> None:

@@ -28,11 +28,10 @@ from typing import Any
 
 import pytest
 
-from kvd.client import Client
+from kvd.client.clients import Client
 from kvd.connectors.common import bytes_key
 from kvd.connectors.lease_locks import LockTable
-
-from ..conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 
 lmcache = pytest.importorskip("lmcache", reason="LMCache is not installed")
 torch = pytest.importorskip("torch", reason="torch is not installed")

@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 
 from kvd.connectors.sglang import KvdHiCacheStorage, page_hashes, storage_namespace
-
-from ..conftest import DaemonProcess
+from tests.conftest import DaemonProcess
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 

@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 
-from kvd.client import Client
+from kvd.client.clients import Client
 from kvd.connectors.vllm import BlockTransfer, KvdConnector, KvdConnectorMetadata, block_keys
-
-from ..conftest import DaemonProcess
+from tests.conftest import DaemonProcess
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
-from kvd.config import load_config
-from kvd.sizes import parse_size
+from kvd.config.settings import load_config
+from kvd.config.sizes import parse_size
 from tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"
-UNIT = DEPLOY / "systemd" / "kvd.service"
+UNIT = DEPLOY / "systemd" / "kvd.paths.grpc.service"
 K8S = DEPLOY / "k8s"
 VERIFY_TIMEOUT_S = 60
 
@@ -56,7 +56,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
     # verify checks that ExecStart exists; kvd need not be installed here.
-    unit = tmp_path / "kvd.service"
+    unit = tmp_path / "kvd.paths.grpc.service"
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/kvd", shutil.which("true") or ""))
     result = subprocess.run(
         [analyze, "verify", str(unit)],
@@ -68,7 +68,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     if "Failed to" in result.stderr and "bus" in result.stderr.lower():
         pytest.skip(f"systemd-analyze cannot run here: {result.stderr.strip()}")
     assert result.returncode == 0, result.stderr
-    assert "kvd.service" not in result.stderr, result.stderr
+    assert "kvd.paths.grpc.service" not in result.stderr, result.stderr
 
 
 # ---- Kubernetes ---------------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_configmap_passes_kvd_validation(tmp_path: Path) -> None:
 
 
 def test_secret_holds_a_valid_token_table(tmp_path: Path) -> None:
-    from kvd.auth import TokenTable
+    from kvd.paths.auth import TokenTable
 
     secret = manifests()["Secret"]
     path = tmp_path / "tokens.toml"
@@ -173,7 +173,7 @@ def test_dockerfile() -> None:
     froms = [args for word, args in steps if word == "FROM"]
     assert froms and all(f.startswith("python:3.11-slim") for f in froms)
     runs = " ".join(args for word, args in steps if word == "RUN")
-    assert "liburing-dev" in runs and "import kvd._uring" in runs
+    assert "liburing-dev" in runs and "import kvd.io._uring" in runs
     final = steps[max(i for i, (word, _) in enumerate(steps) if word == "FROM") :]
     users = [args for word, args in final if word == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")

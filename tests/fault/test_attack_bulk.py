@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd.bulk import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
-from kvd.client import Client
-from kvd.errors import ResourceExhausted
+from kvd.client.clients import Client
+from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
+from kvd.wire.errors import ResourceExhausted
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.sockets import recv_exact
 

@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvd.client import Client
-from kvd.grpc_handlers import KVStoreStub
+from kvd.client.clients import Client
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.grpc import KVStoreStub
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 
 pytestmark = pytest.mark.fault

@@ -36,11 +36,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvd.auth import hash_token
-from kvd.client import Client
-from kvd.errors import KvdError
-from kvd.grpc_handlers import KVStoreStub
+from kvd.client.clients import Client
+from kvd.paths.auth import hash_token
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.errors import KvdError
+from kvd.wire.grpc import KVStoreStub
 from tests.conftest import REPO, DaemonFactory, DaemonProcess
 
 pytestmark = pytest.mark.fault
@@ -91,7 +91,8 @@ def _group_daemon(factory: DaemonFactory, workdir: Path, *args: str) -> DaemonPr
 _PRELUDE = """
 import os, sys, fcntl, mmap, secrets, socket, struct, time, threading
 import grpc, numpy, xxhash
-import kvd.bulk, kvd.bulk_client, kvd.client, kvd.grpc_handlers, kvd.shm_channel, kvd.shm_client
+import kvd.paths.bulk.server, kvd.client.bulk, kvd.client.clients, kvd.wire.grpc
+import kvd.paths.shm.channel, kvd.client.shm
 import kvd.v1.kvd_pb2
 os.setgroups([{gid}])
 os.setgid({gid})
@@ -248,7 +249,7 @@ def test_a_region_truncated_while_copies_run_cannot_fault_the_daemon(
 # ---- another tenant's regions ----------------------------------------------------------
 VICTIM = """
 import fcntl, mmap, os, sys, time
-from kvd.client import Client
+from kvd.client.clients import Client
 secret = {secret!r}
 shm_dir = {shm_dir!r}
 with Client({target!r}, token={token!r}) as client:
@@ -273,10 +274,10 @@ with Client({target!r}, token={token!r}) as client:
 ATTACKER = """
 import os, secrets, socket, struct
 import grpc
-from kvd.client import Client
-from kvd.grpc_handlers import KVStoreStub
-from kvd.shm_wire import REGION_REF
-from kvd.bulk import OP_HELLO, OP_REGION_GET, OP_REGION_PUT, encode_request, RESPONSE
+from kvd.client.clients import Client
+from kvd.wire.grpc import KVStoreStub
+from kvd.wire.shm import REGION_REF
+from kvd.paths.bulk.server import OP_HELLO, OP_REGION_GET, OP_REGION_PUT, encode_request, RESPONSE
 from kvd.v1 import kvd_pb2 as pb
 shm_dir, ns, token = {shm_dir!r}, {ns!r}, {token!r}
 metadata = [("authorization", "Bearer " + token)] if token else None
@@ -495,7 +496,7 @@ def test_the_group_setup_shares_the_shm_path_under_umask_022(
         TENANT_B,
         f"""
         import os
-        from kvd.client import Client
+        from kvd.client.clients import Client
         with Client({daemon.socket_target!r}) as client:
             print(sorted(client.paths))
             value = os.urandom(1 << 20)
@@ -517,8 +518,8 @@ def test_the_group_setup_shares_the_shm_path_under_umask_022(
 # ---- regions are bound to who attached them --------------------------------------------
 BORROWER = """
 import socket
-from kvd.bulk import OP_HELLO, OP_REGION_GET, REQUEST, RESPONSE, encode_request
-from kvd.shm_wire import REGION_REF
+from kvd.paths.bulk.server import OP_HELLO, OP_REGION_GET, REQUEST, RESPONSE, encode_request
+from kvd.wire.shm import REGION_REF
 path, token, region_id, region_token = {path!r}, {token!r}, {region_id!r}, {region_token!r}
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.settimeout(5)
@@ -599,8 +600,8 @@ def test_a_region_is_usable_only_by_the_credential_that_attached_it(
 # ---- descriptors that are not regions --------------------------------------------------
 FAKE_REGIONS = """
 import array, fcntl, os, socket
-from kvd.bulk import RESPONSE, encode_request
-from kvd.shm_wire import OP_REGION_ATTACH
+from kvd.paths.bulk.server import RESPONSE, encode_request
+from kvd.wire.shm import OP_REGION_ATTACH
 path = {path!r}
 def attach(fds, size=1 << 20):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.daemon import SpawnedDaemon
-from kvd.client import Client, KvdError
+from kvd.client.clients import Client, KvdError
+from kvd.tools.bench.daemon import SpawnedDaemon
 
 LOOPS = int(os.environ.get("KVD_TEST_CRASH_LOOPS", "10"))
 SIZES = (4096, 70_000, 300_000)

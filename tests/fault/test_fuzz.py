@@ -35,16 +35,16 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd import bulk
-from kvd.client import Client
-from kvd.client_wire import GetAssembler
-from kvd.errors import KvdError
-from kvd.grpc_handlers import KVStoreStub
+from kvd.client.calls import GetAssembler
+from kvd.client.clients import Client
 from kvd.l2 import format as l2format
-from kvd.shm_channel import REGION_REF
+from kvd.paths.bulk import server as bulk
+from kvd.paths.shm.channel import REGION_REF
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.errors import KvdError
+from kvd.wire.grpc import KVStoreStub
 from tests.conftest import DaemonProcess
-from tests.test_shm import RawRegion
+from tests.paths.shm.test_shm import RawRegion
 
 FUZZ_N = int(os.environ.get("KVD_TEST_FUZZ_N", "3000"))
 # Shares of FUZZ_N: round trips cost ~1 ms, in-process parses ~10 us.

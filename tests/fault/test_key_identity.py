@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvd.client import Client
+from kvd.client.clients import Client
 from kvd.connectors.lmcache import kvd_address
 from kvd.connectors.sglang import page_hashes, storage_namespace
 from kvd.connectors.vllm import KvdConnector, block_keys
@@ -201,7 +201,7 @@ from kvd.connectors.common import int_key, namespace, text_key
 from kvd.connectors.lmcache import kvd_address
 from kvd.connectors.sglang import page_hashes, storage_namespace
 from kvd.connectors.vllm import block_keys
-from kvd.keys import chain_keys
+from kvd.client.keys import chain_keys
 tokens = list(range(1000, 1064))
 out = {
     "chain": [k.hex() for k in chain_keys(tokens, 16, extra=b"x")],

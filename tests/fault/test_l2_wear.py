@@ -28,13 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.daemon import SpawnedDaemon
-from kvd.checksum import checksum
-from kvd.client import Client
-from kvd.config_rules import l2_capacity_warning
+from kvd.client.clients import Client
+from kvd.config.rules import l2_capacity_warning
+from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2.tier import L2Tier
-from kvd.pool import PAGE_BYTES, Pool
-from kvd.store import Store, StoreLimits
+from kvd.store.store import Store, StoreLimits
+from kvd.tools.bench.daemon import SpawnedDaemon
+from kvd.wire.checksum import checksum
 from tests.l2 import backend, open_devices
 
 pytestmark = pytest.mark.fault

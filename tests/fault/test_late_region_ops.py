@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
-from kvd.client import Client
-from kvd.errors import DeadlineExceeded
-from kvd.grpc_handlers import KVStoreStub
+from kvd.client.clients import Client
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.errors import DeadlineExceeded
+from kvd.wire.grpc import KVStoreStub
 from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 
 NS = "late"

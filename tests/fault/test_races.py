@@ -33,15 +33,15 @@ from pathlib import Path
 
 import pytest
 
-from kvd import bulk, placement
-from kvd.bench.daemon import SpawnedDaemon
-from kvd.checksum import checksum
-from kvd.client import AlreadyExists, Client
-from kvd.errors import ResourceExhausted, Unavailable
-from kvd.iobackend import IoBackend, IoOp, OpKind
+from kvd.client.clients import AlreadyExists, Client
+from kvd.io.backend import IoBackend, IoOp, OpKind
+from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2.tier import L2Tier, SegmentState
-from kvd.pool import PAGE_BYTES, Pool
-from kvd.store import TIER_L1, TIER_L2, PutResult, PutTicket, Store, StoreLimits
+from kvd.paths.bulk import server as bulk
+from kvd.store.store import TIER_L1, TIER_L2, PutResult, PutTicket, Store, StoreLimits, placement
+from kvd.tools.bench.daemon import SpawnedDaemon
+from kvd.wire.checksum import checksum
+from kvd.wire.errors import ResourceExhausted, Unavailable
 from tests.l2 import MiB, backend, open_devices
 
 pytestmark = pytest.mark.fault

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.daemon import SpawnedDaemon
-from kvd.client import Client, KvdError
+from kvd.client.clients import Client, KvdError
+from kvd.tools.bench.daemon import SpawnedDaemon
 
 pytestmark = pytest.mark.fault
 

@@ -17,19 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from kvd.checksum import checksum
-from kvd.iobackend import IoBackend, native_available, open_backend
+from kvd.io.backend import IoBackend, native_available, open_backend
 from kvd.l2.devices import DeviceSet
 from kvd.l2.format import BLOCK_BYTES, align_up
 from kvd.l2.tier import L2Record, L2Tier
+from kvd.wire.checksum import checksum
 
 NATIVE_OK, NATIVE_REASON = native_available()
 BACKENDS = [
     pytest.param("uring", marks=pytest.mark.skipif(not NATIVE_OK, reason=NATIVE_REASON)),
     "threads",
-    pytest.param(
-        "uring-pychecks", marks=pytest.mark.skipif(not NATIVE_OK, reason=NATIVE_REASON)
-    ),
+    pytest.param("uring-pychecks", marks=pytest.mark.skipif(not NATIVE_OK, reason=NATIVE_REASON)),
 ]
 KiB = 1024
 MiB = 1024 * KiB

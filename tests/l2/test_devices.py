@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.iobackend import OpKind
+from kvd.io.backend import OpKind
 from kvd.l2.devices import DeviceError, DeviceSet, lock_paths
 from tests.l2 import BACKENDS, Aligned, KiB, MiB, backend, open_devices, raw_read
 

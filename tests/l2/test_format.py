@@ -7,8 +7,7 @@ import struct
 
 import pytest
 
-from kvd.checksum import checksum
-from kvd.iobackend import ReadStatus, native_record_check, native_xxh3_64
+from kvd.io.backend import ReadStatus, native_record_check, native_xxh3_64
 from kvd.l2.format import (
     BLOCK_BYTES,
     FLAG_TOMBSTONE,
@@ -22,6 +21,7 @@ from kvd.l2.format import (
     decode,
     header_bytes_at,
 )
+from kvd.wire.checksum import checksum
 
 
 def header(**changes: object) -> RecordHeader:
@@ -156,7 +156,7 @@ def test_oversized_header_is_refused_on_encode() -> None:
 # ---- record checks: format.check_record and its C twin agree ------------------------
 NATIVE_CHECK = native_record_check()
 NATIVE_XXH3 = native_xxh3_64()
-needs_native = pytest.mark.skipif(NATIVE_CHECK is None, reason="kvd._uring is not built")
+needs_native = pytest.mark.skipif(NATIVE_CHECK is None, reason="kvd.io._uring is not built")
 PAYLOAD = random.Random(5).randbytes(70_000)
 GOOD = header(payload_bytes=len(PAYLOAD), payload_checksum=checksum(PAYLOAD))
 

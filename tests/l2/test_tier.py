@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.iobackend import IoBackend, IoOp, OpKind, RecordDone, RecordRead
+from kvd.io.backend import IoBackend, IoOp, OpKind, RecordDone, RecordRead
 from kvd.l2 import tier as tier_module
 from kvd.l2.format import RECORD_ALIGN_BYTES
 from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier, SegmentState

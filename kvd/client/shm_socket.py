@@ -1,0 +1,290 @@
+"""Client side of the shm socket: region attaches and region ops.
+
+``RegionOps`` turns the gRPC-shaped batch requests of ``kvd.client.shm``
+into frames (``kvd.wire.shm``) over ``BulkClient``'s connection pool, and
+attaches a region by passing its memfd with SCM_RIGHTS on a connection of
+its own. Before anything is sent on a connection, ``DaemonIdentity``
+checks that its peer is the daemon: the uid (and, within the daemon's pid
+namespace, the pid) that ``DescribePaths`` reported over gRPC. A socket
+put there by anyone else gets no token.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvd.client.bulk import Answer, BulkClient, Connection
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.bulk import (
+    FLAG_EXISTED,
+    NAME_BY_CODE,
+    OP_REGION_GET,
+    OP_REGION_PUT,
+    REQUEST,
+    RESPONSE,
+    RESPONSE_MAGIC,
+    VERSION,
+    encode_request,
+)
+from kvd.wire.errors import BY_CODE_NAME, DeadlineExceeded, KvdError, PermissionDenied, Unavailable
+from kvd.wire.shm import (
+    ATTACHED,
+    DEADLINE,
+    FLAG_DEADLINE,
+    OP_REGION_ATTACH,
+    PEERCRED,
+    PIPELINE_FRAMES,
+    REGION_REF,
+    TIER_SHIFT,
+    pid_namespace,
+)
+
+
+@dataclass(frozen=True)
+class DaemonIdentity:
+    """Who serves the shm socket, as the daemon said over its gRPC channel."""
+
+    uid: int
+    pid: int
+    pid_ns: int
+
+    def check(self, sock: socket.socket) -> None:
+        """PermissionDenied unless ``sock``'s peer is the daemon: the same uid,
+        and the same pid where the client shares the daemon's pid namespace
+        (in another one, as in a pod of its own, the kernel shows another pid)."""
+        pid, uid, _ = PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+        )
+        same_ns = self.pid_ns != 0 and self.pid_ns == pid_namespace()
+        if uid != self.uid or (same_ns and pid != self.pid):
+            raise PermissionDenied(
+                f"the shm socket is served by uid {uid} pid {pid}, "
+                f"not by the daemon (uid {self.uid} pid {self.pid}): nothing sent to it"
+            )
+
+
+class RegionOps:
+    """Region attaches, and ``GetIntoRegion``/``PutFromRegion`` batches, over
+    the shm socket: each batch on one connection (the daemon runs its frames
+    concurrently; spreading it over connections only added client threads),
+    the pool's others for other threads. Every connection checks its peer
+    is the daemon (``DaemonIdentity``) before it sends anything."""
+
+    def __init__(
+        self,
+        path: str,
+        token: str | None,
+        timeout_s: float,
+        connections: int = 2,
+        daemon: DaemonIdentity | None = None,
+        clock_offset_ns: int | None = None,
+    ):
+        """``clock_offset_ns``: the daemon's CLOCK_MONOTONIC less this process's,
+        as ``of`` estimated it; None for a daemon that takes no deadlines."""
+        self.path = path
+        self.daemon = daemon
+        self.clock_offset_ns = clock_offset_ns
+        self._token = token
+        check = daemon.check if daemon is not None else None
+        self.client = BulkClient(
+            path, 0, token=token, connections=connections, timeout_s=timeout_s, check_peer=check
+        )
+
+    @classmethod
+    def of(
+        cls, paths: pb.DescribePathsResponse, token: str | None, timeout_s: float
+    ) -> RegionOps | None:
+        """Region ops on the socket ``DescribePaths`` named; None when it named
+        none, or not who serves it (then the peer cannot be checked)."""
+        if not paths.shm_socket or not paths.daemon_pid:
+            return None
+        identity = DaemonIdentity(paths.daemon_uid, paths.daemon_pid, paths.daemon_pid_ns)
+        # The daemon read its clock before this answer arrived, so this
+        # offset is at most the true one, and a deadline moved by it falls
+        # no later on the daemon's clock than on this process's: the daemon
+        # never works past the moment the client stops waiting.
+        offset = paths.daemon_clock_ns - time.monotonic_ns() if paths.daemon_clock_ns else None
+        return cls(paths.shm_socket, token, timeout_s, daemon=identity, clock_offset_ns=offset)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def deadline(self) -> tuple[int, int]:
+        """A call starting now: when this process stops waiting for it (its
+        CLOCK_MONOTONIC, ns), and the same moment on the daemon's clock
+        (0 where the daemon takes no deadline)."""
+        mine = time.monotonic_ns() + int(self.client.timeout_s * 1e9)
+        offset = self.clock_offset_ns
+        return mine, (max(1, mine + offset) if offset is not None else 0)
+
+    def attach(self, fd: int, size: int) -> tuple[int, bytes]:
+        """Attach the sealed memfd ``fd`` of ``size`` bytes: (region id, token)."""
+        timeout_s = self.client.timeout_s
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(self.path)
+            if self.daemon is not None:
+                self.daemon.check(sock)
+            frame = encode_request(
+                OP_REGION_ATTACH, 0, meta=(self._token or "").encode(), length=size
+            )
+            descriptor = array.array("i", [fd])
+            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, descriptor)])
+            answer = _read_answer(sock)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"shm socket {self.path}: {exc}") from None
+        except OSError as exc:
+            raise Unavailable(f"shm socket {self.path}: {exc}") from None
+        finally:
+            sock.close()
+        if answer.op != OP_REGION_ATTACH or answer.code != 0:
+            name = NAME_BY_CODE.get(answer.code, "UNKNOWN")
+            raise BY_CODE_NAME.get(name, KvdError)(f"{name}: {answer.message}")
+        if len(answer.meta) != ATTACHED.size:
+            raise Unavailable("shm socket: a REGION_ATTACH answer without a region")
+        region_id, token = ATTACHED.unpack(answer.meta)
+        return region_id, token
+
+    def get_into_region(self, request: pb.GetIntoRegionRequest) -> pb.RegionBatchResponse:
+        ns = request.namespace.encode()
+        late = _deadline_flag(request.deadline_ns)
+        frames = [
+            _with_ref(
+                encode_request(OP_REGION_GET, i, ns, item.key, length=item.length, flags=late),
+                _ref(request.region_id, item.offset, request.token, request.deadline_ns),
+            )
+            for i, item in enumerate(request.items)
+        ]
+        return self._exchange(frames)
+
+    def get_one(
+        self,
+        region_id: int,
+        token: bytes,
+        ns: str,
+        key: bytes,
+        offset: int,
+        room: int,
+        deadline_ns: int = 0,
+    ) -> pb.RegionItemResult:
+        """One get into a region: ``get_into_region`` of one item, with one frame."""
+        late = _deadline_flag(deadline_ns)
+        frame = _with_ref(
+            encode_request(OP_REGION_GET, 0, ns.encode(), key, length=room, flags=late),
+            _ref(region_id, offset, token, deadline_ns),
+        )
+        return _result(self.client.with_connection(lambda conn: _exchange_one(conn, frame)))
+
+    def put_from_region(self, request: pb.PutFromRegionRequest) -> pb.RegionBatchResponse:
+        ns = request.namespace.encode()
+        frames = []
+        previous = b""
+        for i, item in enumerate(request.items):
+            parent = item.parent or (previous if request.chained else b"")
+            previous = item.key
+            frames.append(
+                _with_ref(
+                    encode_request(
+                        OP_REGION_PUT,
+                        i,
+                        ns,
+                        item.key,
+                        parent=parent,
+                        meta=item.meta,
+                        length=item.length,
+                        checksum=item.checksum if item.HasField("checksum") else None,
+                        durable=request.durable,
+                        flags=_deadline_flag(request.deadline_ns),
+                    ),
+                    _ref(request.region_id, item.offset, request.token, request.deadline_ns),
+                )
+            )
+        return self._exchange(frames)
+
+    def _exchange(self, frames: list[bytes]) -> pb.RegionBatchResponse:
+        answers: list[Answer | None] = [None] * len(frames)
+        self.client.with_connection(lambda conn: _window(conn, frames, 0, len(frames), answers))
+        results = []
+        for answer in answers:
+            assert answer is not None, "every frame was answered"
+            results.append(_result(answer))
+        return pb.RegionBatchResponse(results=results)
+
+
+def _read_answer(sock: socket.socket) -> Answer:
+    """One answer frame from a blocking socket."""
+
+    def exactly(nbytes: int) -> bytes:
+        data = bytearray()
+        while len(data) < nbytes:
+            got = sock.recv(nbytes - len(data))
+            if not got:
+                raise ConnectionError("daemon closed the shm socket")
+            data += got
+        return bytes(data)
+
+    magic, version, op, flags, rid, code, meta_len, msg_len, length, csum = RESPONSE.unpack(
+        exactly(RESPONSE.size)
+    )
+    if magic != RESPONSE_MAGIC or version != VERSION:
+        raise ConnectionError(f"not a kvd answer (magic {bytes(magic)!r} v{version})")
+    tail = exactly(meta_len + msg_len)
+    message = tail[meta_len:].decode(errors="replace")
+    return Answer(op, flags, rid, code, tail[:meta_len], message, length, csum)
+
+
+def _result(answer: Answer) -> pb.RegionItemResult:
+    return pb.RegionItemResult(
+        code=answer.code,
+        message=answer.message,
+        size=answer.length,
+        checksum=answer.checksum,
+        existed=bool(answer.flags & FLAG_EXISTED),
+        meta=answer.meta,
+        tier=answer.flags >> TIER_SHIFT,  # type: ignore[arg-type]
+    )
+
+
+def _exchange_one(conn: Connection, frame: bytes) -> Answer:
+    conn.send([memoryview(frame)])
+    answer = conn.answer()
+    if answer.request_id != 0:
+        raise ConnectionError(f"answer {answer.request_id} to request 0: out of order")
+    return answer
+
+
+def _deadline_flag(deadline_ns: int) -> int:
+    return FLAG_DEADLINE if deadline_ns else 0
+
+
+def _ref(region_id: int, offset: int, token: bytes, deadline_ns: int) -> bytes:
+    """What follows a region op's header: its region, and its deadline if any."""
+    ref = REGION_REF.pack(region_id, offset, token)
+    return ref + DEADLINE.pack(deadline_ns) if deadline_ns else ref
+
+
+def _with_ref(frame: bytes, ref: bytes) -> bytes:
+    """The region reference goes right after the 40-byte header, before the names."""
+    return frame[: REQUEST.size] + ref + frame[REQUEST.size :]
+
+
+def _window(
+    conn: Connection, frames: Sequence[bytes], start: int, end: int, out: list[Answer | None]
+) -> None:
+    sent = start
+    for done in range(start, end):
+        if sent < end and sent - done < PIPELINE_FRAMES:
+            # A window in one send: the daemon reads the frames together and
+            # starts their ops at once, so their copies run in parallel.
+            top = min(end, done + PIPELINE_FRAMES)
+            conn.send([memoryview(frame) for frame in frames[sent:top]])
+            sent = top
+        answer = conn.answer()
+        if answer.request_id != done:
+            raise ConnectionError(f"answer {answer.request_id} to request {done}: out of order")
+        out[done] = answer

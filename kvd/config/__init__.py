@@ -1,0 +1,1 @@
+"""The settings table (``settings``), the rules that check it, and byte sizes."""

@@ -1,0 +1,493 @@
+"""The settings table: every kvd setting, declared once.
+
+Each field of :class:`Config` is one setting: its name (unit last), type,
+default, bounds and help text. Everything else is derived from that table:
+the TOML keys, the ``KVD_<NAME>`` environment variables, the ``kvd serve``
+flags, the README reference table and the start-up log line.
+
+Precedence, lowest first: defaults < TOML file < environment < flags.
+Unknown keys, unknown ``KVD_*`` variables, wrong types and out-of-bound
+values raise :class:`ConfigError` naming the key and where it came from.
+"""
+
+import difflib
+import importlib
+import os
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, get_type_hints
+
+from kvd.config.rules import (
+    UNIX_SOCKET_PATH_MAX_BYTES,
+    ConfigError,
+    check_address,
+    check_address_or_empty,
+    check_group,
+    check_io_faults,
+    check_nonempty,
+    check_paths,
+    check_pool_members,
+    check_socket_path,
+    is_loopback_host,
+    parse_address,
+    validate_together,
+)
+from kvd.config.setting import ENV_PREFIX, Setting, convert, kind_of, validate
+from kvd.config.sizes import SizeError, format_size
+
+__all__ = [
+    "SETTINGS",
+    "UNIX_SOCKET_PATH_MAX_BYTES",
+    "Config",
+    "ConfigError",
+    "Setting",
+    "config_from_environment",
+    "is_loopback_host",
+    "load_config",
+    "parse_address",
+]
+
+# KVD_* variables read by something other than the settings table: the config
+# file path for `kvd serve`, the default target and token of the client commands.
+ENV_NOT_SETTINGS = frozenset({"KVD_CONFIG", "KVD_TARGET", "KVD_TOKEN"})
+
+# A config file is a few hundred bytes; refusing more than 1 MiB keeps a wrong
+# path (a log, a disk image) from being read into memory.
+CONFIG_FILE_MAX_BYTES = 1 << 20
+
+
+_T = TypeVar("_T")
+
+
+def _eviction_policies() -> tuple[str, ...]:
+    """The policy names kvd.store.eviction.policy offers, or just LRU before it exists."""
+    try:
+        module = importlib.import_module("kvd.store.eviction.policy")
+        policies = module.POLICIES
+    except (ImportError, AttributeError):
+        return ("lru",)
+    assert isinstance(policies, tuple), policies
+    assert all(isinstance(name, str) for name in policies), policies
+    return policies
+
+
+def _setting(
+    default: _T,
+    *,
+    help: str,
+    min: int | None = None,
+    max: int | None = None,
+    choices: tuple[str, ...] | None = None,
+    octal: bool = False,
+    check: Callable[[object], None] | None = None,
+) -> _T:
+    """Declare one setting; ``min``/``max`` bound numbers or, for lists, the item count."""
+    metadata = {
+        "help": help,
+        "min": min,
+        "max": max,
+        "choices": choices,
+        "octal": octal,
+        "check": check,
+    }
+    return field(default=default, metadata=metadata)
+
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+PiB = 1 << 50
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The daemon's settings; construct through :func:`load_config` or directly."""
+
+    listen: str = _setting(
+        "127.0.0.1:7070",
+        help="gRPC address HOST:PORT; non-loopback only with auth_tokens_file",
+        check=check_address,
+    )
+    # In the shm directory by default, so engines on this node find the daemon
+    # (and its shared-memory path) at one well-known path with no setting.
+    socket: str = _setting(
+        "/dev/shm/kvd/grpc.sock",
+        help="Unix socket path for gRPC (engines on this node connect here); empty: none",
+        check=check_socket_path,
+    )
+    socket_mode: int = _setting(
+        0o660, help="file mode of the Unix socket (octal)", min=0, max=0o777, octal=True
+    )
+    socket_group: str = _setting(
+        "",
+        help="group (name or number) given the Unix socket; empty: the daemon's own",
+        check=check_group,
+    )
+    metrics_listen: str = _setting(
+        "127.0.0.1:9470",
+        help="Prometheus /metrics address HOST:PORT; empty: no metrics endpoint",
+        check=check_address_or_empty,
+    )
+    dram_bytes: int = _setting(
+        1 * GiB, help="size of the L1 DRAM pool, allocated at start", min=1 * MiB, max=64 * TiB
+    )
+    ssd_path: tuple[str, ...] = _setting(
+        ("./kvd-data/kvd-0.dat",),
+        help="L2 files or block devices, striped; repeat the flag for several; empty: no L2",
+        min=0,
+        max=64,
+        check=check_paths,
+    )
+    ssd_bytes: int = _setting(
+        4 * GiB,
+        help="L2 space per ssd_path (a file is preallocated to it; a device is bounded by it)",
+        min=1 * MiB,
+        max=1 * PiB,
+    )
+    ssd_segment_bytes: int = _setting(
+        256 * MiB,
+        help="L2 segment size per path: the unit of append and reclaim",
+        min=1 * MiB,
+        max=16 * GiB,
+    )
+    ssd_stripe_bytes: int = _setting(
+        256 * KiB,
+        help="bytes written to one path before the next, with several ssd_path entries",
+        min=64 * KiB,
+        max=1 * GiB,
+    )
+    io_faults: str = _setting(
+        "",
+        help="tests only: L2 I/O faults to inject, e.g. write:eio:nth=5 "
+        "(grammar: kvd/io/faults.py)",
+        check=check_io_faults,
+    )
+    test_crash_point: str = _setting(
+        "",
+        help="tests only: SIGKILL the daemon at this step of the write path",
+        choices=("", "after_payload_write", "after_sync", "after_publish"),
+    )
+    test_crash_after: int = _setting(
+        1, help="tests only: the Nth time test_crash_point is reached", min=1, max=1 << 30
+    )
+    io_depth: int = _setting(
+        64, help="L2 I/O ops in flight at once (io_uring depth)", min=1, max=4096
+    )
+    io_threads: int = _setting(
+        8, help="threads of the fallback I/O backend (no io_uring)", min=1, max=256
+    )
+    max_value_bytes: int = _setting(
+        64 * MiB, help="largest value a put may store", min=1 * KiB, max=64 * GiB
+    )
+    max_message_bytes: int = _setting(
+        64 * MiB, help="largest gRPC message, either direction", min=1 * MiB, max=1 * GiB
+    )
+    max_concurrent_rpcs: int = _setting(
+        256, help="RPCs served at once; more wait in gRPC's queue", min=1, max=65536
+    )
+    max_inflight_bytes: int = _setting(
+        512 * MiB,
+        help="value bytes in flight over all RPCs; past it: RESOURCE_EXHAUSTED",
+        min=1 * MiB,
+        max=1 * TiB,
+    )
+    uploads_max_bytes: int = _setting(
+        0,
+        help="pool bytes held by all puts whose bytes are still arriving (bulk PUT, gRPC Put "
+        "stream); past it such a put is RESOURCE_EXHAUSTED; 0: half of dram_bytes",
+        min=0,
+        max=64 * TiB,
+    )
+    grpc_put_timeout_ms: int = _setting(
+        30_000,
+        help="time a gRPC Put stream has to arrive in full; past it: DEADLINE_EXCEEDED",
+        min=10,
+        max=3_600_000,
+    )
+    max_batch_items: int = _setting(
+        1024, help="items in one BatchPut/BatchGet/region batch", min=1, max=65536
+    )
+    max_lookup_keys: int = _setting(4096, help="keys in one Lookup", min=1, max=1 << 20)
+    lease_ms_max: int = _setting(
+        60_000, help="longest lease a Lookup may take", min=1, max=3_600_000
+    )
+    max_leases: int = _setting(65536, help="leases held at once", min=1, max=1 << 24)
+    namespace_l1_quota_bytes: int = _setting(
+        0,
+        help="L1 bytes one namespace may hold; over it, its own oldest values go; 0: no quota",
+        min=0,
+        max=64 * TiB,
+    )
+    namespace_l2_quota_bytes: int = _setting(
+        0,
+        help="L2 bytes one namespace may hold; over it, its oldest records go and durable "
+        "puts are refused; 0: no quota",
+        min=0,
+        max=1 * PiB,
+    )
+    eviction_policy: str = _setting(
+        "density", help="L1 replacement policy", choices=_eviction_policies()
+    )
+    shutdown_grace_ms: int = _setting(
+        10_000, help="time to drain and flush on SIGTERM before exit", min=0, max=600_000
+    )
+    log_level: str = _setting(
+        "info", help="least severe log level written", choices=("debug", "info", "warning", "error")
+    )
+    log_format: str = _setting("logfmt", help="log line format", choices=("logfmt", "json"))
+    shm_dir: str = _setting(
+        "/dev/shm/kvd",
+        help="directory of the shm socket (regions are memfds passed over it)",
+        check=check_nonempty,
+    )
+    max_regions_per_client: int = _setting(
+        16,
+        help="shared-memory regions one client process may attach at once",
+        min=1,
+        max=1024,
+    )
+    max_regions: int = _setting(
+        256, help="shared-memory regions attached at once over all clients", min=1, max=65536
+    )
+    max_region_bytes: int = _setting(
+        4 * GiB, help="largest shared-memory region", min=64 * KiB, max=1 * TiB
+    )
+    region_check_ms: int = _setting(
+        1000,
+        help="how often the daemon checks that region owners still hold their lock",
+        min=10,
+        max=60_000,
+    )
+    shm_socket: str = _setting(
+        "", help="Unix socket for region ops; empty: kvd.sock in shm_dir", check=check_socket_path
+    )
+    shm_l2_direct_min_bytes: int = _setting(
+        0,
+        help="L2-only values this large or larger are read from disk straight into the "
+        "client's region, not through L1; 0: never",
+        min=0,
+        max=1 * TiB,
+    )
+    bulk_listen: str = _setting(
+        "127.0.0.1:7071",
+        help="bulk TCP data port HOST:PORT; empty: none; non-loopback only with auth_tokens_file",
+        check=check_address_or_empty,
+    )
+    bulk_max_connections: int = _setting(
+        256, help="bulk TCP connections served at once; more are closed", min=1, max=65536
+    )
+    bulk_max_unauthenticated: int = _setting(
+        32,
+        help="bulk TCP connections waiting for their HELLO at once; a new one past it closes "
+        "the oldest",
+        min=1,
+        max=65536,
+    )
+    bulk_max_connections_per_peer: int = _setting(
+        64,
+        help="bulk TCP connections one peer address may hold; more are refused "
+        "(RESOURCE_EXHAUSTED)",
+        min=1,
+        max=65536,
+    )
+    bulk_hello_timeout_ms: int = _setting(
+        2_000,
+        help="time a new bulk connection has to send its HELLO; past it, it is closed",
+        min=10,
+        max=600_000,
+    )
+    bulk_inflight_bytes: int = _setting(
+        64 * MiB,
+        help="value bytes one bulk connection may have queued to send; past it, reading pauses",
+        min=1 * MiB,
+        max=64 * GiB,
+    )
+    bulk_frame_timeout_ms: int = _setting(
+        30_000,
+        help="time a started bulk frame has to arrive in full, and a GET answer to leave",
+        min=10,
+        max=3_600_000,
+    )
+    bulk_idle_timeout_ms: int = _setting(
+        600_000,
+        help="a bulk connection with no frame for this long is closed",
+        min=10,
+        max=86_400_000,
+    )
+    io_backend: str = _setting(
+        "auto",
+        help="L2 I/O engine; auto: io_uring when available",
+        choices=("auto", "uring", "threads"),
+    )
+    auth_tokens_file: str = _setting(
+        "",
+        help="TOML file of sha256-hashed bearer tokens and their namespaces (SIGHUP reloads); "
+        "empty: no auth",
+    )
+    tls_cert_file: str = _setting(
+        "", help="PEM certificate chain of the gRPC TCP listener; empty: no TLS"
+    )
+    tls_key_file: str = _setting("", help="PEM private key of tls_cert_file")
+    tls_client_ca_file: str = _setting(
+        "", help="PEM CA bundle; set: clients must present a certificate it signed (mTLS)"
+    )
+    metrics_namespaces_max: int = _setting(
+        32,
+        help="namespaces exported by name in /metrics (largest first); the rest sum into other",
+        min=0,
+        max=1000,
+    )
+
+    # The pool across nodes (docs/pool.md).
+    pool_members: str = _setting(
+        "",
+        help="where the pool's members come from: static:HOST:PORT,... or "
+        "etcd://HOST:PORT[,HOST:PORT]/PREFIX; empty: a single-node daemon",
+        check=check_pool_members,
+    )
+    pool_advertise: str = _setting(
+        "",
+        help="gRPC HOST:PORT the other members reach this daemon at; empty: listen",
+        check=check_address_or_empty,
+    )
+    pool_token_file: str = _setting(
+        "",
+        help="file holding the token this daemon sends to its peers (each member's "
+        "auth_tokens_file must admit it to every namespace); empty: none",
+    )
+    pool_peer_timeout_ms: int = _setting(
+        200,
+        help="longest a call to a peer may take (less when the caller's deadline is nearer); "
+        "past it the key is a miss",
+        min=1,
+        max=60_000,
+    )
+    pool_etcd_ttl_ms: int = _setting(
+        10_000,
+        help="lease of this daemon's etcd registration: a daemon gone leaves the pool within it "
+        "(whole seconds, rounded up)",
+        min=2_000,
+        max=3_600_000,
+    )
+
+    def __post_init__(self) -> None:
+        for setting in SETTINGS:
+            value = getattr(self, setting.name)
+            if setting.kind == "list" and isinstance(value, list):
+                object.__setattr__(self, setting.name, tuple(value))  # frozen: only here
+            validate(setting, getattr(self, setting.name))
+        validate_together(self)
+
+    def describe(self) -> dict[str, str | int]:
+        """Every setting in short form (sizes as ``1GiB``), for the start-up log line."""
+        return {setting.name: setting.show(getattr(self, setting.name)) for setting in SETTINGS}
+
+    def to_toml(self) -> str:
+        """This configuration as a TOML file that :func:`load_config` reads back."""
+        lines = []
+        for setting in SETTINGS:
+            lines.append(f"# {setting.help}")
+            lines.append(f"{setting.name} = {setting.toml(getattr(self, setting.name))}")
+        return "\n".join(lines) + "\n"
+
+
+def _build_table() -> tuple[Setting, ...]:
+    hints = get_type_hints(Config)
+    table = []
+    for config_field in fields(Config):
+        meta = config_field.metadata
+        table.append(
+            Setting(
+                name=config_field.name,
+                kind=kind_of(config_field.name, hints[config_field.name]),
+                default=config_field.default,
+                help=meta["help"],
+                min=meta["min"],
+                max=meta["max"],
+                choices=meta["choices"],
+                octal=meta["octal"],
+                check=meta["check"],
+            )
+        )
+    return tuple(table)
+
+
+SETTINGS: tuple[Setting, ...] = _build_table()
+SETTINGS_BY_NAME: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
+
+
+def _unknown(key: str, where: str, known: Sequence[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"{key}: unknown setting in {where}{hint}", key=key)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(CONFIG_FILE_MAX_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    if len(data) > CONFIG_FILE_MAX_BYTES:
+        raise ConfigError(f"config file {path} is larger than {format_size(CONFIG_FILE_MAX_BYTES)}")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+
+
+def load_config(
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Build the Config from defaults < TOML file < ``KVD_*`` environment < overrides.
+
+    ``overrides`` maps setting names to values (flags give text, or a list of
+    text for repeatable ones); a value of None means "not given".
+    """
+    raw: dict[str, tuple[object, str]] = {}
+    names = list(SETTINGS_BY_NAME)
+    if path:
+        for key, value in _read_file(path).items():
+            if key not in SETTINGS_BY_NAME:
+                raise _unknown(key, f"config file {path}", names)
+            raw[key] = (value, f"config file {path}")
+    for variable, text in sorted((env or {}).items()):
+        if not variable.startswith(ENV_PREFIX) or variable in ENV_NOT_SETTINGS:
+            continue
+        name = variable[len(ENV_PREFIX) :].lower()
+        if name not in SETTINGS_BY_NAME or variable != SETTINGS_BY_NAME[name].env:
+            envs = [setting.env for setting in SETTINGS]
+            raise _unknown(variable, "the environment", envs)
+        raw[name] = (text, f"environment {variable}")
+    for name, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if name not in SETTINGS_BY_NAME:
+            raise _unknown(name, "overrides", names)
+        raw[name] = (value, f"flag {SETTINGS_BY_NAME[name].flag}")
+
+    values: dict[str, object] = {}
+    for name, (value, source) in raw.items():
+        try:
+            values[name] = convert(SETTINGS_BY_NAME[name], value)
+        except (ValueError, SizeError) as error:
+            raise ConfigError(f"{name}: {error} (from {source})", key=name) from None
+    try:
+        return Config(**values)  # type: ignore[arg-type]  # checked against the table
+    except ConfigError as error:
+        # Name where each setting the message mentions came from, if not a default.
+        given = [f"{name} from {raw[name][1]}" for name in raw if name in str(error)]
+        if not given:
+            raise
+        raise ConfigError(f"{error} ({'; '.join(given)})", key=error.key) from None
+
+
+def config_from_environment(
+    path: str | None = None, overrides: Mapping[str, object] | None = None
+) -> Config:
+    """load_config with this process's environment; ``KVD_CONFIG`` names the file."""
+    return load_config(path or os.environ.get("KVD_CONFIG"), os.environ, overrides)

@@ -1,0 +1,1 @@
+"""The daemon process: wiring the store, paths and pool together, TLS, signals."""

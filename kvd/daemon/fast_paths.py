@@ -1,0 +1,133 @@
+"""What the daemon starts and stops for its fast paths: the shared-memory
+region registry and the task that frees regions of clients that exited, the
+shm socket (``kvd.paths.shm.channel``) and the bulk TCP server (``kvd.paths.bulk.server``),
+with their gauges. The handlers they serve are ``kvd.paths.shm.handlers``'s.
+
+Regions are attached on the shm socket only (their memfds travel with
+SCM_RIGHTS), so a daemon without its shm socket has no shared-memory path;
+the socket has the gRPC socket's ``socket_mode`` and ``socket_group``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import logging
+from typing import TYPE_CHECKING
+
+from kvd.config.settings import parse_address
+from kvd.paths.bulk.server import BulkLimits, BulkServer
+from kvd.paths.metrics import Metrics, SnapshotCollector
+from kvd.paths.shm.channel import ShmChannel
+from kvd.paths.shm.regions import RegionLimits, RegionRegistry
+from kvd.wire.shm import socket_path
+
+if TYPE_CHECKING:
+    from kvd.config.settings import Config
+    from kvd.paths.shm.handlers import RegionHandlers
+
+log = logging.getLogger("kvd.fastpaths")
+
+
+class FastPaths:
+    """The daemon's shared-memory registry, its reaper task and the bulk TCP server."""
+
+    def __init__(self, service: RegionHandlers, regions: RegionRegistry | None) -> None:
+        self.service = service
+        self.regions = regions
+        self.bulk: BulkServer | None = None
+        self.bulk_address = ""
+        self.channel: ShmChannel | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, config: Config, service: RegionHandlers, metrics: Metrics) -> FastPaths:
+        regions: RegionRegistry | None = RegionRegistry(
+            RegionLimits(
+                max_regions_per_client=config.max_regions_per_client,
+                max_regions=config.max_regions,
+                max_region_bytes=config.max_region_bytes,
+            ),
+        )
+        paths = cls(service, regions)
+        limits = BulkLimits.from_config(config)
+        channel = ShmChannel(
+            service,
+            socket_path(config.shm_dir, config.shm_socket),
+            limits,
+            mode=config.socket_mode,
+            group_id=_group_id(config.socket_group),
+        )
+        try:
+            await channel.start()
+            paths.channel = channel
+            service.shm_socket = channel.path
+        except OSError as exc:
+            # Regions are attached on the socket: without it, gRPC and bulk TCP only.
+            log.warning("shared-memory path off", extra={"path": channel.path, "reason": str(exc)})
+            regions = paths.regions = None
+        if config.bulk_listen:
+            host, port = parse_address(config.bulk_listen)
+            paths.bulk = BulkServer(service.store, limits, metrics, service.auth)
+            bound = await paths.bulk.start(host, port)
+            paths.bulk_address = f"{host}:{bound}"
+        service.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
+        service.l2_direct_min_bytes = config.shm_l2_direct_min_bytes
+        metrics.add_collector(
+            SnapshotCollector(paths._snapshot, _FAST_PATH_GAUGES, _FAST_PATH_COUNTERS)
+        )
+        if regions is not None:
+            paths._reaper = asyncio.create_task(
+                _reap_forever(regions, config.region_check_ms / 1000)
+            )
+        return paths
+
+    def _snapshot(self) -> dict[str, int]:
+        regions = self.service.regions
+        return {
+            "regions": regions.count if regions else 0,
+            "region_bytes": regions.mapped_bytes if regions else 0,
+            "regions_reaped": regions.reaped if regions else 0,
+            "bulk_connections": self.bulk.connection_count if self.bulk else 0,
+            "shm_connections": self.channel.connection_count if self.channel else 0,
+        }
+
+    async def stop(self, grace_s: float) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        if self.bulk is not None:
+            await self.bulk.stop(grace_s)
+        if self.channel is not None:
+            await self.channel.stop()
+        self.service.close_fast_paths()
+
+
+_FAST_PATH_GAUGES = {
+    "regions": ("kvd_regions", "Shared-memory regions attached"),
+    "region_bytes": ("kvd_region_bytes", "Bytes of shared-memory regions mapped"),
+    "bulk_connections": ("kvd_bulk_connections", "Bulk TCP connections open"),
+    "shm_connections": ("kvd_shm_connections", "shm socket connections open"),
+}
+_FAST_PATH_COUNTERS = {
+    "regions_reaped": ("kvd_regions_reaped", "Regions freed because their owner exited"),
+}
+
+
+def _group_id(group: str) -> int:
+    """The gid ``socket_group`` names; -1 (the daemon's own) when empty or unknown
+    (the gRPC socket's set-up has already refused an unknown one)."""
+    if not group:
+        return -1
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return -1
+
+
+async def _reap_forever(regions: RegionRegistry, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        regions.reap()

@@ -1,0 +1,102 @@
+"""TLS and mTLS for the gRPC TCP listener, with certificates reloaded on SIGHUP.
+
+gRPC asks ``_fetch`` for a certificate configuration at each new handshake
+(``grpc.dynamic_ssl_server_credentials``); a reload reads and checks the
+files and hands the new configuration over at the next handshake, so
+connections already open keep theirs. A reload that fails (a missing file,
+a key that does not match its certificate) keeps the old configuration.
+
+Whether client certificates are required is fixed at start: gRPC takes it
+once, with the credentials. The Unix socket and the bulk TCP port do not use
+TLS (the socket is guarded by its file mode, the bulk port by the token in
+its HELLO frame).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+
+import grpc
+
+from kvd.config.settings import Config, ConfigError
+
+log = logging.getLogger("kvd.daemon.tls")
+
+# A PEM chain or CA bundle is a few KiB; 1 MiB stops a wrong path.
+PEM_FILE_MAX_BYTES = 1 << 20
+
+
+def _read(path: str, setting: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(PEM_FILE_MAX_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"{setting}: cannot read {path}: {error.strerror}", key=setting) from None
+    if len(data) > PEM_FILE_MAX_BYTES:
+        raise ConfigError(f"{setting}: {path} is over {PEM_FILE_MAX_BYTES} bytes", key=setting)
+    return data
+
+
+def _check(cert_file: str, key_file: str, ca_file: str) -> None:
+    """Parse the files the way a TLS server would: the key must match the certificate."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError) as error:
+        raise ConfigError(
+            f"tls_cert_file: {cert_file} with {key_file}: {error}", key="tls_cert_file"
+        ) from None
+    if ca_file:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (ssl.SSLError, OSError) as error:
+            raise ConfigError(
+                f"tls_client_ca_file: {ca_file}: {error}", key="tls_client_ca_file"
+            ) from None
+
+
+class ServerTls:
+    """The listener's certificate, key and client CA; ``reload()`` re-reads them."""
+
+    def __init__(self, cert_file: str, key_file: str, ca_file: str) -> None:
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.ca_file = ca_file
+        self.require_client_cert = bool(ca_file)
+        self._lock = threading.Lock()  # _fetch runs on gRPC's threads
+        self._pending: grpc.ServerCertificateConfiguration | None = None
+        self._initial = self._load()
+
+    @classmethod
+    def from_config(cls, config: Config) -> ServerTls | None:
+        if not config.tls_cert_file:
+            return None
+        return cls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+
+    @property
+    def mode(self) -> str:
+        return "mtls" if self.require_client_cert else "tls"
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        _check(self.cert_file, self.key_file, self.ca_file)
+        pair = (_read(self.key_file, "tls_key_file"), _read(self.cert_file, "tls_cert_file"))
+        ca = _read(self.ca_file, "tls_client_ca_file") if self.ca_file else None
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._initial, self._fetch, require_client_authentication=self.require_client_cert
+        )
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def reload(self) -> None:
+        """Read the files again; the next handshake uses them. ConfigError keeps the old."""
+        loaded = self._load()
+        with self._lock:
+            self._pending = loaded

@@ -1,0 +1,69 @@
+"""Type stub for the native io_uring helper (native/kvd_uring.c).
+
+Only kvd.io.backend imports this module.
+"""
+
+from collections.abc import Sequence
+from typing import Final, TypeAlias
+
+from typing_extensions import Buffer
+
+OP_READ: Final[int]
+OP_WRITE: Final[int]
+OP_FSYNC: Final[int]
+OP_FDATASYNC: Final[int]
+DEPTH_MAX: Final[int]
+BUFS_PER_OP_MAX: Final[int]
+READ_OK: Final[int]
+READ_SHORT: Final[int]
+READ_BAD_HEADER: Final[int]
+READ_BAD_CHECKSUM: Final[int]
+
+# (opcode, fd, offset, buffer | list/tuple of buffers | None for fsync, user_data)
+Op: TypeAlias = tuple[int, int, int, Buffer | Sequence[Buffer] | None, int]
+# (fd, offset, buffer | list/tuple of buffers): one read op of a record
+RecordOp: TypeAlias = tuple[int, int, Buffer | Sequence[Buffer]]
+# (user_data, ops, header, payload, payload_bytes, checksum, seq, generation,
+#  namespace, key)
+Record: TypeAlias = tuple[
+    int, Sequence[RecordOp], Buffer, Sequence[Buffer], int, int, int, int, bytes, bytes
+]
+
+def check_record(
+    header: Buffer,
+    payload: Sequence[Buffer],
+    payload_bytes: int,
+    checksum: int,
+    seq: int,
+    generation: int,
+    namespace: bytes,
+    key: bytes,
+    /,
+) -> int:
+    """The checks a record read gets, on buffers in memory: READ_OK or a READ_* miss."""
+
+def xxh3_64(data: Buffer, /) -> int:
+    """xxHash's xxh3-64 (seed 0), as the record checks compute it."""
+
+class Ring:
+    """A bounded io_uring instance: at most `depth` ops in flight."""
+
+    def __init__(self, depth: int) -> None: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def unsubmitted(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def submit(self, ops: Sequence[Op], /) -> int:
+        """Queue a prefix of ops (up to depth - inflight); return its length."""
+    def submit_reads(self, records: Sequence[Record], /) -> int:
+        """Queue a prefix of records whose ops fit (depth - inflight); return its length."""
+    def reap(self, max: int, wait_nr: int = 0, timeout_ms: int = -1) -> list[tuple[int, int]]:
+        """Return up to max (user_data, bytes moved or -errno) completions."""
+    def eventfd(self) -> int:
+        """A non-blocking eventfd signalled on completions (owned by the ring)."""
+    def close(self) -> None:
+        """Wait for in-flight ops, release their buffers, tear the ring down."""

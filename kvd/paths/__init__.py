@@ -1,0 +1,3 @@
+"""The daemon's transports: ``grpc/`` (the KVStore service), ``shm/`` (shared-memory
+regions and their Unix socket), ``bulk/`` (the bulk TCP protocol), with the
+auth, metrics and socket directories they share."""

@@ -1,0 +1,595 @@
+"""Bulk TCP data port: values stream between sockets and pool pages.
+
+The frame format is docs/bulk-protocol.md, its codec ``kvd.wire.bulk``
+(shared with ``kvd.client.bulk``); this module is the server. Per connection, a reader
+task parses requests in order and a writer task sends the answers in the
+same order, so a client may pipeline many requests on one connection.
+
+- PUT: ``recv_into`` straight into the ticket's pool pages, hashing each
+  piece as it lands (cache-hot); published only once the whole payload
+  arrived and matches the checksum sent with it. A connection that dies or
+  times out half-way aborts the ticket: nothing partial becomes visible.
+  A payload already all in the socket's receive queue gets its pages at
+  once; any other takes pages only for the bytes that arrived
+  (``kvd.store.uploads``), so a sender that declares 64 MiB and stalls holds what
+  it sent, not what it declared.
+- Admission (``kvd.paths.bulk.admission``): caps per peer address and on
+  connections without HELLO, which have ``bulk_hello_timeout_ms`` to send it.
+- GET: the reader pins the value (``store.fetch``) and queues it; the writer
+  sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
+  what the socket did not take), or from a send thread while another
+  connection is sending on a machine with cores to spare
+  (``kvd.wire.send``), and unpins once the last byte
+  left. An answer that cannot leave within ``bulk_frame_timeout_ms`` (a
+  client that stopped reading) closes the connection. An answer of up to
+  ``DIRECT_ANSWER_BYTES`` with nothing queued or being sent before it is
+  sent by the reader itself: on a 2-CPU VM the writer's turn cost a lone
+  64 KiB get 40-80 µs of a 180-260 µs round trip (A/B runs).
+- Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
+  and ``QUEUE_FRAMES_MAX`` answers queued; past that its reader stops reading
+  the socket, and TCP flow control slows the client down.
+- Auth: with a token table, the HELLO frame's payload is the bearer token;
+  a connection whose token is unknown is answered UNAUTHENTICATED and
+  closed, and each PUT/GET on a namespace the token does not name is
+  answered PERMISSION_DENIED. The token is checked once per connection.
+- Bad input (wrong magic or version, a field over its limit, a frame that
+  does not complete within ``bulk_frame_timeout_ms``, EOF inside a frame)
+  closes the connection with a logged reason. Expected failures of one
+  request (a miss, a full pool, a conflicting put) are answered with a code
+  and the connection stays open.
+
+This module imports neither grpc nor the gRPC service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import itertools
+import logging
+import socket
+import struct
+import termios
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvd.paths.bulk.admission import Admission, Slot
+from kvd.store.index import (
+    TIER_NAMES,
+    PutResult,
+    PutTicket,
+    Reader,
+)
+from kvd.util.aio import readable, settle
+from kvd.wire.bulk import (
+    CODE_BY_NAME,
+    CODE_INTERNAL,
+    CODE_NOT_FOUND,
+    CODE_OK,
+    CODE_RESOURCE_EXHAUSTED,
+    FLAG_CHECKSUM,
+    FLAG_DURABLE,
+    FLAG_EXISTED,
+    MESSAGE_BYTES_MAX,
+    NAME_BY_CODE,
+    OP_GET,
+    OP_HELLO,
+    OP_PUT,
+    OP_REGION_GET,
+    OP_REGION_PUT,
+    OPS,
+    REQUEST,
+    REQUEST_MAGIC,
+    RESPONSE,
+    RESPONSE_MAGIC,
+    TOKEN_BYTES_MAX,
+    VERSION,
+    ProtocolError,
+    Request,
+    decode_request,
+    encode_request,
+    encode_response,
+    error_code,
+    split_tail,
+)
+from kvd.wire.checksum import Hasher
+from kvd.wire.errors import DataLoss, KvdError
+from kvd.wire.send import Sender
+
+if TYPE_CHECKING:
+    from kvd.config.settings import Config
+    from kvd.paths.auth import Authenticator, Principal
+    from kvd.paths.metrics import Metrics
+    from kvd.store.store import Store
+
+__all__ = [  # the codec's names (kvd.wire.bulk) stay importable from here
+    "CODE_BY_NAME", "CODE_INTERNAL", "CODE_NOT_FOUND", "CODE_OK", "CODE_RESOURCE_EXHAUSTED",
+    "FLAG_CHECKSUM", "FLAG_DURABLE", "FLAG_EXISTED", "MESSAGE_BYTES_MAX", "NAME_BY_CODE",
+    "OPS", "OP_GET", "OP_HELLO", "OP_PUT", "OP_REGION_GET", "OP_REGION_PUT", "REQUEST",
+    "REQUEST_MAGIC", "RESPONSE", "RESPONSE_MAGIC", "TOKEN_BYTES_MAX", "VERSION",
+    "BulkLimits", "BulkServer", "ProtocolError", "Request", "decode_request",
+    "encode_request", "encode_response", "error_code", "recv_into_exact",
+]  # fmt: skip
+
+log = logging.getLogger("kvd.paths.bulk.server")
+
+# Answers queued per connection before its reader pauses: 1024 × 40 bytes of
+# put acknowledgements, or as many pinned gets as bulk_inflight_bytes allows.
+QUEUE_FRAMES_MAX = 1024
+# Answers up to this size skip the queue when nothing is ahead of them. Larger
+# ones go through the writer, so that the reader meanwhile starts the next
+# pipelined get (an L2 read) and a big send may go to a send thread.
+DIRECT_ANSWER_BYTES = 1 << 20
+# Requests one connection serves before letting the others run: buffered
+# frames are read and answered without the reader ever waiting.
+FAIR_SHARE_REQUESTS = 16
+# A failed accept (no descriptor or memory left) is tried again after this.
+ACCEPT_RETRY_S = 0.1
+# Payload of a request answered with an error is read into this and dropped.
+_DISCARD_BYTES = 1 << 20
+
+
+# ---- socket helpers (non-blocking sockets on the event loop) -----------------------------
+async def recv_into_exact(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, hasher: Hasher | None
+) -> None:
+    """Fill ``view``; EOF first is a ProtocolError (a truncated frame)."""
+    pos, size = 0, len(view)
+    while pos < size:
+        try:
+            n = sock.recv_into(view[pos:])
+        except BlockingIOError:
+            n = await loop.sock_recv_into(sock, view[pos:])
+        if n == 0:
+            raise ProtocolError(f"connection ended inside a frame ({pos} of {size} bytes)")
+        if hasher is not None:
+            hasher.update(view[pos : pos + n])
+        pos += n
+
+
+def _buffered(sock: socket.socket) -> int:
+    """Bytes waiting in the socket's receive queue (FIONREAD, ~1 µs)."""
+    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+    return queued
+
+
+@dataclass(frozen=True)
+class BulkLimits:
+    max_connections: int = 256
+    inflight_bytes: int = 64 << 20
+    frame_timeout_s: float = 30.0
+    idle_timeout_s: float = 600.0
+    max_connections_per_peer: int = 64
+    max_unauthenticated: int = 32
+    hello_timeout_s: float = 2.0
+
+    @classmethod
+    def from_config(cls, config: Config) -> BulkLimits:
+        return cls(
+            max_connections=config.bulk_max_connections,
+            inflight_bytes=config.bulk_inflight_bytes,
+            frame_timeout_s=config.bulk_frame_timeout_ms / 1000,
+            idle_timeout_s=config.bulk_idle_timeout_ms / 1000,
+            max_connections_per_peer=config.bulk_max_connections_per_peer,
+            max_unauthenticated=config.bulk_max_unauthenticated,
+            hello_timeout_s=config.bulk_hello_timeout_ms / 1000,
+        )
+
+
+class _Connection:
+    """One client connection: reader and writer tasks, in-order answers."""
+
+    def __init__(self, server: BulkServer, sock: socket.socket, peer: str) -> None:
+        self.slot: Slot | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.server = server
+        self.store = server.store
+        self.sock = sock
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[bytes, Reader | None]] = asyncio.Queue(QUEUE_FRAMES_MAX)
+        self.queued_bytes = 0
+        self.drained = asyncio.Event()
+        self.header = bytearray(REQUEST.size)
+        self.discard = bytearray(0)
+        self.token = b""
+        self.principal: Principal | None = None
+        self.writing = False  # the writer is sending an answer
+
+    async def serve(self) -> None:
+        writer = asyncio.create_task(self._write_loop())
+        reader = asyncio.create_task(self._read_loop())
+        reason = ""
+        try:
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if isinstance(exc, ProtocolError | TimeoutError | OSError):
+                    reason = f"{type(exc).__name__}: {exc}"
+                elif exc is not None:
+                    raise exc
+            if reader in done and not reason:
+                await self.queue.put((b"", None))  # clean EOF: flush answers, then close
+                await asyncio.wait_for(writer, self.server.limits.frame_timeout_s)
+        except (ProtocolError, TimeoutError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            # Both end before this task does (then _end runs), even if stop() cancels it here.
+            await settle([reader, writer])
+        if reason:
+            log.warning("bulk connection closed", extra={"peer": self.peer, "reason": reason})
+
+    def push_out(self) -> None:
+        """Closed to admit a newer connection (this one has not sent its HELLO)."""
+        if self.task is not None:
+            self.task.cancel()
+        log.warning(
+            "bulk connection closed",
+            extra={
+                "peer": self.peer,
+                "reason": "no HELLO yet, "
+                "pushed out by a newer connection (bulk_max_unauthenticated)",
+            },
+        )
+
+    def _end(self, _task: asyncio.Task[None]) -> None:
+        """Once the connection's task ended, however (even cancelled before it ran)."""
+        while not self.queue.empty():
+            _, reader = self.queue.get_nowait()
+            if reader is not None:
+                reader.close()
+        if self.slot is not None:
+            self.server.admission.release(self.slot)
+        self.sock.close()
+
+    # ---- reading ---------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        limits = self.server.limits
+        try:
+            async with asyncio.timeout(limits.hello_timeout_s):
+                hello = await self._next_request(limits.hello_timeout_s)
+        except TimeoutError:
+            raise ProtocolError(f"no HELLO within {limits.hello_timeout_s:g} s") from None
+        if hello is None:
+            return
+        if hello[0].op != OP_HELLO:
+            raise ProtocolError("the first frame must be HELLO")
+        if not await self._hello(hello[0]):
+            return  # refused: the answer is flushed, then the connection closes
+        if self.slot is not None:
+            self.server.admission.authenticated(self.slot)
+        for served in itertools.count(1):
+            if served % FAIR_SHARE_REQUESTS == 0:
+                await asyncio.sleep(0)  # buffered requests never wait: let others run
+            got = await self._next_request(limits.idle_timeout_s)
+            if got is None:
+                return
+            request, tail = got
+            if request.op == OP_PUT:
+                async with asyncio.timeout(limits.frame_timeout_s):
+                    answer = await self._put(request, tail)
+                if answer:
+                    await self._answer(answer)
+            elif request.op == OP_GET:
+                await self._get(request, tail)
+            else:
+                raise ProtocolError("HELLO sent twice")
+
+    async def _next_request(self, wait_s: float) -> tuple[Request, bytes] | None:
+        """The next header and its variable fields; None on EOF between frames."""
+        view = memoryview(self.header)
+        try:
+            first = self.sock.recv_into(view)
+        except BlockingIOError:
+            first = await asyncio.wait_for(self.loop.sock_recv_into(self.sock, view), wait_s)
+        if first == 0:
+            return None
+        async with asyncio.timeout(self.server.limits.frame_timeout_s):
+            await recv_into_exact(self.loop, self.sock, view[first:], None)
+            request = decode_request(self.header, self.store.limits.max_value_bytes)
+            tail = bytearray(request.tail_bytes)
+            await recv_into_exact(self.loop, self.sock, memoryview(tail), None)
+            if request.op == OP_HELLO:
+                token = bytearray(request.length)
+                await recv_into_exact(self.loop, self.sock, memoryview(token), None)
+                self.token = bytes(token)
+        return request, bytes(tail)
+
+    async def _hello(self, request: Request) -> bool:
+        """Answer HELLO; with auth, only a known token gets CODE_OK (and the connection)."""
+        token, self.token = self.token, b""
+        auth = self.server.auth
+        if auth is not None:
+            try:
+                try:
+                    text = token.decode()
+                except UnicodeDecodeError:
+                    text = ""
+                self.principal = auth.authenticate(text)
+            except KvdError as exc:
+                self.server.metrics.refused(exc.code_name, "bulk_hello", str(exc))
+                answer = encode_response(
+                    OP_HELLO, request.request_id, error_code(exc), message=str(exc)
+                )
+                await self._answer(answer)
+                return False
+        await self._answer(encode_response(OP_HELLO, request.request_id))
+        return True
+
+    def _authorize(self, namespace: str) -> None:
+        auth = self.server.auth
+        if auth is not None:
+            assert self.principal is not None, "HELLO authenticates before any request"
+            auth.authorize(self.principal, namespace, admin=False)
+
+    async def _put(self, request: Request, tail: bytes) -> bytes | None:
+        """The answer to a PUT; None where it was sent before the payload was
+        dropped (refused: the client learns it without waiting for its send)."""
+        ns, key, parent, meta = split_tail(request, tail)
+        checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
+        try:
+            self._authorize(ns)
+            if _buffered(self.sock) >= request.length:  # all arrived: pages at once, no extra turn
+                ticket = await self.store.begin_put(
+                    ns, key, request.length, meta, parent or None, checksum
+                )
+            else:
+                ticket = self.store.begin_upload(
+                    ns, key, request.length, meta, parent or None, checksum
+                )
+        except KvdError as exc:
+            self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
+            await self._answer(
+                encode_response(OP_PUT, request.request_id, error_code(exc), message=str(exc))
+            )
+            await self._discard(request.length)
+            return None
+        if isinstance(ticket, PutResult):
+            await self._discard(request.length)
+            return encode_response(
+                OP_PUT, request.request_id, flags=FLAG_EXISTED, checksum=ticket.checksum
+            )
+        try:
+            hasher = Hasher()
+            if ticket.upload:
+                try:
+                    await self._receive_upload(ticket, hasher)
+                except KvdError as exc:  # no room for what arrived: drop the rest
+                    self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
+                    code = error_code(exc)
+                    await self._answer(
+                        encode_response(OP_PUT, request.request_id, code, message=str(exc))
+                    )
+                    await self._discard(request.length - ticket.covered_bytes)
+                    return None
+            else:
+                for view in ticket.views:
+                    await recv_into_exact(self.loop, self.sock, view, hasher)
+            try:
+                result = await self.store.publish(
+                    ticket, hasher.value(), bool(request.flags & FLAG_DURABLE)
+                )
+            except KvdError as exc:
+                if isinstance(exc, DataLoss):
+                    self.server.metrics.rejected.labels("checksum").inc()
+                return encode_response(
+                    OP_PUT, request.request_id, error_code(exc), message=str(exc)
+                )
+        finally:
+            self.store.abort_put(ticket)
+        self.server.metrics.bytes.labels("bulk_put", "in").inc(request.length)
+        flags = FLAG_EXISTED if result.existed else 0
+        return encode_response(OP_PUT, request.request_id, flags=flags, checksum=result.checksum)
+
+    async def _receive_upload(self, ticket: PutTicket, hasher: Hasher) -> None:
+        """Receive a payload that was not all there, taking pages only for the
+        bytes in the socket's receive queue (recv_into straight into them)."""
+        while ticket.covered_bytes < ticket.size:
+            arrived = _buffered(self.sock)
+            if arrived == 0:
+                await readable(self.loop, self.sock)
+                arrived = _buffered(self.sock)
+                if arrived == 0 and not self.sock.recv(1, socket.MSG_PEEK):
+                    raise ProtocolError(
+                        f"connection ended inside a frame "
+                        f"({ticket.covered_bytes} of {ticket.size} payload bytes)"
+                    )
+                continue
+            left = ticket.size - ticket.covered_bytes
+            views = await self.store.grow_put(ticket, min(arrived, left))
+            for view in views:
+                await recv_into_exact(self.loop, self.sock, view, hasher)
+
+    async def _discard(self, nbytes: int) -> None:
+        if not self.discard:
+            self.discard = bytearray(min(nbytes, _DISCARD_BYTES))
+        view = memoryview(self.discard)
+        while nbytes:
+            take = min(nbytes, len(view))
+            await recv_into_exact(self.loop, self.sock, view[:take], None)
+            nbytes -= take
+
+    async def _get(self, request: Request, tail: bytes) -> None:
+        ns, key, _, _ = split_tail(request, tail)
+        rid = request.request_id
+        try:
+            self._authorize(ns)
+            start = time.perf_counter()
+            reader = await self.store.fetch(ns, key)
+            self.server.metrics.fetched(
+                "bulk_get", TIER_NAMES[reader.tier] if reader else "miss", start
+            )
+        except KvdError as exc:
+            self.server.metrics.refused(exc.code_name, "bulk_get", str(exc))
+            await self._answer(encode_response(OP_GET, rid, error_code(exc), message=str(exc)))
+            return
+        if reader is None:
+            self.server.metrics.misses.labels("bulk_get").inc()
+            await self._answer(encode_response(OP_GET, rid, CODE_NOT_FOUND))
+            return
+        try:
+            if request.length and reader.size > request.length:
+                answer = encode_response(
+                    OP_GET,
+                    rid,
+                    CODE_RESOURCE_EXHAUSTED,
+                    message=f"value of {reader.size} bytes, room for {request.length}",
+                    length=reader.size,
+                )
+                await self._answer(answer)
+                return
+            limit = self.server.limits.inflight_bytes
+            while self.queued_bytes and self.queued_bytes + reader.size > limit:
+                self.drained.clear()
+                await self.drained.wait()
+            header = encode_response(
+                OP_GET, rid, meta=reader.meta, length=reader.size, checksum=reader.checksum
+            )
+            pinned, reader = reader, None  # _answer closes it
+            await self._answer(header, pinned)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    async def _answer(self, header: bytes, reader: Reader | None = None) -> None:
+        """Send an answer (and the value ``reader`` pins, closed once sent) after
+        every earlier one: now, if none waits and it is small, else through the queue."""
+        size = reader.size if reader is not None else 0
+        if self.queue.empty() and not self.writing and size <= DIRECT_ANSWER_BYTES:
+            await self._send(header, reader)
+            return
+        self.queued_bytes += size
+        try:
+            await self.queue.put((header, reader))
+        except BaseException:  # cancelled while the queue was full: unpin here
+            self.queued_bytes -= size
+            if reader is not None:
+                reader.close()
+            raise
+
+    # ---- writing ---------------------------------------------------------------------
+    async def _write_loop(self) -> None:
+        while True:
+            self.writing = False
+            header, reader = await self.queue.get()
+            if not header:
+                return
+            self.writing = True
+            try:
+                await self._send(header, reader)
+            finally:
+                if reader is not None:
+                    self.queued_bytes -= reader.size
+                    self.drained.set()
+
+    async def _send(self, header: bytes, reader: Reader | None) -> None:
+        try:
+            parts = [memoryview(header)]
+            if reader is not None:
+                parts.extend(reader.views)
+            size = reader.size if reader is not None else 0
+            await self.server.sender.send(self.sock, parts, len(header) + size)
+        finally:
+            if reader is not None:
+                reader.close()
+                metrics = self.server.metrics
+                metrics.hits.labels("bulk_get", "l1").inc()
+                metrics.bytes.labels("bulk_get", "out").inc(reader.size)
+
+
+def _refuse(sock: socket.socket, reason: str) -> None:
+    """Answer a HELLO not yet read with RESOURCE_EXHAUSTED and close (best
+    effort: a full socket drops the answer). What the client already sent is
+    read first, so the close is a FIN, not a reset that could discard the answer."""
+    with contextlib.suppress(OSError):
+        sock.send(encode_response(OP_HELLO, 0, CODE_RESOURCE_EXHAUSTED, message=reason))
+        sock.recv(TOKEN_BYTES_MAX + REQUEST.size)
+    sock.close()
+
+
+class BulkServer:
+    """The listener and its connections."""
+
+    def __init__(
+        self,
+        store: Store,
+        limits: BulkLimits,
+        metrics: Metrics,
+        auth: Authenticator | None = None,
+    ) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self.auth = auth
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.admission = Admission(
+            limits.max_connections, limits.max_connections_per_peer, limits.max_unauthenticated
+        )
+        self.sender = Sender(limits.frame_timeout_s)
+        self.port = 0
+
+    @property
+    def connection_count(self) -> int:
+        return len(self._connections)
+
+    async def start(self, host: str, port: int) -> int:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(1024)
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accept_task = asyncio.create_task(self._accept_loop(listener))
+        return self.port
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        # Not loop.sock_accept: cancelled (stop()) as a client connects, it can drop the socket.
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(0)  # after a stall, the backlog's dead connections end meanwhile
+            try:
+                sock, address = listener.accept()
+            except BlockingIOError:
+                await readable(loop, listener)
+                continue
+            except OSError as exc:  # out of descriptors or memory: keep the port, retry
+                log.warning("bulk accept failed", extra={"reason": str(exc)})
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            peer = f"{address[0]}:{address[1]}"
+            sock.setblocking(False)
+            connection = _Connection(self, sock, peer)
+            slot = self.admission.admit(address[0], connection.push_out)
+            if isinstance(slot, str):
+                _refuse(sock, slot)
+                log.warning("bulk connection refused", extra={"peer": peer, "reason": slot})
+                continue
+            connection.slot = slot
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.create_task(connection.serve())
+            connection.task = task
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+            task.add_done_callback(connection._end)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+        tasks = list(self._connections)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        self.sender.close()

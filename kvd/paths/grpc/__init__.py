@@ -1,0 +1,1 @@
+"""The KVStore gRPC service."""

@@ -1,0 +1,1 @@
+"""The same-node shared-memory path: regions, their handlers and the shm socket."""

@@ -1,0 +1,586 @@
+"""gRPC handlers of the same-node shared-memory path, mixed into KVStoreService.
+
+``AttachRegion``/``DetachRegion`` manage regions (``kvd.paths.shm.regions``);
+``PutFromRegion``/``GetIntoRegion`` move a batch of values between a region
+and the pool with one RPC. Per item: pin (a ticket or a reader) on the event
+loop, copy on a worker thread, publish or check the checksum back on the loop.
+Items fail alone (a per-item status); only a bad region fails the whole call.
+A get of a value only on L2 reads it straight into the region when
+``shm_l2_direct_min_bytes`` is set and the value is whole 4 KiB blocks of
+at least that size (``_l2_direct``); others are promoted into L1 and
+copied, the batch's L2 reads in one ``L2Tier.read_many`` call
+(``_fetch_batched``: an engine restores a chain with one batch get).
+Direct reads are off by default: on the development VM direct reads into
+4 KiB shared-memory pages ran at 1.0-1.1 GB/s, reads through L1's huge
+pages at 1.2-1.5 GB/s. The same handlers serve the shm socket (``kvd.paths.shm.channel``)
+through ``get_into_region``, ``get_now`` and ``put_from_region``.
+
+Batches under ``INLINE_COPY_BYTES`` copy on the event loop thread: handing a
+64 KiB copy (~6 µs) to a thread costs ~50 µs of wake-ups. So do batches up
+to ``IDLE_INLINE_COPY_BYTES`` when no other request is in flight, or on a
+machine without cores to spare (``kvd.util.cpus``). Larger batches go to
+``COPY_THREADS`` workers, one group of items per worker; a value of
+``SPLIT_COPY_BYTES`` or more is copied by several workers in slices.
+
+``AttachRegion`` by file name is refused: regions are sealed memfds passed
+on the shm socket (``kvd.paths.shm.regions``). Region calls over gRPC carry no peer
+credentials; they are bound to the token's principal (and the region's
+secret token) only.
+
+``DescribePaths`` tells clients which fast paths this daemon offers, and
+who serves the shm socket (uid, pid, pid namespace) so that a client can
+check its peer before it sends a token there;
+``kvd.daemon.fast_paths`` starts and stops what serves them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvd.l2.format import BLOCK_BYTES
+from kvd.paths.auth import Authenticator, check_grpc, grpc_principal, request_scope
+from kvd.paths.metrics import Metrics
+from kvd.paths.shm.jobs import (
+    CODES,
+    CopyJob,
+    all_done,
+    batch_response,
+    existed_result,
+    grouped,
+    hash_job,
+    is_late,
+    item_status,
+    late_result,
+    run_jobs,
+)
+from kvd.paths.shm.regions import (
+    AttachRefused,
+    Caller,
+    Region,
+    RegionRegistry,
+    copy_slices,
+    copy_span,
+)
+from kvd.store.store import TIER_NAMES, PutResult, PutTicket, Reader, Store
+from kvd.util.aio import settle
+from kvd.util.cpus import OFFLOAD, WORKER_THREADS
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.errors import DataLoss, DeadlineExceeded, InvalidArgument, KvdError, Unavailable
+from kvd.wire.shm import pid_namespace
+
+if TYPE_CHECKING:
+    from kvd.paths.grpc.service import InflightBytes, ServiceLimits
+
+INLINE_COPY_BYTES = 256 << 10
+# When no other request is in flight, batches up to this size copy on the
+# loop too: the hand-off to a worker and back cost ~0.19 ms per 4 MiB get
+# here (server time 0.41 vs 0.60 ms), and a newly arriving request waits at
+# most one such copy (~0.6 ms for 8 MiB).
+IDLE_INLINE_COPY_BYTES = 8 << 20
+# kvd.util.cpus: two copy threads on a small machine (they saturate its memory
+# bandwidth, one numpy copy moving ~12 GB/s), up to 8 on a many-core server,
+# which copies for many clients at once.
+COPY_THREADS = WORKER_THREADS
+# A value this large, in a batch of fewer values than copy threads, is copied
+# by several threads at once in slices, then hashed in one pass while it is
+# still in cache: one thread copying and hashing it moves ~5 GB/s on a server
+# core, so alone it is the batch's bottleneck.
+SPLIT_COPY_BYTES = 16 << 20
+BULK_PROTOCOL_VERSION = 1
+
+
+_PID_NS = pid_namespace()
+
+Handler = Callable[[Any, Any, Any], Awaitable[Any]]
+
+
+def _rpc(op: str) -> Callable[[Handler], Handler]:
+    """Counts and times a handler; maps typed errors to status codes."""
+
+    def wrap(fn: Handler) -> Handler:
+        async def handler(self: RegionHandlers, request: Any, context: Any) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            self.inflight.requests += 1
+            try:
+                namespace, admin = request_scope(request)
+                check_grpc(self.auth, context, namespace, admin=admin)
+                return await fn(self, request, context)
+            except KvdError as exc:
+                code = exc.code_name
+                self.metrics.refused(code, op, str(exc))
+                await context.abort(grpc.StatusCode[exc.code_name], str(exc))
+            except BaseException:
+                code = "CANCELLED"
+                raise
+            finally:
+                self.inflight.requests -= 1
+                self.metrics.requests.labels(op, code).inc()
+                self.metrics.latency.labels(op).observe(time.perf_counter() - start)
+
+        handler.__name__ = fn.__name__
+        handler.__doc__ = fn.__doc__
+        return handler
+
+    return wrap
+
+
+class RegionHandlers:
+    """The region RPCs; KVStoreService inherits them and provides the attributes below."""
+
+    store: Store
+    metrics: Metrics
+    inflight: InflightBytes
+    limits: ServiceLimits
+    auth: Authenticator | None = None
+    regions: RegionRegistry | None = None
+    bulk_port: int = 0
+    shm_socket: str = ""
+    l2_direct_min_bytes: int = 0  # the shm_l2_direct_min_bytes setting; 0: off
+    _copy_pool: ThreadPoolExecutor | None = None
+
+    def enable_fast_paths(self, regions: RegionRegistry | None, bulk_port: int) -> None:
+        """Called by the daemon at start, once the shm directory and bulk port exist."""
+        self.regions = regions
+        self.bulk_port = bulk_port
+        if regions is not None and self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvd-copy")
+
+    def close_fast_paths(self) -> None:
+        if self.regions is not None:
+            self.regions.close()
+            self.regions = None
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
+
+    def _grpc_caller(self, context: Any) -> Caller:
+        """A gRPC caller has no peer credentials: its token's principal only."""
+        return Caller(None, principal=grpc_principal(self.auth, context))
+
+    def attach_region(self, fd: int, size: int, caller: Caller) -> Region:
+        """Attach the memfd ``fd`` a shm socket peer passed (owned from now on)."""
+        if self.regions is None:
+            os.close(fd)
+        return self._registry().attach(fd, size, caller)
+
+    def _registry(self) -> RegionRegistry:
+        if self.regions is None:
+            raise Unavailable("this daemon has no shared-memory path (shm_dir unusable)")
+        return self.regions
+
+    def _copies_on_loop(self, total: int, others: int) -> bool:
+        """Whether ``total`` bytes copy on the loop, ``others`` requests in flight."""
+        alone = (others == 0 or not OFFLOAD) and total <= IDLE_INLINE_COPY_BYTES
+        return total < INLINE_COPY_BYTES or alone or self._copy_pool is None
+
+    async def _copy(self, jobs: list[CopyJob], to_pages: bool) -> None:
+        total = sum(len(job.span) for job in jobs)
+        pool = self._copy_pool
+        if pool is None or self._copies_on_loop(total, self.inflight.requests - 1):
+            run_jobs(jobs, to_pages)
+            return
+        copies = asyncio.ensure_future(self._copy_on_threads(pool, jobs, to_pages))
+        # A cancelled call must not unpin pages that a worker still copies
+        # to or from: they could be handed to another value meanwhile.
+        await settle([copies])
+        copies.result()
+
+    @staticmethod
+    async def _copy_on_threads(
+        pool: ThreadPoolExecutor, jobs: list[CopyJob], to_pages: bool
+    ) -> None:
+        # A value under SPLIT_COPY_BYTES stays on one thread: two threads
+        # copying halves of one 4 MiB value were slower here than one (12.8
+        # vs 18.1 GB/s).
+        loop = asyncio.get_running_loop()
+        if len(jobs) < COPY_THREADS and max(len(job.span) for job in jobs) >= SPLIT_COPY_BYTES:
+            parts = COPY_THREADS // len(jobs)
+            await all_done(
+                loop.run_in_executor(pool, copy_span, job.views, job.span, lo, hi, to_pages, None)
+                for job in jobs
+                for lo, hi in copy_slices(len(job.span), parts)
+            )
+            await all_done(loop.run_in_executor(pool, hash_job, job, to_pages) for job in jobs)
+            return
+        await all_done(
+            loop.run_in_executor(pool, run_jobs, group, to_pages)
+            for group in grouped(jobs, COPY_THREADS)
+        )
+
+    # ---- regions -------------------------------------------------------------------
+    @_rpc("attach_region")
+    async def AttachRegion(
+        self, request: pb.AttachRegionRequest, context: Any
+    ) -> pb.AttachRegionResponse:
+        raise AttachRefused(
+            "regions are attached on the shm socket, as a sealed memfd passed with "
+            "SCM_RIGHTS; the daemon does not open region files by name"
+        )
+
+    @_rpc("detach_region")
+    async def DetachRegion(
+        self, request: pb.DetachRegionRequest, context: Any
+    ) -> pb.DetachRegionResponse:
+        self._registry().detach(request.region_id, request.token, self._grpc_caller(context))
+        return pb.DetachRegionResponse()
+
+    @_rpc("describe_paths")
+    async def DescribePaths(
+        self, request: pb.DescribePathsRequest, context: Any
+    ) -> pb.DescribePathsResponse:
+        regions = self.regions
+        if regions is None or not self.shm_socket:
+            return pb.DescribePathsResponse(bulk_port=self.bulk_port)
+        return pb.DescribePathsResponse(
+            shm_dir=os.path.dirname(self.shm_socket),
+            max_region_bytes=regions.limits.max_region_bytes,
+            max_regions_per_client=regions.limits.max_regions_per_client,
+            bulk_port=self.bulk_port,
+            regions_attached=regions.count,
+            bulk_version=BULK_PROTOCOL_VERSION if self.bulk_port else 0,
+            shm_socket=self.shm_socket,
+            daemon_uid=os.geteuid(),
+            daemon_pid=os.getpid(),
+            daemon_pid_ns=_PID_NS,
+            daemon_clock_ns=time.monotonic_ns(),
+        )
+
+    def _check_batch(self, count: int) -> None:
+        if count > self.limits.max_batch_items:
+            raise InvalidArgument(
+                f"{count} items in one batch, max_batch_items={self.limits.max_batch_items}"
+            )
+
+    # ---- put -----------------------------------------------------------------------
+    @_rpc("shm_put")
+    async def PutFromRegion(
+        self, request: pb.PutFromRegionRequest, context: Any
+    ) -> pb.RegionBatchResponse:
+        return await self.put_from_region(request, self._grpc_caller(context))
+
+    async def put_from_region(
+        self, request: pb.PutFromRegionRequest, caller: Caller
+    ) -> pb.RegionBatchResponse:
+        """The batch put itself, once the caller is authorized (gRPC or the shm socket)."""
+        self._check_batch(len(request.items))
+        registry = self._registry()
+        region = registry.checked(request.region_id, request.token, caller)
+        if is_late(request.deadline_ns):
+            raise DeadlineExceeded("a region put that arrived past the client's deadline")
+        results: list[pb.RegionItemResult | None] = [None] * len(request.items)
+        tickets: list[PutTicket] = []
+        jobs: list[CopyJob] = []
+        registry.enter(region)
+        try:
+            previous: bytes | None = None
+            for i, item in enumerate(request.items):
+                parent = item.parent or (previous if request.chained else None)
+                previous = item.key
+                try:
+                    begun = await self._begin_put(region, request.namespace, item, parent, i)
+                except KvdError as exc:
+                    results[i] = item_status(exc)
+                    continue
+                if isinstance(begun, pb.RegionItemResult):
+                    results[i] = begun
+                    continue
+                tickets.append(begun[0])
+                jobs.append(begun[1])
+            await self._copy(jobs, to_pages=True)
+            if is_late(request.deadline_ns):
+                # The client stopped waiting while the bytes were copied, and
+                # may have put others there since: nothing copied is stored.
+                self._refuse_late("shm_put", jobs, results)
+            else:
+                for job, ticket in zip(jobs, tickets, strict=True):
+                    results[job.index] = await self._publish(ticket, job, request.durable)
+        finally:
+            for ticket in tickets:
+                self.store.abort_put(ticket)
+            for job in jobs:
+                self.inflight.release(job.held_bytes)
+            registry.leave(region)
+        return batch_response(results)
+
+    async def _begin_put(
+        self, region: Region, ns: str, item: pb.RegionItem, parent: bytes | None, index: int
+    ) -> pb.RegionItemResult | tuple[PutTicket, CopyJob]:
+        span = region.span(item.offset, item.length)
+        checksum = item.checksum if item.HasField("checksum") else None
+        ticket = await self.store.begin_put(ns, item.key, item.length, item.meta, parent, checksum)
+        if isinstance(ticket, PutResult):
+            return existed_result(ticket, item)
+        try:
+            self.inflight.acquire(item.length)
+        except KvdError:
+            self.store.abort_put(ticket)
+            raise
+        return ticket, CopyJob(index, span, ticket.views, item.length)
+
+    async def _publish(self, ticket: PutTicket, job: CopyJob, durable: bool) -> pb.RegionItemResult:
+        try:
+            result = await self.store.publish(ticket, job.checksum, durable)
+        except KvdError as exc:
+            return item_status(exc)
+        return self._stored(ticket, result)
+
+    def _refuse_late(
+        self, op: str, jobs: list[CopyJob], results: list[pb.RegionItemResult | None]
+    ) -> None:
+        what = "a copy out of the region that ended" if op == "shm_put" else "a copy to start"
+        for job in jobs:
+            results[job.index] = late_result(what)
+        self.metrics.refused("DEADLINE_EXCEEDED", op, f"{len(jobs)} copies past the deadline")
+
+    def _stored(self, ticket: PutTicket, result: PutResult) -> pb.RegionItemResult:
+        self.metrics.bytes.labels("shm_put", "in").inc(ticket.size)
+        return pb.RegionItemResult(
+            size=ticket.size, checksum=result.checksum, existed=result.existed
+        )
+
+    def put_now(
+        self,
+        region_id: int,
+        token: bytes,
+        ns: str,
+        item: pb.RegionItem,
+        durable: bool,
+        caller: Caller,
+        deadline_ns: int = 0,
+    ) -> pb.RegionItemResult | None:
+        """A one-item ``put_from_region`` that needs no waiting, or None when it
+        would (a durable put, a copy for threads, room only after write-back)
+        or the item is bad: the batch put then answers. Like ``get_now``."""
+        if durable or not self._copies_on_loop(item.length, self.inflight.requests):
+            return None
+        region = self._registry().checked(region_id, token, caller)
+        if not region.holds(item.offset, item.length) or is_late(deadline_ns):
+            return None  # the batch put words the error
+        checksum = item.checksum if item.HasField("checksum") else None
+        try:
+            ticket = self.store.begin_put_now(
+                ns, item.key, item.length, item.meta, item.parent or None, checksum
+            )
+        except KvdError as exc:
+            return item_status(exc)
+        if ticket is None or isinstance(ticket, PutResult):
+            return None if ticket is None else existed_result(ticket, item)
+        try:
+            self.inflight.acquire(item.length)
+        except KvdError as exc:
+            self.store.abort_put(ticket)
+            return item_status(exc)
+        job = CopyJob(0, region.span(item.offset, item.length), ticket.views, item.length)
+        try:
+            run_jobs([job], to_pages=True)
+            if is_late(deadline_ns):
+                results: list[pb.RegionItemResult | None] = [None]
+                self._refuse_late("shm_put", [job], results)
+                assert results[0] is not None
+                return results[0]
+            try:
+                result = self.store.publish_now(ticket, job.checksum)
+            except KvdError as exc:
+                return item_status(exc)
+            return self._stored(ticket, result)
+        finally:
+            self.store.abort_put(ticket)  # nothing, once published
+            self.inflight.release(item.length)
+
+    # ---- get -----------------------------------------------------------------------
+    @_rpc("shm_get")
+    async def GetIntoRegion(
+        self, request: pb.GetIntoRegionRequest, context: Any
+    ) -> pb.RegionBatchResponse:
+        return await self.get_into_region(request, self._grpc_caller(context))
+
+    async def get_into_region(
+        self, request: pb.GetIntoRegionRequest, caller: Caller
+    ) -> pb.RegionBatchResponse:
+        """The batch get itself, once the caller is authorized (gRPC or the shm socket)."""
+        self._check_batch(len(request.items))
+        registry = self._registry()
+        region = registry.checked(request.region_id, request.token, caller)
+        if is_late(request.deadline_ns):
+            raise DeadlineExceeded("a region get that arrived past the client's deadline")
+        results: list[pb.RegionItemResult | None] = [None] * len(request.items)
+        readers: list[Reader] = []
+        jobs: list[CopyJob] = []
+        registry.enter(region)
+        try:
+            batched = await self._fetch_batched(region, request.namespace, request.items)
+            readers += [r for r in batched.values() if r is not None]
+            for i, item in enumerate(request.items):
+                if is_late(request.deadline_ns):
+                    results[i] = late_result("a get that would start")
+                    continue
+                try:
+                    if i in batched:
+                        reader = batched[i]
+                    else:
+                        direct = await self._l2_direct(region, request.namespace, item)
+                        if direct is not None:
+                            results[i] = direct
+                            continue
+                        reader = await self._open(region, request.namespace, item)
+                        if reader is not None:
+                            readers.append(reader)
+                except KvdError as exc:
+                    results[i] = item_status(exc)
+                    continue
+                if reader is None:
+                    self.metrics.misses.labels("shm_get").inc()
+                    results[i] = pb.RegionItemResult(code=CODES["NOT_FOUND"], message="miss")
+                    continue
+                results[i] = self._admit(i, item, reader, region, jobs)
+            if is_late(request.deadline_ns):
+                self._refuse_late("shm_get", jobs, results)  # none of them copied
+            else:
+                await self._copy(jobs, to_pages=False)
+                self._check_copies(jobs, results)
+        finally:
+            for reader in readers:
+                reader.close()
+            for job in jobs:
+                self.inflight.release(job.held_bytes)
+            registry.leave(region)
+        return batch_response(results)
+
+    def get_now(
+        self,
+        region_id: int,
+        token: bytes,
+        ns: str,
+        item: pb.RegionItem,
+        caller: Caller,
+        deadline_ns: int = 0,
+    ) -> pb.RegionItemResult | None:
+        """A one-item ``get_into_region`` that needs no waiting, or None when it
+        would (a value not in L1, a copy for threads) or the item is bad.
+        Nothing runs between the check and the copy, so the value found is
+        the value copied. The shm socket answers a lone get this way."""
+        size = self.store.l1_size(ns, item.key)
+        others = self.inflight.requests  # this get is not counted
+        if size is None or size > item.length or not self._copies_on_loop(size, others):
+            return None
+        region = self._registry().checked(region_id, token, caller)
+        if not region.holds(item.offset, item.length) or is_late(deadline_ns):
+            return None  # the batch get words the error
+        start = time.perf_counter()
+        reader = self.store.open(ns, item.key)
+        assert reader is not None, "l1_size saw it and nothing ran since"
+        self.metrics.fetched("shm_get", "l1", start)
+        jobs: list[CopyJob] = []
+        try:
+            results: list[pb.RegionItemResult | None] = [self._admit(0, item, reader, region, jobs)]
+            run_jobs(jobs, to_pages=False)
+            self._check_copies(jobs, results)
+        finally:
+            reader.close()
+            for job in jobs:
+                self.inflight.release(job.held_bytes)
+        assert results[0] is not None
+        return results[0]
+
+    def _admit(
+        self, index: int, item: pb.RegionItem, reader: Reader, region: Region, jobs: list[CopyJob]
+    ) -> pb.RegionItemResult:
+        """The result of a get whose value is pinned, and its copy job when it fits."""
+        if reader.size > item.length:
+            return pb.RegionItemResult(
+                code=CODES["RESOURCE_EXHAUSTED"],
+                message=f"value of {reader.size} bytes, room for {item.length}",
+                size=reader.size,
+            )
+        try:
+            self.inflight.acquire(reader.size)
+        except KvdError as exc:
+            return item_status(exc)
+        jobs.append(
+            CopyJob(index, region.span(item.offset, reader.size), reader.views, reader.size)
+        )
+        return pb.RegionItemResult(
+            size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=pb.TIER_L1
+        )
+
+    def _check_copies(self, jobs: list[CopyJob], results: list[pb.RegionItemResult | None]) -> None:
+        """Turn a copied get whose bytes do not match the checksum into DATA_LOSS."""
+        for job in jobs:
+            result = results[job.index]
+            assert result is not None
+            if job.checksum != result.checksum:
+                results[job.index] = item_status(
+                    DataLoss("value copied into the region does not match its checksum")
+                )
+                continue
+            self.metrics.hits.labels("shm_get", "l1").inc()
+            self.metrics.bytes.labels("shm_get", "out").inc(job.held_bytes)
+
+    async def _l2_direct(
+        self, region: Region, ns: str, item: pb.RegionItem
+    ) -> pb.RegionItemResult | None:
+        """Read a value that is only on L2 straight into the region, or None
+        when it is not such a value or cannot land there directly: it must
+        be whole O_DIRECT blocks (a size of 4 KiB multiples, at a 4 KiB
+        aligned offset; the region's mapping is page aligned) and at least
+        ``shm_l2_direct_min_bytes``. Other values are promoted into L1."""
+        least = self.l2_direct_min_bytes
+        if not least or item.length < least or item.offset % BLOCK_BYTES:
+            return None
+        record = self.store.l2_only(ns, item.key)
+        if record is None or record.size % BLOCK_BYTES or record.size > item.length:
+            return None
+        if record.size < least:
+            return None
+        span = region.span(item.offset, record.size)
+        self.inflight.acquire(record.size)
+        start = time.perf_counter()
+        try:
+            read = await self.store.read_l2_into(record, span.data)
+        finally:
+            self.inflight.release(record.size)
+        self.metrics.fetched("shm_get", "l2" if read else "miss", start)
+        if not read:
+            self.metrics.misses.labels("shm_get").inc()
+            return pb.RegionItemResult(code=CODES["NOT_FOUND"], message="miss")
+        self.metrics.hits.labels("shm_get", "l2").inc()
+        self.metrics.bytes.labels("shm_get", "out").inc(record.size)
+        return pb.RegionItemResult(
+            size=record.size, checksum=record.checksum, meta=record.meta, tier=pb.TIER_L2
+        )
+
+    async def _fetch_batched(
+        self, region: Region, ns: str, items: Sequence[pb.RegionItem]
+    ) -> dict[int, Reader | None]:
+        """The values of a batch that are only on L2, read into L1 in one
+        ``read_many`` call (``Store.fetch_many``), by item index. Left out:
+        items that may go straight into the region (``_l2_direct``) and
+        items whose room is not inside it (``_open`` words the error)."""
+        if len(items) < 2:
+            return {}
+        least = self.l2_direct_min_bytes
+        indices = [
+            i for i, item in enumerate(items)
+            if (not least or item.length < least or item.offset % BLOCK_BYTES)
+            and region.holds(item.offset, item.length)
+        ]  # fmt: skip
+        start = time.perf_counter()
+        found = await self.store.fetch_many(ns, [items[i].key for i in indices])
+        for reader in found.values():
+            self.metrics.fetched("shm_get", "l2" if reader else "miss", start)
+        return {indices[j]: reader for j, reader in found.items()}
+
+    async def _open(self, region: Region, ns: str, item: pb.RegionItem) -> Reader | None:
+        region.span(item.offset, item.length)  # the room must lie inside the region
+        start = time.perf_counter()
+        reader = await self.store.fetch(ns, item.key)
+        self.metrics.fetched("shm_get", TIER_NAMES[reader.tier] if reader else "miss", start)
+        return reader

@@ -1,0 +1,1 @@
+"""L1 replacement policies: LRU, chain-aware LRU, S3-FIFO, hazard and density."""

@@ -1,0 +1,404 @@
+"""The ``density`` eviction policy: each block kept for a retention learned
+per class of block reference, from how long such references wait for the
+block's next reference (hit density per class, as in LHD, applied as
+deadlines).
+
+Where ``hazard`` learns per conversation turn (a turn is reused when a later
+chain continues it), ``density`` learns per block: a block is reused when
+any later lookup's chain holds it, whoever asks. A document re-read by many
+questions, a tool prompt under every agent step, a conversation's next turn
+and a one-shot batch request are the same kind of event to it, so no
+workload needs a model of its own.
+
+A reference is one key of a looked-up chain. Its class is
+``gap x count x length``, plus one class for a chain's last block:
+
+* gap: lookups since the block's previous reference, none (first seen) |
+  <= 16 | <= 64 | <= 256 | <= 1024 | more: a short gap is a popular block;
+* count: references of the block so far, this one included, 1 | 2-3 |
+  4-7 | 8+;
+* length: the chain's blocks, <= 16 | <= 64 | more.
+
+A chain's last block is usually partial (the next turn replaces it), so it
+is a class of its own; whether it is re-read is learned like the rest.
+Gap and count are remembered while a block is resident and, after it is
+evicted, in a ghost of at most 4x the blocks tracked.
+
+What it learns. Each reference of class c at lookup ``t`` waits for the
+block's next reference. A ring with a row per lookup and a column per class
+counts the references still waiting; at every lookup the rows that reach a
+log-spaced age edge enter the next age bin, and a reference that ends its
+wait leaves its row and counts a reuse in its bin: a Kaplan-Meier estimate
+of the reuse hazard per class and age. Classes share the pooled hazard's
+shape and differ by a factor (proportional hazards: one factor per feature
+value and a residual per class, each shrunk, as in ``hazard``).
+
+Every 64 lookups it chooses the retentions. Keeping a reference of class c
+for R lookups earns ``H_c(R)`` (its chance of reuse within R) and costs
+``cost_c(R)`` (expected lookups it stays); R_c maximises
+``H_c(R) - lambda * cost_c(R)``, with lambda set by bisection so that the
+planned occupancy (references per lookup x mean cost, summed over classes)
+fills the blocks tracked, and is capped at 4 mean residences (blocks
+tracked / references per lookup). Victims are the earliest deadlines ``t + R_c``
+(ties: the oldest access), chain tails first (kvd.store.eviction.policy's contract).
+
+Without ``on_lookup`` calls the clock never moves, every retention stays 0,
+and blocks go in access order: exactly ``lru``. docs/eviction.md has the
+measurements behind the features and numbers.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.store.eviction.policy import _HEAP_SLACK, K, _ChainPolicy, _Node
+
+# Bucket upper edges (inclusive) per feature; past the last edge is one more
+# bucket. Gap 0 means "no previous reference". Measured on the tuning set
+# (conversation trace at 5 / 10 %, documents at 10 %): gap x new blocks x
+# length 22.74 / 29.39 / 48.17 %; gap x count x length (shipped) 23.04 /
+# 29.57 / 47.99 %; other edges and a fourth feature moved them < 0.3 points
+# (docs/eviction-workloads.md).
+_GAP_EDGES = (0, 16, 64, 256, 1024)
+_COUNT_EDGES = (1, 3, 7)
+_LENGTH_EDGES = (16, 64)
+_GAP_BUCKETS = len(_GAP_EDGES) + 1
+_COUNT_BUCKETS = len(_COUNT_EDGES) + 1
+_LENGTH_BUCKETS = len(_LENGTH_EDGES) + 1
+_PRODUCT = _GAP_BUCKETS * _COUNT_BUCKETS * _LENGTH_BUCKETS
+_LAST = _PRODUCT  # class of a chain's last block
+_CLASSES = _PRODUCT + 1
+_COUNT_MAX = 1 << 20
+# Age bins in lookups: edges int(1.25^j) below 30 000 (43 edges, as
+# ``hazard``'s spacing). The ring keeps one row per lookup, so it must
+# outlast the last edge: 32 768 rows x 73 classes x 4 B = 9.4 MiB.
+_AGE_EDGES: tuple[int, ...] = tuple(sorted({int(1.25**j) for j in range(60) if 1.25**j < 30_000}))
+_BINS = len(_AGE_EDGES)
+_RING = 1 << 15
+assert _AGE_EDGES[-1] < _RING
+# Retentions are recomputed every _REFRESH lookups (a 73 x 43 solve, ~1 ms);
+# counts are halved every _DECAY lookups. Halving every 1024 / 4096 lookups
+# changed the tuning set's hit ratios by < 0.2 points.
+_REFRESH = 64
+_DECAY = 2048
+# Prior weight (references) of each hazard factor, as in ``hazard``.
+_PRIOR_WEIGHT = 20.0
+_FEATURE_ROUNDS = 4
+# Bisection range of log(lambda) and its steps (2^-30 of the range).
+_LOG_LAMBDA = (-20.0, 5.0)
+_BISECT_STEPS = 30
+# Keys announced by lookups and not yet put; oldest dropped past this bound.
+_PENDING_MAX = 1 << 16
+# Chains being put whose latest block is protected until its child arrives.
+_FILLING_MAX = 1024
+_ACCESS_MASK = (1 << 64) - 1
+# Ghost size per block tracked. 1x / 4x / 16x: documents at 10 % 48.23 /
+# 48.22 / 48.03 %, the conversation trace at 5 % 21.45 / 22.16 / 22.13 %
+# (an early variant, measured with the ghost's fields swapped).
+_GHOST_FACTOR = 4
+# No retention beyond this many mean residences (blocks tracked / references
+# per lookup). The plan treats blocks as independent, and a class whose
+# long-age hazard is overestimated (agents' blocks under a shared tool
+# prompt: 0.98 reused, mostly within 16 lookups, then paused agents) got
+# 1 262 lookups and crowded out active chains: agents at 5 %: uncapped
+# 83.24 %, cap 1 / 2 / 4 / 8: 88.00 / 88.01 / 88.13 / 88.36 % (lru 87.97);
+# the conversation trace at 5 %: 23.05 / 20.86 / 22.22 / 23.01 / 23.05 %.
+_RESIDENCE_CAP = 4.0
+_RETENTION_MAX = _AGE_EDGES[-1]
+
+_EDGES = np.array(_AGE_EDGES, dtype=np.float64)
+_WIDTHS = np.diff(np.concatenate([[0.0], _EDGES]))
+_RETENTIONS = np.concatenate([[0.0], _EDGES])  # choice 0 keeps nothing
+_EDGE_TICKS = np.array(_AGE_EDGES[:-1], dtype=np.int64)
+# Edges below each lookup number, up to the last edge (after it: all).
+_EDGES_CROSSED = tuple(bisect_left(_AGE_EDGES[:-1], now) for now in range(_AGE_EDGES[-2] + 1))
+_IDS = np.arange(_CLASSES)
+_ZERO_ROW = array("i", [0]) * _CLASSES
+_COUNT_BUCKET = tuple(bisect_left(_COUNT_EDGES, count) for count in range(_COUNT_EDGES[-1] + 1))
+_COUNT_TOP = len(_COUNT_EDGES)
+_FEATURES: tuple[npt.NDArray[np.int64], ...] = (
+    np.where(_IDS < _PRODUCT, _IDS // (_COUNT_BUCKETS * _LENGTH_BUCKETS), 0),
+    np.where(_IDS < _PRODUCT, (_IDS // _LENGTH_BUCKETS) % _COUNT_BUCKETS, 0),
+    np.where(_IDS < _PRODUCT, _IDS % _LENGTH_BUCKETS, 0),
+    (_IDS == _LAST).astype(np.int64),
+)
+
+# What is remembered of a block's last reference: (class, gap, tick, count,
+# deadline).
+_Reference = tuple[int, int, int, int, int]
+
+
+def reference_class(gap: int, count: int, chain_blocks: int, last: bool) -> int:
+    """Class id of a block reference (0 .. _CLASSES - 1); gap 0: first seen."""
+    if last:
+        return _LAST
+    gap_bucket = bisect_left(_GAP_EDGES, gap)
+    count_bucket = bisect_left(_COUNT_EDGES, count)
+    length_bucket = bisect_left(_LENGTH_EDGES, chain_blocks)
+    return (gap_bucket * _COUNT_BUCKETS + count_bucket) * _LENGTH_BUCKETS + length_bucket
+
+
+class _DensityNode(_Node[K]):
+    __slots__ = ("count", "due", "gap", "klass", "tick")
+
+    def __init__(self, parent: K | None) -> None:
+        super().__init__(parent, 0)
+        self.klass = 0
+        self.gap = 0
+        self.count = 0
+        self.tick = -1  # lookup of the last reference; -1: never looked up
+        self.due = 0  # deadline, in lookups
+
+
+class DensityPolicy(_ChainPolicy[K]):
+    """Deadline = last reference + retention of its class (see module doc)."""
+
+    name = "density"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._now = 0  # lookups seen
+        self._accesses = 0  # orders equal deadlines, oldest access first
+        self._retention = [0] * _CLASSES
+        self._pending: dict[K, _Reference] = {}
+        self._filling: OrderedDict[K, None] = OrderedDict()
+        self._ghost: OrderedDict[K, _Reference] = OrderedDict()
+        # Per-key updates go to flat arrays (an array index costs ~40 ns, a
+        # numpy scalar update ~200 ns); numpy views of the same memory do the
+        # per-lookup and per-refresh vector work.
+        self._ring_tick = array("q", [-1]) * _RING
+        self._ring_flat = array("i", [0]) * (_RING * _CLASSES)
+        self._ring = np.frombuffer(self._ring_flat, dtype=np.int32).reshape(_RING, _CLASSES)
+        self._reused_flat = array("d", [0.0]) * (_CLASSES * _BINS)
+        self._reused = np.frombuffer(self._reused_flat, dtype=np.float64).reshape(_CLASSES, _BINS)
+        self._entered = np.zeros((_CLASSES, _BINS))  # waiting references that reached bin j
+        self._lookups = 0.0  # decayed lookups
+
+    # -- what tests and operators may read ------------------------------------
+
+    def retention(self, klass: int) -> int:
+        """Current retention of a class, in lookups."""
+        return self._retention[klass]
+
+    @property
+    def ghost_len(self) -> int:
+        return len(self._ghost)
+
+    @property
+    def pending_len(self) -> int:
+        return len(self._pending)
+
+    def reuse_share(self, klass: int) -> float:
+        """Reuses / references of a class (decayed); for tests and tuning."""
+        entered = float(self._entered[klass, 0])
+        return float(self._reused[klass].sum()) / entered if entered else 0.0
+
+    # -- EvictionPolicy -------------------------------------------------------
+
+    def on_lookup(self, keys: Sequence[K], hits: int) -> None:
+        self._now += 1
+        now = self._now
+        n = len(keys)
+        # This lookup's row of the ring, counted in place.
+        slot = now & (_RING - 1)
+        row_start = slot * _CLASSES
+        ring = self._ring_flat
+        ring[row_start : row_start + _CLASSES] = _ZERO_ROW
+        self._ring_tick[slot] = now
+        nodes, ghost, pending = self._nodes, self._ghost, self._pending
+        retention = self._retention
+        length_bucket = bisect_left(_LENGTH_EDGES, n)  # one per chain
+        bound = now + _RETENTION_MAX  # the deadline of the block before
+        for position, key in enumerate(keys):
+            node = nodes.get(key)
+            if isinstance(node, _DensityNode):
+                gap = self._ended(node.klass, node.gap, node.tick)
+                count = min(node.count + 1, _COUNT_MAX)
+            else:
+                remembered = ghost.pop(key, None) or pending.get(key)
+                if remembered is None:
+                    gap, count = 0, 1
+                else:
+                    gap = self._ended(remembered[0], remembered[1], remembered[2])
+                    count = min(remembered[3] + 1, _COUNT_MAX)
+            if position == n - 1:
+                klass = _LAST
+            else:  # reference_class, inlined (a call per key is ~10 % of the cost)
+                count_bucket = _COUNT_BUCKET[count] if count < len(_COUNT_BUCKET) else _COUNT_TOP
+                klass = (
+                    bisect_left(_GAP_EDGES, gap) * _COUNT_BUCKETS + count_bucket
+                ) * _LENGTH_BUCKETS + length_bucket
+            ring[row_start + klass] += 1
+            due = now + retention[klass]
+            if klass == _LAST:
+                # The chain's leaf: kept past the block before it, it would
+                # hold that block too (victims are leaves first), and it is
+                # worth nothing without it.
+                due = min(due, bound)
+            bound = due
+            if isinstance(node, _DensityNode):
+                node.klass, node.gap, node.tick, node.count = klass, gap, now, count
+                node.due = due
+                self._accesses += 1
+                node.priority = (due << 64) | self._accesses
+                self._push(key, node)
+            else:
+                pending[key] = (klass, gap, now, count, due)
+        while len(pending) > _PENDING_MAX:
+            del pending[next(iter(pending))]
+        self._close_row()
+        if now % _DECAY == 0:
+            self._decay()
+        if now % _REFRESH == 0:
+            self._refresh()
+
+    def touch(self, key: K) -> None:
+        node = self._nodes.get(key)
+        if isinstance(node, _DensityNode) and node.tick >= 0:
+            # A hit of a looked-up block: its lookup set its deadline and
+            # access order already; another heap entry per hit (the Get
+            # after the Lookup) would only be stale (38 % of all pushes on
+            # the conversation trace).
+            return
+        super().touch(key)
+
+    def _new_node(self, parent: K | None) -> _Node[K]:
+        return _DensityNode(parent)
+
+    def _priority_on_insert(self, key: K, node: _Node[K]) -> float:
+        assert isinstance(node, _DensityNode)
+        announced = self._pending.pop(key, None)
+        if announced is not None:
+            node.klass, node.gap, node.tick, node.count, node.due = announced
+        else:
+            node.klass, node.count = reference_class(0, 1, 2, False), 1
+            node.due = self._now + self._retention[node.klass]
+        if node.parent is not None:
+            self._filling.pop(node.parent, None)  # the parent's chain went on
+        if announced is not None and node.klass != _LAST:
+            self._filling[key] = None
+            while len(self._filling) > _FILLING_MAX:
+                self._filling.popitem(last=False)
+        return self._priority(node.due)
+
+    def _priority_on_touch(self, node: _Node[K]) -> float:
+        assert isinstance(node, _DensityNode)
+        if node.tick < 0:  # never looked up: due from now (LRU without lookups)
+            node.due = self._now + self._retention[node.klass]
+        return self._priority(node.due)
+
+    def _on_remove(self, key: K, node: _Node[K], evicted: bool) -> None:
+        assert isinstance(node, _DensityNode)
+        self._filling.pop(key, None)
+        if evicted and node.tick >= 0:
+            self._ghost[key] = (node.klass, node.gap, node.tick, node.count, node.due)
+            while len(self._ghost) > _GHOST_FACTOR * len(self._nodes) + _HEAP_SLACK:
+                self._ghost.popitem(last=False)
+
+    def victim(self, skip: Callable[[K], bool]) -> K | None:
+        return self._victim_after_filling(self._filling, skip)
+
+    # -- learning -------------------------------------------------------------
+
+    def _priority(self, due: int) -> int:
+        """Heap priority: the deadline in lookups, then the access order (an
+        int, so without lookups this is exactly LRU)."""
+        self._accesses += 1
+        return (due << 64) | self._accesses
+
+    def _ended(self, klass: int, gap: int, tick: int) -> int:
+        """The wait of the reference (class, tick) ends now: take it out of
+        its ring row and count its reuse; returns the gap it waited (0 when
+        it was never looked up), or its previous gap for a second reference
+        within one lookup."""
+        if tick < 0:
+            return 0
+        age = self._now - tick
+        if age == 0:
+            return gap
+        slot = tick & (_RING - 1)
+        if self._ring_tick[slot] == tick and age <= _AGE_EDGES[-1]:
+            self._ring_flat[slot * _CLASSES + klass] -= 1
+            self._reused_flat[klass * _BINS + bisect_left(_AGE_EDGES, age)] += 1.0
+        return age
+
+    def _close_row(self) -> None:
+        """Count this lookup's row; rows that reach an age edge now enter
+        the next bin with the references still waiting in them."""
+        now = self._now
+        self._entered[:, 0] += self._ring[now & (_RING - 1)]
+        self._lookups += 1.0
+        # Every lookup writes its row and the ring outlasts the edges, so
+        # the rows born at now - edge exist for every edge below now.
+        crossing = _EDGES_CROSSED[now] if now < len(_EDGES_CROSSED) else len(_EDGE_TICKS)
+        if crossing:
+            slots = (now - _EDGE_TICKS[:crossing]) & (_RING - 1)
+            self._entered[:, 1 : crossing + 1] += self._ring[slots].T
+
+    def _decay(self) -> None:
+        self._entered *= 0.5
+        self._reused *= 0.5  # a view: halves the flat array in place
+        self._lookups *= 0.5
+
+    def _refresh(self) -> None:
+        if not self._nodes or self._lookups <= 0.0:
+            return
+        hazard = proportional_hazards(self._entered, self._reused, _FEATURES)
+        survival = np.cumprod(1.0 - hazard, axis=1)
+        before = np.concatenate([np.ones((_CLASSES, 1)), survival[:, :-1]], axis=1)
+        zeros = np.zeros((_CLASSES, 1))
+        gain = np.concatenate([zeros, 1.0 - survival], axis=1)
+        cost = np.concatenate([zeros, np.cumsum(before * _WIDTHS, axis=1)], axis=1)
+        scale = self._entered[:, 0] / self._lookups  # references per lookup, per class
+        rows = np.arange(_CLASSES)
+        target = float(len(self._nodes))
+        low, high = _LOG_LAMBDA
+        for _ in range(_BISECT_STEPS):
+            middle = (low + high) / 2.0
+            choice = np.argmax(gain - np.exp(middle) * cost, axis=1)
+            if float((scale * cost[rows, choice]).sum()) > target:
+                low = middle
+            else:
+                high = middle
+        choice = np.argmax(gain - np.exp(high) * cost, axis=1)
+        # Mean residence if every reference took a slot, in lookups.
+        residence = target / max(float(scale.sum()), 1e-9)
+        cap = _RESIDENCE_CAP * residence
+        self._retention = [int(min(r, cap)) for r in _RETENTIONS[choice]]
+
+
+def proportional_hazards(
+    entered: npt.NDArray[np.float64],
+    reused: npt.NDArray[np.float64],
+    features: tuple[npt.NDArray[np.int64], ...],
+) -> npt.NDArray[np.float64]:
+    """Reuse hazard per class and age bin: the pooled hazard times a class
+    factor, the product of one factor per feature value (observed /
+    expected reuses, a few rounds) times the class's own residual; every
+    ratio has _PRIOR_WEIGHT on both sides, so a rare class follows its
+    features and a rare feature value the pooled hazard."""
+    classes, bins = entered.shape
+    pooled_entered = entered.sum(axis=0)
+    pooled = np.divide(
+        reused.sum(axis=0), pooled_entered, out=np.zeros(bins), where=pooled_entered > 0.0
+    )
+    expected = (entered * pooled).sum(axis=1)
+    observed = reused.sum(axis=1)
+    factor = np.ones(classes)
+    for _ in range(_FEATURE_ROUNDS):
+        for feature in features:
+            for value in range(int(feature.max()) + 1):
+                members = feature == value
+                ratio = (float(observed[members].sum()) + _PRIOR_WEIGHT) / (
+                    float((expected[members] * factor[members]).sum()) + _PRIOR_WEIGHT
+                )
+                factor[members] *= ratio
+    factor *= (observed + _PRIOR_WEIGHT) / (factor * expected + _PRIOR_WEIGHT)
+    hazard: npt.NDArray[np.float64] = np.clip(factor[:, None] * pooled[None, :], 0.0, 1.0)
+    return hazard

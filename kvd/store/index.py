@@ -1,0 +1,179 @@
+"""The store's records: what the index holds for each value, and the
+handles given to a put in progress (``PutTicket``) and to a reader
+(``Reader``), with the limits and validation of names and keys.
+
+Pure data: no I/O, no grpc, no metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvd.l1.pool import Run
+from kvd.l2 import L2Record
+from kvd.wire.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvd.store.store import Store
+
+KEY_BYTES_MAX = 64
+META_BYTES_MAX = 4096
+NAMESPACE_BYTES_MAX = 256
+# Bounds the index's per-namespace structures; a namespace is one model
+# layout of one tenant, so thousands is already a large fleet.
+NAMESPACES_MAX = 65536
+
+# Same numbers as kvd.v1.Tier on the wire.
+TIER_L1 = 1
+TIER_L2 = 2
+TIER_NAMES = {TIER_L1: "l1", TIER_L2: "l2"}
+
+PolicyKey = tuple[int, bytes]
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    max_value_bytes: int = 256 << 20
+    max_lookup_keys: int = 4096
+    lease_ms_max: int = 60_000
+    max_leases: int = 65536
+    namespace_l1_quota_bytes: int = 0  # 0: no quota
+    namespace_l2_quota_bytes: int = 0
+    uploads_max_bytes: int = 0  # 0: no cap (the daemon passes its setting)
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One value in L1 (and maybe also on L2: ``l2``)."""
+
+    ns: Namespace
+    key: bytes
+    size: int
+    checksum: int
+    meta: bytes
+    runs: list[Run]
+    parent: bytes | None
+    readers: int = 0
+    leases: int = 0
+    linked: bool = True  # False once unlinked from L1 (evicted or deleted)
+    deleted: bool = False  # unlinked by a delete (not by eviction)
+    dirty: bool = False  # not yet on L2 (only when there is an L2)
+    l2: L2Record | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Namespace:
+    id: int
+    name: str
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+    bytes_stored: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class PutTicket:
+    """Pages reserved for a put in progress; invisible until published."""
+
+    ns_name: str
+    key: bytes
+    size: int
+    meta: bytes
+    parent: bytes | None
+    checksum: int | None
+    runs: list[Run]
+    views: list[memoryview]
+    done: bool = False
+    # A put whose bytes are still arriving (``Store.begin_upload``): its pages
+    # cover the first ``covered_bytes`` of the value, and grow as more arrive.
+    upload: bool = False
+    covered_bytes: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Reader:
+    """A pinned entry being read; ``close()`` unpins it (idempotent)."""
+
+    store: Store
+    entry: Entry
+    views: list[memoryview]
+    tier: int = TIER_L1
+    closed: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.entry.size
+
+    @property
+    def checksum(self) -> int:
+        return self.entry.checksum
+
+    @property
+    def meta(self) -> bytes:
+        return self.entry.meta
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.store._unpin(self.entry)
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    existed: bool
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix_len: int
+    l1_hits: int
+    l2_hits: int
+    lease_id: int
+    lease_ms: int
+
+
+@dataclass
+class StoreCounters:
+    """Plain integers the metrics collector reads at scrape time."""
+
+    hits: int = 0
+    l2_hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_existed: int = 0
+    put_conflicts: int = 0
+    evictions: int = 0
+    eviction_failures: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    l2_reinserted: int = 0
+
+
+def check_namespace(name: str) -> None:
+    if not name:
+        raise InvalidArgument("namespace is empty")
+    if len(name.encode()) > NAMESPACE_BYTES_MAX:
+        raise InvalidArgument(f"namespace longer than {NAMESPACE_BYTES_MAX} bytes")
+    if not name.isprintable():
+        raise InvalidArgument("namespace has non-printable characters")
+
+
+def check_key(key: bytes) -> None:
+    if not key:
+        raise InvalidArgument("key is empty")
+    if len(key) > KEY_BYTES_MAX:
+        raise InvalidArgument(f"key of {len(key)} bytes is longer than {KEY_BYTES_MAX}")
+
+
+def check_put_names(ns_name: str, key: bytes, parent: bytes | None, meta: bytes) -> None:
+    """A put's namespace, key, parent key and meta are within their limits."""
+    check_namespace(ns_name)
+    check_key(key)
+    if parent is not None and len(parent) > KEY_BYTES_MAX:
+        raise InvalidArgument(f"parent key longer than {KEY_BYTES_MAX} bytes")
+    if len(meta) > META_BYTES_MAX:
+        raise InvalidArgument(f"meta of {len(meta)} bytes is over {META_BYTES_MAX}")

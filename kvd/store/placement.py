@@ -1,0 +1,307 @@
+"""Placement between L1 and L2: promotion of an L2 hit into L1 (shared by
+concurrent gets of one key; a batched get's in one ``L2Tier.read_many``
+call, ``fetch_many``), prefetch after a Lookup, explicit eviction,
+rewrites of values whose L2 record was dropped (within write-back's
+credit), and withdrawal of a durable put that failed. A mixin of
+``kvd.store.store.Store``: the store's index and pool are declared here only for
+the type checker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvd.io.backend import IoError
+from kvd.l1.pool import Pool, Run
+from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
+from kvd.store.index import (
+    KEY_BYTES_MAX,
+    TIER_L1,
+    TIER_L2,
+    Entry,
+    Namespace,
+    Reader,
+    StoreCounters,
+    check_key,
+)
+from kvd.wire.errors import ResourceExhausted
+
+if TYPE_CHECKING:
+    from kvd.store.writeback import WriteBack
+
+
+# Keys read from L2 straight into a client's memory that are remembered: a
+# second such get within the last this many promotes the value into L1.
+DIRECT_READS_REMEMBERED = 4096
+# Bytes one ``fetch_many`` reads from L2 in one backend call. A batched get
+# of a chain pins all its values until its copies end either way; this only
+# bounds the pages allocated for reads not yet done. 32 MiB: 512 values of
+# 64 KiB, where the batch's Python work is already per call (kvd bench l2).
+FETCH_BATCH_BYTES_MAX = 32 << 20
+
+
+class L2Placement:
+    pool: Pool
+    l2: L2Tier | None
+    writeback: WriteBack | None
+    counters: StoreCounters
+    _promotions: dict[tuple[str, bytes], asyncio.Future[None]]
+    _direct_reads: OrderedDict[tuple[str, bytes], None]
+    on_miss: Callable[[str, bytes], Awaitable[Reader | None]] | None
+
+    if TYPE_CHECKING:  # defined by Store
+
+        def _l1(self, ns_name: str, key: bytes) -> Entry | None: ...
+        def _namespace(self, name: str) -> Namespace: ...
+        def _link(self, entry: Entry) -> None: ...
+        def _unlink(self, entry: Entry) -> None: ...
+        def _reader(self, entry: Entry, tier: int) -> Reader: ...
+        def _miss(self, ns_name: str) -> None: ...
+        def open(self, ns_name: str, key: bytes) -> Reader | None: ...
+        async def _alloc(self, size: int) -> list[Run]: ...
+        def _alloc_now(self, size: int) -> list[Run] | None: ...
+
+    def peek(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin an L1 value for the daemon's own use: no hit counted, no
+        recency given to the eviction policy (handing a put to its owner)."""
+        entry = self._l1(ns_name, key)
+        if entry is None:
+            return None
+        entry.readers += 1
+        views = self.pool.views(entry.runs, entry.size)
+        return Reader(self, entry, views, TIER_L1)  # type: ignore[arg-type]  # self: the Store
+
+    async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
+
+        Every transport's get starts here. A value held nowhere here goes to
+        ``on_miss`` (the pool asks the key's owner) before it is a miss.
+        """
+        while True:
+            reader = self.open(ns_name, key)
+            if reader is not None:
+                return reader
+            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+            if record is None:
+                remote = await self.on_miss(ns_name, key) if self.on_miss is not None else None
+                if remote is None:
+                    self._miss(ns_name)
+                return remote
+            pending = self._promotions.get((ns_name, key))
+            if pending is None:
+                break
+            # Another get is reading this record: share its read, then look
+            # again (its value may already have left L1 by the time we run).
+            await asyncio.shield(pending)
+        entry = await self._promote(record)
+        if entry is None:
+            self._miss(ns_name)
+            return None
+        return self._reader(entry, TIER_L2)
+
+    async def fetch_many(self, ns_name: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:
+        """``fetch`` for the keys of a batched get whose values are only on
+        L2, read in one ``L2Tier.read_many`` call per ``FETCH_BATCH_BYTES_MAX``.
+
+        Returns, by index into ``keys``, a pinned reader or None for a miss
+        (a failed read: counted and its record dropped, as ``fetch`` does).
+        Indices left out (values in L1, not stored here, being read by
+        another get, a key repeated in the batch, no room in a pool pinned
+        full) go through ``fetch``.
+        """
+        if self.l2 is None:
+            return {}
+        records: list[tuple[int, L2Record]] = []
+        seen: set[bytes] = set()
+        for index, key in enumerate(keys):
+            if not key or len(key) > KEY_BYTES_MAX:
+                continue  # ``fetch`` refuses it, for this item alone
+            if key in seen or (ns_name, key) in self._promotions:
+                continue
+            seen.add(key)
+            if self._l1(ns_name, key) is None and (record := self.l2.lookup(ns_name, key)):
+                records.append((index, record))
+        readers: dict[int, Reader | None] = {}
+        try:
+            while records:
+                taken = await self._promote_some(records, readers)
+                del records[:taken]
+        except ResourceExhausted:
+            pass  # the pool is pinned full: the rest go to ``fetch``, which says so per key
+        except BaseException:
+            for reader in readers.values():
+                if reader is not None:
+                    reader.close()
+            raise
+        return readers
+
+    async def _promote_some(
+        self, records: list[tuple[int, L2Record]], readers: dict[int, Reader | None]
+    ) -> int:
+        """Promote a prefix of ``records`` with one L2 read; its length.
+
+        The first record's pages may wait for eviction; the others' are
+        taken only when free at once, so that no batch waits holding pages.
+        """
+        assert self.l2 is not None
+        loop = asyncio.get_running_loop()
+        batch: list[tuple[int, L2Record, list[Run]]] = []
+        promotions: list[tuple[tuple[str, bytes], asyncio.Future[None]]] = []
+        batch_bytes = taken = 0
+        try:
+            for index, record in records:
+                pk = (record.namespace, record.key)
+                if batch and batch_bytes + record.read_bytes > FETCH_BATCH_BYTES_MAX:
+                    break
+                if pk in self._promotions or not record.live:
+                    # Another get began reading it while this batch waited for
+                    # pages, or it was deleted: ``fetch`` shares or misses.
+                    taken += 1
+                    continue
+                runs = self._alloc_now(record.size) if batch else await self._alloc(record.size)
+                if runs is None:
+                    break
+                done: asyncio.Future[None] = loop.create_future()
+                self._promotions[pk] = done
+                promotions.append((pk, done))
+                batch.append((index, record, runs))
+                batch_bytes += record.read_bytes
+                taken += 1
+            errors = await self.l2.read_many(
+                [(r, self.pool.views(runs, r.read_bytes)) for _, r, runs in batch]
+            )
+            read, batch = batch, []
+            for (index, record, runs), error in zip(read, errors, strict=True):
+                entry = None
+                if error is None:
+                    entry = self._adopt(record, runs)
+                else:
+                    self.pool.free(runs)
+                    self.counters.promotion_failures += 1
+                if entry is None:
+                    self._miss(record.namespace)
+                    readers[index] = None
+                else:
+                    readers[index] = self._reader(entry, TIER_L2)
+            return taken
+        finally:
+            for _, _, runs in batch:  # not read: cancelled, or the backend failed
+                self.pool.free(runs)
+            for pk, done in promotions:
+                del self._promotions[pk]
+                done.set_result(None)
+
+    def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:
+        """The L2 record of a value that is not in L1 and not being read into
+        it, for ``read_l2_into``. None as well for a value read that way
+        recently: read again, it is being reused, and the get promotes it."""
+        check_key(key)
+        if self.l2 is None or (ns_name, key) in self._promotions:
+            return None
+        if self._l1(ns_name, key) is not None:
+            return None
+        if (ns_name, key) in self._direct_reads:
+            del self._direct_reads[(ns_name, key)]
+            return None
+        return self.l2.lookup(ns_name, key)
+
+    async def read_l2_into(self, record: L2Record, dst: memoryview) -> bool:
+        """Read an L2-only value straight into ``dst`` (``record.read_bytes``
+        long, 4 KiB-aligned memory, e.g. a client's shared-memory region),
+        checked against its checksum; L1 is left as it was. False when the
+        read failed: the record is dropped and the get is a miss."""
+        assert self.l2 is not None
+        try:
+            await self.l2.read(record, [dst])
+        except (ChecksumMismatch, IoError):
+            self.counters.promotion_failures += 1
+            self._miss(record.namespace)
+            return False
+        ns = self._namespace(record.namespace)
+        ns.hits += 1
+        self.counters.hits += 1
+        self.counters.l2_hits += 1
+        self.counters.bytes_out += record.size
+        self._direct_reads[(record.namespace, record.key)] = None
+        if len(self._direct_reads) > DIRECT_READS_REMEMBERED:
+            self._direct_reads.popitem(last=False)
+        return True
+
+    async def _prefetch(self, record: L2Record) -> None:
+        if (
+            record.live
+            and self._l1(record.namespace, record.key) is None
+            and (record.namespace, record.key) not in self._promotions
+        ):
+            await self._promote(record)
+
+    async def _promote(self, record: L2Record) -> Entry | None:
+        assert self.l2 is not None
+        done = asyncio.get_running_loop().create_future()
+        self._promotions[(record.namespace, record.key)] = done
+        try:
+            runs = await self._alloc(record.size)
+            try:
+                await self.l2.read(record, self.pool.views(runs, record.read_bytes))
+            except (ChecksumMismatch, IoError):
+                self.pool.free(runs)
+                self.counters.promotion_failures += 1
+                return None
+            except BaseException:
+                self.pool.free(runs)
+                raise
+            return self._adopt(record, runs)
+        finally:
+            del self._promotions[(record.namespace, record.key)]
+            done.set_result(None)
+
+    def _adopt(self, record: L2Record, runs: list[Run]) -> Entry | None:
+        """Link a value read from L2 into ``runs`` into L1 (or free them)."""
+        current = self._l1(record.namespace, record.key)
+        if current is not None or not record.live:
+            # A put landed meanwhile (same bytes, keys are write-once) or a
+            # delete removed the key: use L1's copy, or miss.
+            self.pool.free(runs)
+            return current
+        ns = self._namespace(record.namespace)
+        entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
+                      record.parent or None, l2=record)  # fmt: skip
+        self._link(entry)
+        self.counters.promotions += 1
+        self.counters.l2_hits += 1
+        return entry
+
+    async def _withdraw(self, entry: Entry) -> None:
+        """Take back a put that was not acknowledged: no copy of it stays visible."""
+        if entry.linked:
+            entry.deleted = True
+            self._unlink(entry)
+        if entry.l2 is not None and self.l2 is not None:
+            # The index forgets the record first; the tombstone is best effort
+            # (the disk just failed) and only guards a restart.
+            with contextlib.suppress(IoError):
+                await self.l2.delete_record(entry.l2)
+
+    def evict(self, ns_name: str, key: bytes) -> bool:
+        """Drop a value from L1 now if it is safe on L2 and not pinned (cold reads, tests)."""
+        entry = self._l1(ns_name, key)
+        if entry is None or entry.dirty or entry.l2 is None or entry.readers or entry.leases:
+            return False
+        self._unlink(entry)
+        self.counters.evictions += 1
+        return True
+
+    def _on_l2_drop(self, record: L2Record) -> None:
+        """L2 forgot a record (reclaim, bad checksum): an L1 copy stays in L1,
+        clean (evictable, as before), and is written again if write-back's
+        rewrite credit allows. It is not marked dirty: a dirty value cannot
+        leave L1, and re-queueing every one made each reclaim force the next."""
+        entry = self._l1(record.namespace, record.key)
+        if entry is not None and entry.l2 is record and self.writeback is not None:
+            entry.l2 = None
+            if self.writeback.reinsert(entry):
+                self.counters.l2_reinserted += 1

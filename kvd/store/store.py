@@ -1,0 +1,598 @@
+"""The store: namespaces, the index, leases and placement between L1 and L2.
+
+Every state change happens on the event loop thread that owns the store, so
+nothing here locks. Bytes never pass through this module: a put gets a
+``PutTicket`` whose ``views`` are pool pages to fill, a get gets a ``Reader``
+whose ``views`` are pool pages to send. Both pin their pages: a ticket's
+pages are invisible until ``publish`` links them (a writer that dies half-way
+leaves nothing behind), and a reader's entry cannot be evicted or freed until
+the reader closes (a delete while reading unlinks the key at once and frees
+the pages after the last reader).
+
+Placement: a put lands in L1 and is queued for L2 (``kvd.store.writeback``); a
+durable put returns once its record is on L2 and synced. L1 evicts only
+entries already on L2 (``dirty`` ones wait, unless L2 is failing: then they
+are dropped and counted). A get that misses L1 but hits L2 reads the record
+into fresh pool pages (promotion), verifying its checksum; concurrent gets
+of one key share one read.
+
+A put whose bytes are still arriving (a stream) reserves pages as they
+come instead (``kvd.store.uploads``): nothing is evicted for bytes not yet sent.
+
+Keys are write-once: a second put of a key with the same checksum is a no-op,
+with a different one it is ``AlreadyExists``. Two puts of one key may run at
+once; the first to finish publishes, the second compares checksums.
+
+This module imports neither grpc nor metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any
+
+from kvd.l1.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
+from kvd.l2 import L2Record, L2Tier
+from kvd.store.eviction.policy import EvictionPolicy, make_policy
+from kvd.store.index import (
+    KEY_BYTES_MAX,
+    META_BYTES_MAX,
+    NAMESPACES_MAX,
+    TIER_L1,
+    TIER_L2,
+    TIER_NAMES,
+    Entry,
+    LookupResult,
+    Namespace,
+    PolicyKey,
+    PutResult,
+    PutTicket,
+    Reader,
+    StoreCounters,
+    StoreLimits,
+    check_key,
+    check_namespace,
+    check_put_names,
+)
+from kvd.store.leases import LeaseTable
+from kvd.store.placement import L2Placement
+from kvd.store.prefetch import Prefetcher
+from kvd.store.uploads import Uploads
+from kvd.store.writeback import WriteBack
+from kvd.util import crashpoints
+from kvd.wire.errors import (
+    AlreadyExists,
+    DataLoss,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+
+__all__ = [  # the records live in kvd.store.index; importers may keep using kvd.store.store
+    "KEY_BYTES_MAX", "META_BYTES_MAX", "TIER_L1", "TIER_L2", "TIER_NAMES", "Entry",
+    "LookupResult", "Namespace", "PutResult", "PutTicket", "Reader", "Store", "StoreLimits",
+]  # fmt: skip
+
+
+class Store(L2Placement, Uploads):
+    def __init__(
+        self,
+        pool: Pool,
+        limits: StoreLimits | None = None,
+        policy: EvictionPolicy[Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        l2: L2Tier | None = None,
+    ) -> None:
+        self.pool = pool
+        self.limits = limits or StoreLimits()
+        # Not `policy or ...`: a policy holding nothing has len() 0, so it is falsy.
+        self.policy: EvictionPolicy[Any] = policy if policy is not None else make_policy("lru")
+        self.counters = StoreCounters()
+        self._clock = clock
+        self._namespaces: dict[str, Namespace] = {}
+        self._ns_by_id: dict[int, Namespace] = {}
+        self._ns_ids = itertools.count(1)
+        self.leases = LeaseTable(self.limits.max_leases, clock, self._pin, self._unpin_lease)
+        self.entry_count = 0
+        self.upload_bytes = 0
+        self.l2 = l2
+        self.writeback: WriteBack | None = None
+        self.prefetcher: Prefetcher | None = None
+        self._promotions: dict[tuple[str, bytes], asyncio.Future[None]] = {}
+        self._direct_reads: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        # The pool's hooks (kvd.cluster.router): a miss asks the owner; a put goes to it.
+        self.on_miss: Callable[[str, bytes], Awaitable[Reader | None]] | None = None
+        self.on_put: Callable[[Entry], None] | None = None
+        if l2 is not None:
+            self.writeback = WriteBack(self, l2, clock)
+            l2.on_drop = self._on_l2_drop
+
+    def start(self) -> None:
+        """Start background work (write-back, L2 prefetch); call on the event loop."""
+        if self.writeback is not None:
+            self.writeback.start()
+            self.prefetcher = Prefetcher()
+
+    async def close(self, flush_s: float = 0.0) -> int:
+        """Stop background work after flushing write-back for up to ``flush_s``; values left."""
+        left = 0
+        if self.prefetcher is not None:
+            await self.prefetcher.close()
+        if self.writeback is not None:
+            left = await self.writeback.flush(flush_s) if flush_s > 0 else 0
+            await self.writeback.close()
+        return left
+
+    # ---- namespaces ------------------------------------------------------------
+    def _namespace(self, name: str) -> Namespace:
+        ns = self._namespaces.get(name)
+        if ns is None:
+            check_namespace(name)
+            if len(self._namespaces) >= NAMESPACES_MAX:
+                raise ResourceExhausted(f"more than {NAMESPACES_MAX} namespaces")
+            ns = Namespace(next(self._ns_ids), name)
+            self._namespaces[name] = ns
+            self._ns_by_id[ns.id] = ns
+        return ns
+
+    def namespaces(self) -> list[Namespace]:
+        return list(self._namespaces.values())
+
+    def _l1(self, ns_name: str, key: bytes) -> Entry | None:
+        ns = self._namespaces.get(ns_name)
+        return None if ns is None else ns.entries.get(key)
+
+    def _stored_checksum(self, ns_name: str, key: bytes) -> int | None:
+        entry = self._l1(ns_name, key)
+        if entry is not None:
+            return entry.checksum
+        record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+        return None if record is None else record.checksum
+
+    # ---- put -------------------------------------------------------------------
+    async def begin_put(
+        self,
+        ns_name: str,
+        key: bytes,
+        size: int,
+        meta: bytes = b"",
+        parent: bytes | None = None,
+        checksum: int | None = None,
+    ) -> PutTicket | PutResult:
+        """Reserve pages for a value, or answer at once when the key is stored.
+
+        Returns a ``PutResult(existed=True)`` when the key already holds a value
+        with the given checksum; raises ``AlreadyExists`` when it holds another.
+        """
+        while (begun := self.begin_put_now(ns_name, key, size, meta, parent, checksum)) is None:
+            await self._write_back_progress(size, ns_name)
+        return begun
+
+    def begin_put_now(
+        self,
+        ns_name: str,
+        key: bytes,
+        size: int,
+        meta: bytes = b"",
+        parent: bytes | None = None,
+        checksum: int | None = None,
+    ) -> PutTicket | PutResult | None:
+        """``begin_put`` without waiting: None where room needs write-back first."""
+        existed = self._check_put(ns_name, key, size, meta, parent, checksum)
+        if existed is not None:
+            return existed
+        if not self._l1_quota_room(ns_name, size):
+            return None
+        runs = self._alloc_now(size)
+        if runs is None:
+            return None
+        return PutTicket(
+            ns_name, key, size, meta, parent or None, checksum, runs, self.pool.views(runs, size)
+        )
+
+    def _check_put(
+        self,
+        ns_name: str,
+        key: bytes,
+        size: int,
+        meta: bytes,
+        parent: bytes | None,
+        checksum: int | None,
+    ) -> PutResult | None:
+        """Validate a put; its answer when the key already holds these bytes."""
+        check_put_names(ns_name, key, parent, meta)
+        if size < 0 or size > self.limits.max_value_bytes:
+            raise InvalidArgument(
+                f"value of {size} bytes is over max_value_bytes={self.limits.max_value_bytes}"
+            )
+        if pages_for(size) > self.pool.page_count:
+            raise InvalidArgument(
+                f"value of {size} bytes is larger than the pool ({self.pool.capacity_bytes} bytes)"
+            )
+        if checksum is not None:
+            stored = self._stored_checksum(ns_name, key)
+            if stored is not None:
+                return self._same_or_conflict(stored, checksum)
+        return None
+
+    def _same_or_conflict(self, stored: int, checksum: int) -> PutResult:
+        if stored != checksum:
+            self.counters.put_conflicts += 1
+            raise AlreadyExists("key is stored with different content (keys are write-once)")
+        self.counters.put_existed += 1
+        return PutResult(existed=True, checksum=checksum)
+
+    def finish_put(self, ticket: PutTicket, checksum: int, *, queue: bool = True) -> PutResult:
+        """Link a filled ticket into L1; ``checksum`` is what the bytes received hash to.
+
+        With an L2 the entry is dirty and, with ``queue``, queued for write-back.
+        """
+        assert not ticket.done, "ticket finished twice"
+        assert ticket.covered_bytes == ticket.size or not ticket.upload, "upload not complete"
+        ticket.done = True
+        self._upload_ended(ticket)
+        if ticket.checksum is not None and ticket.checksum != checksum:
+            self.pool.free(ticket.runs)
+            raise DataLoss(
+                f"value hashes to {checksum:#018x}, the put said {ticket.checksum:#018x}"
+            )
+        stored = self._stored_checksum(ticket.ns_name, ticket.key)
+        if stored is not None:
+            self.pool.free(ticket.runs)
+            return self._same_or_conflict(stored, checksum)
+        ns = self._namespace(ticket.ns_name)
+        entry = Entry(
+            ns, ticket.key, ticket.size, checksum, ticket.meta, ticket.runs, ticket.parent
+        )
+        self._link(entry)
+        self.counters.puts += 1
+        self.counters.bytes_in += entry.size
+        if self.writeback is not None:
+            entry.dirty = True
+            if queue:
+                self.writeback.enqueue(entry)
+        if self.on_put is not None:
+            self.on_put(entry)
+        return PutResult(existed=False, checksum=checksum)
+
+    def _link(self, entry: Entry) -> None:
+        ns = entry.ns
+        ns.entries[entry.key] = entry
+        ns.bytes_stored += entry.size
+        self.entry_count += 1
+        parent_pk = (ns.id, entry.parent) if entry.parent else None
+        self.policy.insert((ns.id, entry.key), parent_pk)
+
+    async def publish(self, ticket: PutTicket, checksum: int, durable: bool = False) -> PutResult:
+        """Publish a filled ticket; with ``durable``, return once the value is on L2.
+
+        Every transport (gRPC, shared memory, bulk TCP) ends its puts here. A
+        durable put that cannot reach L2 fails and leaves nothing visible.
+        """
+        if durable and self.writeback is None:
+            self.abort_put(ticket)
+            raise Unavailable("durable put: this daemon has no L2 tier (ssd_path)")
+        if not durable:
+            return self.publish_now(ticket, checksum)
+        result = self.finish_put(ticket, checksum, queue=False)
+        assert self.writeback is not None
+        entry = self._l1(ticket.ns_name, ticket.key)  # None: the key is only on L2
+        try:
+            await self.writeback.make_durable(entry)
+        except BaseException:
+            if entry is not None and not result.existed:
+                await self._withdraw(entry)
+            raise
+        crashpoints.hit("after_publish")
+        return result
+
+    def publish_now(self, ticket: PutTicket, checksum: int) -> PutResult:
+        """``publish`` of a put that is not durable: it needs no waiting."""
+        result = self.finish_put(ticket, checksum)
+        crashpoints.hit("after_publish")
+        return result
+
+    def abort_put(self, ticket: PutTicket) -> None:
+        """Give a ticket's pages back (idempotent; safe after finish_put)."""
+        if not ticket.done:
+            ticket.done = True
+            self._upload_ended(ticket)
+            self.pool.free(ticket.runs)
+
+    async def put(
+        self,
+        ns_name: str,
+        key: bytes,
+        value: bytes | memoryview,
+        meta: bytes = b"",
+        parent: bytes | None = None,
+        checksum: int | None = None,
+        *,
+        hasher: Callable[[bytes | memoryview], int],
+        durable: bool = False,
+    ) -> PutResult:
+        """Whole-value put (batches, tests): reserve, copy, publish."""
+        value = memoryview(value).cast("B")
+        ticket = await self.begin_put(ns_name, key, len(value), meta, parent, checksum)
+        if isinstance(ticket, PutResult):
+            return ticket
+        try:
+            offset = 0
+            for view in ticket.views:
+                view[:] = value[offset : offset + len(view)]
+                offset += len(view)
+        except BaseException:
+            self.abort_put(ticket)
+            raise
+        return await self.publish(ticket, hasher(value), durable)
+
+    # ---- room in L1 ------------------------------------------------------------
+    async def _write_back_progress(self, size: int, ns_name: str = "") -> None:
+        """Wait until write-back unpinned some values; ResourceExhausted when it
+        cannot, naming the namespace's quota or the pool as what is full."""
+        wb = self.writeback
+        if wb is not None and wb.can_make_progress() and await wb.wait_progress():
+            return
+        self.counters.eviction_failures += 1
+        quota = self.limits.namespace_l1_quota_bytes
+        ns = self._namespaces.get(ns_name)
+        if quota and ns is not None and ns.bytes_stored + size > quota:
+            raise ResourceExhausted(
+                f"namespace {ns_name!r} is at its L1 quota ({quota} bytes) and its values are "
+                "pinned by readers, leases or write-back"
+            )
+        raise ResourceExhausted(
+            f"pool full: {pages_for(size)} pages needed, {self.pool.free_pages} free, "
+            "the rest pinned by readers, leases or write-back"
+        )
+
+    def _l1_quota_room(self, ns_name: str, size: int) -> bool:
+        """Room for ``size`` more bytes under the namespace's L1 quota, after
+        evicting what of its own can go at once; False when the rest is pinned."""
+        quota = self.limits.namespace_l1_quota_bytes
+        if not quota:
+            return True
+        if size > quota:
+            raise ResourceExhausted(f"value of {size} bytes is over the namespace's L1 quota")
+        ns = self._namespaces.get(ns_name)
+        while ns is not None and ns.bytes_stored + size > quota:
+            victim = next((e for e in ns.entries.values() if self._evictable(e)), None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    async def _alloc(self, size: int) -> list[Run]:
+        while (runs := self._alloc_now(size)) is None:
+            await self._write_back_progress(size)
+        return runs
+
+    def _alloc_now(self, size: int) -> list[Run] | None:
+        """Pages for ``size`` bytes, after evicting what can go at once; None
+        when too much of the rest is pinned."""
+        self.leases.expire()
+        need = pages_for(size)
+        while self.pool.free_pages < need:
+            if not self._evict_one():
+                return None
+        try:
+            return self.pool.alloc(size)
+        except PoolFull as exc:  # cannot happen after the loop above
+            raise AssertionError(str(exc)) from exc
+
+    def _pinned(self, pk: PolicyKey) -> bool:
+        entry = self._entry_by_pk(pk)
+        return entry is None or not self._evictable(entry)
+
+    def _evictable(self, entry: Entry) -> bool:
+        if entry.readers > 0 or entry.leases > 0:
+            return False
+        # A value not yet on L2 stays, unless L2 is failing (then it is dropped).
+        return not (entry.dirty and self.writeback is not None and self.writeback.healthy)
+
+    def _entry_by_pk(self, pk: PolicyKey) -> Entry | None:
+        ns = self._ns_by_id.get(pk[0])
+        return None if ns is None else ns.entries.get(pk[1])
+
+    def _evict_one(self) -> bool:
+        pk = self.policy.victim(self._pinned)
+        if pk is None:
+            return False
+        entry = self._entry_by_pk(pk)
+        assert entry is not None and entry.readers == 0 and entry.leases == 0, pk
+        self._evict(entry)
+        return True
+
+    def _evict(self, entry: Entry) -> None:
+        if entry.dirty and self.writeback is not None:
+            self.writeback.dropped_unwritten += 1
+        self._unlink(entry)
+        self.counters.evictions += 1
+
+    def _unlink(self, entry: Entry) -> None:
+        """Remove from L1; free the pages unless a reader still holds them."""
+        ns = entry.ns
+        del ns.entries[entry.key]
+        ns.bytes_stored -= entry.size
+        self.entry_count -= 1
+        entry.linked = False
+        self.policy.remove((ns.id, entry.key))
+        if entry.readers == 0:
+            self.pool.free(entry.runs)
+            entry.runs = []
+
+    # ---- get -------------------------------------------------------------------
+    def open(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin an L1 value for reading, or None when it is not in L1."""
+        check_key(key)
+        entry = self._l1(ns_name, key)
+        if entry is None:
+            return None
+        return self._reader(entry, TIER_L1)
+
+    def l1_size(self, ns_name: str, key: bytes) -> int | None:
+        """The size of a value in L1, or None; touches nothing (a get asks
+        it to choose how to copy before it opens the value)."""
+        entry = self._l1(ns_name, key)
+        return None if entry is None else entry.size
+
+    def _reader(self, entry: Entry, tier: int) -> Reader:
+        entry.ns.hits += 1
+        self.counters.hits += 1
+        self.counters.bytes_out += entry.size
+        entry.readers += 1
+        self.policy.touch((entry.ns.id, entry.key))
+        return Reader(self, entry, self.pool.views(entry.runs, entry.size), tier)
+
+    def _miss(self, ns_name: str) -> None:
+        self.counters.misses += 1
+        ns = self._namespaces.get(ns_name)
+        if ns is not None:
+            ns.misses += 1
+
+    def _unpin(self, entry: Entry) -> None:
+        entry.readers -= 1
+        assert entry.readers >= 0, "reader closed twice"
+        if entry.readers == 0 and not entry.linked and entry.runs:
+            self.pool.free(entry.runs)
+            entry.runs = []
+
+    # ---- index queries ---------------------------------------------------------
+    def _has(self, ns_name: str, key: bytes) -> int:
+        """TIER_L1, TIER_L2 or 0."""
+        if self._l1(ns_name, key) is not None:
+            return TIER_L1
+        if self.l2 is not None and self.l2.lookup(ns_name, key) is not None:
+            return TIER_L2
+        return 0
+
+    def exists(self, ns_name: str, keys: Sequence[bytes]) -> list[bool]:
+        self._check_keys(keys)
+        return [self._has(ns_name, key) != 0 for key in keys]
+
+    def lookup(self, ns_name: str, keys: Sequence[bytes], lease_ms: int = 0) -> LookupResult:
+        """Longest stored prefix of a chain; with ``lease_ms`` its values are pinned."""
+        if not keys:
+            raise InvalidArgument("lookup of no keys")
+        self._check_keys(keys)
+        if lease_ms < 0 or lease_ms > self.limits.lease_ms_max:
+            raise InvalidArgument(
+                f"lease_ms={lease_ms} is over lease_ms_max={self.limits.lease_ms_max}"
+            )
+        pins: list[Entry | L2Record] = []
+        l1_hits = 0
+        leading_l1 = 0
+        for key in keys:
+            entry = self._l1(ns_name, key)
+            if entry is not None:
+                l1_hits += 1
+                leading_l1 += leading_l1 == len(pins)
+                self.policy.touch((entry.ns.id, entry.key))
+                pins.append(entry)
+                continue
+            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+            if record is None:
+                break
+            pins.append(record)
+        # The policy learns from how each chain's lookup went (kvd.store.eviction.policy),
+        # the first one of a namespace included.
+        ns = self._namespace(ns_name)
+        self.policy.on_lookup([(ns.id, key) for key in keys], leading_l1)
+        lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
+        if self.prefetcher is not None and l1_hits < len(pins):
+            self.prefetcher.schedule(
+                [partial(self._prefetch, p) for p in pins if isinstance(p, L2Record)]
+            )
+        return LookupResult(
+            len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0
+        )
+
+    def _check_keys(self, keys: Sequence[bytes]) -> None:
+        if len(keys) > self.limits.max_lookup_keys:
+            raise InvalidArgument(
+                f"{len(keys)} keys in one call, max_lookup_keys={self.limits.max_lookup_keys}"
+            )
+        for key in keys:
+            check_key(key)
+
+    # ---- leases ----------------------------------------------------------------
+    def _pin(self, item: Entry | L2Record) -> None:
+        if isinstance(item, Entry):
+            item.leases += 1
+        elif self.l2 is not None:
+            self.l2.pin(item)
+
+    def _unpin_lease(self, item: Entry | L2Record) -> None:
+        if isinstance(item, Entry):
+            item.leases -= 1
+            assert item.leases >= 0
+        elif self.l2 is not None:
+            self.l2.unpin(item)
+
+    def release(self, lease_id: int, ns_name: str | None = None) -> bool:
+        """Drop a lease; False when it expired, was released, or is another namespace's."""
+        if ns_name is not None and self.leases.namespace_of(lease_id) != ns_name:
+            return False
+        return self.leases.release(lease_id)
+
+    @property
+    def active_leases(self) -> int:
+        self.leases.expire()
+        return len(self.leases)
+
+    # ---- delete ----------------------------------------------------------------
+    async def delete(self, ns_name: str, keys: Sequence[bytes]) -> int:
+        self._check_keys(keys)
+        deleted = 0
+        for key in keys:
+            deleted += await self._delete_one(ns_name, key)
+        return deleted
+
+    async def _delete_one(self, ns_name: str, key: bytes) -> int:
+        found = 0
+        entry = self._l1(ns_name, key)
+        if entry is not None:
+            entry.deleted = True
+            self._unlink(entry)
+            found = 1
+        if self.l2 is not None and await self.l2.delete(ns_name, key):
+            found = 1
+        return found
+
+    async def delete_namespace(self, ns_name: str) -> int:
+        ns = self._namespaces.get(ns_name)
+        keys = set(ns.entries) if ns is not None else set()
+        if self.l2 is not None:
+            keys.update(self.l2.keys_of(ns_name))
+        deleted = 0
+        for key in keys:
+            deleted += await self._delete_one(ns_name, key)
+        return deleted
+
+    # ---- stats -----------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Plain integers only: the metrics thread calls this while the loop runs."""
+        values = {
+            **dataclasses.asdict(self.counters),  # hits, misses, puts, evictions, ...
+            "pool_bytes": self.pool.capacity_bytes,
+            "pool_used_bytes": self.pool.used_bytes,
+            "pool_free_bytes": self.pool.free_bytes,
+            "upload_bytes": self.upload_bytes,
+            "page_bytes": PAGE_BYTES,
+            "entries": self.entry_count,
+            "namespaces": len(self._namespaces),
+            "leases_active": len(self.leases),
+            "leases_granted": self.leases.granted,
+            "leases_expired": self.leases.expired,
+            "l2_prefetches": self.prefetcher.started if self.prefetcher is not None else 0,
+        }
+        if self.l2 is not None and self.writeback is not None:
+            values.update(self.l2.stats())
+            values.update(self.writeback.stats())
+        return values

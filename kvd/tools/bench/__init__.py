@@ -1,0 +1,268 @@
+"""``kvd bench``: measurements against the physical ceilings and peers.
+
+Each suite starts what it measures (a kvd daemon in a child process unless
+``--target`` names a running one) and reports every figure as a ratio to a
+ceiling measured in the same run. Results go to ``bench/results/`` as JSON
+and markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvd import __version__
+
+RESULTS_DIR = Path("bench/results")
+# The conversation trace beside the checkout (shared/traces/), for multi-turn runs.
+CONVERSATION_TRACE = (
+    Path(__file__).resolve().parents[4] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
+
+
+def _progress(text: str) -> None:
+    print(f"kvd bench: {text}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "kvd": __version__,
+    }
+
+
+def write_results(suite: str, data: dict[str, Any], table: str, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = out_dir / f"{stamp}-{suite}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.with_suffix(".md").write_text(table + "\n")
+    return path
+
+
+def _grpc(args: argparse.Namespace) -> int:
+    from kvd.tools.bench import grpc_path
+    from kvd.tools.bench.daemon import SpawnedDaemon
+
+    sizes = tuple(int(s) for s in args.sizes) if args.sizes else grpc_path.SIZES_BYTES
+    daemon = None
+    target = args.target
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
+        if not target:
+            daemon = SpawnedDaemon(Path(tmp), [], dram="1GiB", max_value="48MiB", ssd="1GiB")
+            target = daemon.target
+        try:
+            rows = grpc_path.run(target, sizes, _progress)
+        finally:
+            if daemon is not None:
+                daemon.stop()
+    table = grpc_path.markdown(rows)
+    data = {"suite": "grpc", "machine": machine(), "rows": [r.as_dict() for r in rows]}
+    path = write_results("grpc", data, table, Path(args.out))
+    print(table)
+    print(f"\nraw: {path}")
+    return 0
+
+
+def _l2(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from kvd.config.sizes import parse_size
+    from kvd.tools.bench import l2_read, ramdisk
+
+    options = {
+        "blocks_bytes": [parse_size(s) for s in args.sizes] or l2_read.BLOCKS_BYTES,
+        "depths": args.depths or l2_read.DEPTHS,
+        "read_paths": args.paths or l2_read.READ_PATHS,
+        "seconds": args.seconds,
+    }
+    with contextlib.ExitStack() as stack:
+        if args.ramdisk:
+            made = stack.enter_context(
+                ramdisk.ramdisks(args.ramdisk_count, parse_size(args.ramdisk), args.ramdisk_fs)
+            )
+            on_fs = args.ramdisk_fs != "none"
+            target = l2_read.Target.of(made if on_fs else [], [] if on_fs else made)
+            _progress(f"ramdisks: {', '.join(made)}")
+        else:
+            target = l2_read.Target.of([args.dir], args.device)
+        rows = l2_read.run(target, _progress, **options)
+    table = l2_read.markdown(rows)
+    data = {"suite": "l2", "machine": machine(), "rows": [r.as_dict() for r in rows]}
+    path = write_results("l2", data, table, Path(args.out))
+    print(table)
+    print(f"\nraw: {path}")
+    return 0
+
+
+def _paths(args: argparse.Namespace) -> int:
+    import shutil
+
+    from kvd.tools.bench import paths, paths_report
+    from kvd.tools.bench.daemon import SpawnedDaemon
+
+    sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
+    daemon = None
+    # Each daemon its own shm directory: the shm socket lives there, one per daemon.
+    shm_dir, cold_shm_dir = paths.temp_shm_dir(), paths.temp_shm_dir()
+    tcp_target, unix_target = args.target, args.socket_target
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
+        cold_daemon = None
+        if not tcp_target:
+            daemon = SpawnedDaemon(
+                Path(tmp), paths.bench_daemon_args(shm_dir), dram="2GiB", max_value="32MiB",
+                ssd="4GiB", segment="256MiB",
+            )  # fmt: skip
+            tcp_target, unix_target = daemon.target, daemon.socket_target
+            (Path(tmp) / "cold").mkdir()
+            cold_daemon = SpawnedDaemon(
+                Path(tmp) / "cold", paths.bench_daemon_args(cold_shm_dir), dram=paths.COLD_DRAM,
+                max_value="32MiB", ssd=paths.COLD_SSD,
+            )  # fmt: skip
+        try:
+            cold = (cold_daemon.target, cold_daemon.socket_target) if cold_daemon else None
+            rows = paths.run(
+                tcp_target, unix_target, sizes, _progress, peers=not args.no_peers, cold=cold,
+                cold_dir=str(Path(tmp) / "cold") if cold_daemon else None,
+            )  # fmt: skip
+        finally:
+            for spawned in (daemon, cold_daemon):
+                if spawned is not None:
+                    spawned.stop()
+            for directory in (shm_dir, cold_shm_dir):
+                shutil.rmtree(directory, ignore_errors=True)
+    table = paths_report.markdown(rows)
+    data = {
+        "suite": "paths",
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": [r.as_dict() for r in rows],
+        "targets": paths_report.ratios(rows),
+    }
+    path = write_results("paths", data, table, Path(args.out))
+    drawn = paths_report.chart(rows, path.with_suffix(".png"))
+    print(table)
+    print(f"\nraw: {path}" + (f"\nchart: {path.with_suffix('.png')}" if drawn else ""))
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from kvd.tools.bench import engine
+
+    sizes = engine.PROMPT_TOKENS
+    if args.prompt_tokens:
+        sizes = tuple(int(s) for s in args.prompt_tokens)
+    started = time.perf_counter()
+    rows = engine.run(sizes, args.repeats, _progress)
+    table = engine.markdown(rows)
+    data: dict[str, Any] = {"suite": "engine", "machine": machine(), **engine.results(rows)}
+    trace = Path(args.trace) if args.trace else None
+    if trace is not None and trace.exists() and args.turns > 0:
+        from kvd.tools.bench import engine_turns
+        from kvd.tools.bench.engine_proc import find_engine_env
+
+        try:
+            with tempfile.TemporaryDirectory(prefix="kvd-bench-turns-") as tmp:
+                turns = engine_turns.run(find_engine_env(), trace, Path(tmp), args.turns, _progress)
+        except (RuntimeError, OSError) as exc:  # the rows above are kept and written
+            reason = engine.root_cause(str(exc))
+            table += f"\n\nMulti-turn ({trace.name}): failed: {reason}"
+            data["turns"] = {"trace": str(trace), "failed": reason}
+        else:
+            table += f"\n\nMulti-turn ({trace.name}):\n\n" + engine_turns.markdown(turns)
+            data["turns"] = {"trace": str(trace), "rows": [row.as_dict() for row in turns]}
+    data["seconds"] = round(time.perf_counter() - started, 1)
+    path = write_results("engine", data, table, Path(args.out))
+    print(table)
+    print(f"\nraw: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvd bench", description=__doc__)
+    parser.add_argument("--out", default=str(RESULTS_DIR), help="results directory")
+    sub = parser.add_subparsers(dest="suite")
+    grpc_cmd = sub.add_parser("grpc", help="gRPC Put/Get next to a plain echo and memcpy")
+    grpc_cmd.add_argument("--target", default="", help="a running daemon (default: start one)")
+    grpc_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
+    l2_cmd = sub.add_parser("l2", help="L2 cold reads next to fio on the same device")
+    l2_cmd.add_argument("--dir", default="kvd-bench-data", help="work directory on the SSD")
+    l2_cmd.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        help="a block device to read (repeat to stripe); ITS DATA IS OVERWRITTEN",
+    )
+    l2_cmd.add_argument(
+        "--ramdisk",
+        default="",
+        metavar="SIZE",
+        help="make RAM-backed loop devices of SIZE (e.g. 2GiB) for the run (root)",
+    )
+    l2_cmd.add_argument("--ramdisk-count", type=int, default=1, help="how many (striped)")
+    l2_cmd.add_argument(
+        "--ramdisk-fs",
+        default="none",
+        choices=("none", "ext4"),
+        help="read the loop devices raw, or a file on ext4 on each",
+    )
+    l2_cmd.add_argument("--sizes", nargs="*", default=[], help="block sizes (64KiB 1MiB 4MiB)")
+    l2_cmd.add_argument("--depths", nargs="*", type=int, default=[], help="queue depths (1 8 32)")
+    l2_cmd.add_argument(
+        "--paths",
+        nargs="*",
+        default=[],
+        choices=("store", "tier", "batch", "store-batch"),
+        help="read paths: the store's get, L2Tier.read, L2Tier.read_many, "
+        "the store's batched get (all)",
+    )
+    l2_cmd.add_argument("--seconds", type=float, default=2.0, help="seconds per case")
+    from kvd.tools.replay import report as replay_report
+
+    replay_report.add_arguments(sub.add_parser("replay", help="replay a request trace"))
+    paths_cmd = sub.add_parser(
+        "paths", help="shm, bulk TCP and gRPC next to memcpy, loopback TCP, Redis, Mooncake"
+    )
+    paths_cmd.add_argument("--target", default="", help="a running daemon's gRPC host:port")
+    paths_cmd.add_argument("--socket-target", default="", help="its unix:///path (shm path)")
+    paths_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
+    paths_cmd.add_argument("--no-peers", action="store_true", help="skip Redis and Mooncake")
+    engine_cmd = sub.add_parser(
+        "engine", help="TTFT through a real vLLM: recompute, its prefix cache, kvd L1/L2, peers"
+    )
+    engine_cmd.add_argument("--prompt-tokens", nargs="*", help="prompt sizes (tokens)")
+    engine_cmd.add_argument("--repeats", type=int, default=3, help="timed restores per figure")
+    engine_cmd.add_argument(
+        "--trace",
+        default=str(
+            Path(__file__).resolve().parents[4] / "shared/traces/mooncake_conversation_trace.jsonl"
+        ),
+        help="conversation trace for the multi-turn run",
+    )
+    engine_cmd.add_argument("--turns", type=int, default=24, help="multi-turn requests; 0: none")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.suite == "engine":
+        return _engine(args)
+    if args.suite == "paths":
+        return _paths(args)
+    if args.suite in (None, "grpc"):
+        if args.suite is None:
+            args.target, args.sizes = "", None
+        return _grpc(args)
+    if args.suite == "l2":
+        return _l2(args)
+    if args.suite == "replay":
+        return replay_report.main(args, Path(args.out), _progress)
+    parser.error(f"unknown suite {args.suite}")

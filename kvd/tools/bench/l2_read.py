@@ -1,0 +1,353 @@
+"""L2 cold-read throughput and CPU cost, next to fio on the same device(s).
+
+Two read paths are measured in-process (no transport), each at queue depth
+``depth`` (that many concurrent readers) for each block size:
+
+* ``store``: the store's whole get path. A fresh daemon-like store recovers
+  the L2 index from disk (L1 empty), then each reader gets random keys: an
+  L2 read into pool pages (O_DIRECT, striped), header and checksum checks,
+  a link into L1, and an evict to keep the next read cold. L1 is far
+  smaller than the data, so nearly every get is an L2 read; only bytes
+  read from L2 are counted.
+* ``tier``: ``L2Tier.read`` alone, into fixed pages: the L2 read path
+  without the store's index and pool work (each read its own coroutine;
+  the reads of one loop turn still go out as one batch).
+* ``batch``: ``L2Tier.read_many``: two readers each hand the tier half the
+  depth's worth of records at a time, so the Python work is per batch, not
+  per read (what a batched get of many keys can use).
+* ``store-batch``: the store's batched get (``Store.fetch_many``, what a
+  shm batch get of a chain runs): two readers each get half the depth's
+  worth of distinct random keys at a time, then evict them as ``store`` does.
+
+Besides GB/s, each case reports the process's CPU time (all threads, user
+and kernel) per read, which noise from other processes on the machine moves
+far less than throughput. fio (io_uring, O_DIRECT, random reads of the same
+block size at the same depth over the same device(s)) is the ceiling.
+
+The target is a directory (a file in it), one or more devices (striped like
+the daemon stripes ``ssd_path`` entries; their contents are overwritten), or
+RAM-backed loop devices made for the run (kvd.tools.bench.ramdisk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import random
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvd.io.backend import native_available, open_backend
+from kvd.l1.pool import PAGE_BYTES, Pool
+from kvd.l2 import DeviceSet, L2Tier
+from kvd.l2.format import align_up
+from kvd.store.store import Store, StoreLimits
+from kvd.tools.bench.backends import fio_randread
+from kvd.wire.checksum import checksum
+
+MiB = 1 << 20
+SEGMENT_BYTES = 64 * MiB
+STRIPE_BYTES = 256 << 10
+DATA_BYTES = 512 * MiB
+CASE_SECONDS = 2.0
+CASE_SECONDS_MAX = 30.0
+BLOCKS_BYTES = (64 << 10, MiB, 4 * MiB)
+DEPTHS = (1, 8, 32)
+DEPTH_MAX = 256
+READ_PATHS = ("store", "tier", "batch", "store-batch")
+BATCH_READERS = 2  # batch path: one batch in flight while the other's results are handled
+IO_DEPTH = 128  # the io backend's depth: above every reader depth benched by default
+DATA_FILE = "l2-bench.dat"
+
+
+@dataclass
+class Row:
+    backend: str
+    path: str
+    devices: int
+    block_bytes: int
+    depth: int
+    kvd_gbps: float
+    cpu_us_per_read: float
+    fio_gbps: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["vs_fio"] = self.kvd_gbps / self.fio_gbps if self.fio_gbps else None
+        return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the bench reads: data files, or block devices (overwritten)."""
+
+    paths: tuple[str, ...]
+    block_devices: bool
+    data_bytes: int = DATA_BYTES  # values stored and read at random
+
+    @classmethod
+    def of(
+        cls, dirs: Sequence[str], devices: Sequence[str], data_bytes: int = DATA_BYTES
+    ) -> Target:
+        if devices:
+            for device in devices:
+                if not stat.S_ISBLK(os.stat(device).st_mode):
+                    raise ValueError(f"{device} is not a block device")
+            return cls(tuple(devices), True, data_bytes)
+        return cls(tuple(str(Path(d) / DATA_FILE) for d in dirs), False, data_bytes)
+
+
+@dataclass
+class Case:
+    gbps: float
+    cpu_us_per_read: float
+
+
+def _key(i: int) -> bytes:
+    return b"blk%08d" % i
+
+
+def _devices(target: Target) -> DeviceSet:
+    # 64 KiB values take 128 KiB on disk (a 4 KiB header tips them into a second page).
+    per_path = 3 * target.data_bytes // len(target.paths)
+    return DeviceSet(list(target.paths), max(per_path, 2 * SEGMENT_BYTES), SEGMENT_BYTES,
+                     STRIPE_BYTES)  # fmt: skip
+
+
+def _open(target: Target, backend: str, pool_bytes: int) -> tuple[Store, L2Tier]:
+    tier = L2Tier(_devices(target), open_backend(backend, depth=IO_DEPTH))
+    store = Store(Pool(pool_bytes), StoreLimits(max_value_bytes=8 * MiB), l2=tier)
+    return store, tier
+
+
+async def _close(store: Store, tier: L2Tier) -> None:
+    await store.close(flush_s=60.0)
+    tier.close()
+    tier.io.close()
+    tier.devices.close()
+    store.pool.close()
+
+
+def _wipe(target: Target) -> None:
+    """Forget earlier runs: remove the files, or zero each segment's first page
+    on the devices (the marker a recovery starts from)."""
+    if not target.block_devices:
+        for path in target.paths:
+            Path(path).unlink(missing_ok=True)
+        return
+    with mmap.mmap(-1, 64 << 10) as zeros:
+        for path in target.paths:
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            try:
+                size = os.lseek(fd, 0, os.SEEK_END)
+                for offset in range(0, size - SEGMENT_BYTES + 1, SEGMENT_BYTES):
+                    os.pwritev(fd, [zeros], offset)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+async def _fill(target: Target, block_bytes: int) -> int:
+    store, tier = _open(target, "threads", 64 * MiB)
+    store.start()
+    count = target.data_bytes // block_bytes
+    value = random.Random(block_bytes).randbytes(block_bytes)
+    try:
+        for i in range(count):
+            await store.put("bench", _key(i), value, hasher=checksum)
+    finally:
+        await _close(store, tier)
+    return count
+
+
+async def _read_store(
+    target: Target, backend: str, block_bytes: int, count: int, depth: int, seconds: float,
+    batched: bool = False,
+) -> Case:  # fmt: skip
+    store, tier = _open(target, backend, max(64 * MiB, 2 * depth * block_bytes))
+    await tier.recover()
+    store.start()
+    read_bytes = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker(seed: int) -> None:
+        nonlocal read_bytes
+        rng = random.Random(seed)
+        while time.perf_counter() < deadline:
+            key = _key(rng.randrange(count))
+            reader = await store.fetch("bench", key)
+            assert reader is not None, "a stored block is missing"
+            if reader.tier == 2:
+                read_bytes += reader.size
+            reader.close()
+            store.evict("bench", key)  # keep every read cold
+
+    async def batch_worker(seed: int, keys_per_get: int) -> None:
+        nonlocal read_bytes
+        rng = random.Random(seed)
+        while time.perf_counter() < deadline:
+            keys = [_key(i) for i in rng.sample(range(count), keys_per_get)]
+            readers = await store.fetch_many("bench", keys)
+            for i, key in enumerate(keys):
+                reader = readers.get(i)
+                if reader is None:  # in L1 (the other reader's batch) or being read
+                    reader = await store.fetch("bench", key)
+                assert reader is not None, "a stored block is missing"
+                if reader.tier == 2:
+                    read_bytes += reader.size
+                reader.close()
+                store.evict("bench", key)
+
+    readers = min(depth, BATCH_READERS)
+    shares = [depth // readers + (i < depth % readers) for i in range(readers)]
+    reads_before = tier.counters.reads
+    cpu_before, start = time.process_time(), time.perf_counter()
+    try:
+        if batched:
+            await asyncio.gather(*(batch_worker(i, n) for i, n in enumerate(shares)))
+        else:
+            await asyncio.gather(*(worker(i) for i in range(depth)))
+    finally:
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
+        reads = tier.counters.reads - reads_before
+        await _close(store, tier)
+    return Case(read_bytes / elapsed / 1e9, cpu / max(reads, 1) * 1e6)
+
+
+async def _read_tier(
+    target: Target, backend: str, depth: int, seconds: float, batched: bool = False
+) -> Case:
+    tier = L2Tier(_devices(target), open_backend(backend, depth=IO_DEPTH))
+    try:
+        await tier.recover()
+        records = list(tier.index.values())
+        read_bytes = records[0].read_bytes
+        # Pool pages, as the store reads into (touched, huge pages where the
+        # kernel has them): fresh 4 KiB pages cost the kernel more per read.
+        pool = Pool(depth * align_up(read_bytes, PAGE_BYTES))
+        runs = pool.alloc(pool.capacity_bytes)
+        view = pool.views(runs, pool.capacity_bytes)[0]
+        done_bytes = 0
+        deadline = time.perf_counter() + seconds
+
+        async def worker(slot: int) -> None:
+            nonlocal done_bytes
+            rng = random.Random(slot)
+            page = view[slot * read_bytes : (slot + 1) * read_bytes]
+            while time.perf_counter() < deadline:
+                record = records[rng.randrange(len(records))]
+                await tier.read(record, [page])
+                done_bytes += record.size
+            page.release()
+
+        async def batch_worker(first: int, count: int) -> None:
+            nonlocal done_bytes
+            rng = random.Random(first)
+            pages = [
+                [view[i * read_bytes : (i + 1) * read_bytes]] for i in range(first, first + count)
+            ]
+            while time.perf_counter() < deadline:
+                batch = [records[rng.randrange(len(records))] for _ in range(count)]
+                errors = await tier.read_many(list(zip(batch, pages, strict=True)))
+                assert not any(errors), errors
+                done_bytes += sum(r.size for r in batch)
+            for page in pages:
+                page[0].release()
+
+        readers = min(depth, BATCH_READERS)
+        shares = [depth // readers + (i < depth % readers) for i in range(readers)]
+        firsts = [sum(shares[:i]) for i in range(readers)]
+        cpu_before, start = time.process_time(), time.perf_counter()
+        try:
+            if batched:
+                await asyncio.gather(
+                    *(batch_worker(f, n) for f, n in zip(firsts, shares, strict=True))
+                )
+            else:
+                await asyncio.gather(*(worker(i) for i in range(depth)))
+        finally:
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
+            view.release()
+            pool.close()  # unmapped now, or with the last slice a finished op kept
+        return Case(done_bytes / elapsed / 1e9, cpu / max(tier.counters.reads, 1) * 1e6)
+    finally:
+        tier.close()
+        tier.io.close()
+        tier.devices.close()
+
+
+def run(
+    target: Target,
+    progress: Callable[[str], None] = print,
+    *,
+    blocks_bytes: Sequence[int] = BLOCKS_BYTES,
+    depths: Sequence[int] = DEPTHS,
+    read_paths: Sequence[str] = READ_PATHS,
+    seconds: float = CASE_SECONDS,
+) -> list[Row]:
+    if not 0 < seconds <= CASE_SECONDS_MAX:
+        raise ValueError(f"seconds per case must be in (0, {CASE_SECONDS_MAX}]")
+    for depth in depths:
+        if not 1 <= depth <= DEPTH_MAX:
+            raise ValueError(f"depth must be in 1..{DEPTH_MAX}, got {depth}")
+    for block_bytes in blocks_bytes:
+        if block_bytes < 4096 or block_bytes % 4096 or block_bytes > 8 * MiB:
+            raise ValueError(f"block size must be a multiple of 4 KiB up to 8 MiB: {block_bytes}")
+    for read_path in read_paths:
+        if read_path not in READ_PATHS:
+            raise ValueError(f"read path must be one of {READ_PATHS}, got {read_path!r}")
+    backends = ["uring", "threads"] if native_available()[0] else ["threads"]
+    rows = []
+    for path in target.paths:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    n = len(target.paths)
+    for block_bytes in blocks_bytes:
+        _wipe(target)
+        mib, kib = target.data_bytes >> 20, block_bytes >> 10
+        progress(f"l2 read: filling {mib} MiB of {kib} KiB blocks")
+        count = asyncio.run(_fill(target, block_bytes))
+        for depth in depths:
+            fio = fio_randread(
+                ":".join(target.paths), block_bytes=block_bytes, queue_depth=depth,
+                seconds=seconds, file_bytes=target.data_bytes,
+            )  # fmt: skip
+            for read_path in read_paths:
+                for backend in backends:
+                    progress(f"l2 read: {backend} {read_path} {block_bytes >> 10} KiB qd {depth}")
+                    if read_path in ("store", "store-batch"):
+                        case = asyncio.run(
+                            _read_store(target, backend, block_bytes, count, depth, seconds,
+                                        batched=read_path == "store-batch")
+                        )  # fmt: skip
+                    else:
+                        batched = read_path == "batch"
+                        case = asyncio.run(_read_tier(target, backend, depth, seconds, batched))
+                    rows.append(Row(backend, read_path, n, block_bytes, depth, case.gbps,
+                                    case.cpu_us_per_read, fio))  # fmt: skip
+    if not target.block_devices:
+        _wipe(target)  # the data files; devices keep the last fill
+    return rows
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [
+        "| backend | path | devices | block | QD | kvd L2 read GB/s | CPU µs/read | fio GB/s "
+        "| kvd/fio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fio = f"{r.fio_gbps:.2f}" if r.fio_gbps else "n/a"
+        ratio = f"{r.kvd_gbps / r.fio_gbps:.2f}" if r.fio_gbps else "n/a"
+        size = (
+            f"{r.block_bytes >> 20} MiB" if r.block_bytes >= MiB else f"{r.block_bytes >> 10} KiB"
+        )
+        lines.append(
+            f"| {r.backend} | {r.path} | {r.devices} | {size} | {r.depth} | {r.kvd_gbps:.2f} "
+            f"| {r.cpu_us_per_read:.1f} | {fio} | {ratio} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,559 @@
+"""Data-path throughput: kvd over shared memory, bulk TCP and gRPC, next to
+the ceilings (numpy memcpy into pre-allocated memory, loopback TCP with
+recv_into) and peers (Redis with the hiredis parser, Mooncake Store in TCP
+mode) measured in the same run. The L2-cold gets come with their own
+ceiling from the same run: fio random reads (io_uring, O_DIRECT) of each
+size on the cold daemon's file system.
+
+The ceilings are measured at the start and again at the end of the run,
+and the higher figure is kept, so a ratio never rests on a ceiling caught in
+a slow moment. Every kvd and Redis case runs ``clients`` client processes
+(``kvd.tools.bench.procs``: one process per client, as engines run one per
+worker), each with its own client and pre-allocated buffer, for
+``CASE_SECONDS``, and reports aggregate GB/s. Ceilings and Mooncake run in
+threads of this process. Gets
+read values that are resident in L1 (written just before); puts write new
+keys, so they include the daemon's write-back to L2 behind them. A peer that
+cannot start is reported as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.client.clients import Client
+from kvd.tools.bench.backends import fio_randread
+from kvd.tools.bench.procs import Case, ClientProcesses, expect_size, kvd_client, value_bytes
+
+SIZES_BYTES = (64 << 10, 1 << 20, 4 << 20, 32 << 20)
+CLIENTS = (1, 16)
+# Values a batched get asks for in one call (``get_many_into``), as an
+# engine loads a prefix's chunks; fewer when the fill holds fewer keys.
+BATCH_VALUES = 8
+# Long enough to average a few hundred 64 KiB ops or a dozen 32 MiB ones on
+# 2 cores; 100+ cases at this length keep a full run near 90 s.
+CASE_SECONDS = 0.5
+# Values written per size before the gets: enough distinct keys that a get
+# does not hit one cache-hot value, few enough to stay far inside L1.
+FILL_BYTES = 128 << 20
+START_TIMEOUT_S = 15.0
+
+Progress = Callable[[str], None]
+Op = Callable[[int], None]
+
+
+@dataclass
+class Row:
+    path: str  # shm, bulk, grpc, memcpy, tcp, redis, mooncake
+    op: str  # put, get, copy
+    size_bytes: int
+    clients: int
+    gbps: float | None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure(size: int, workers: list[Op]) -> float:
+    """Aggregate GB/s of ``workers`` (one thread each) calling their op for CASE_SECONDS."""
+    counts = [0] * len(workers)
+    errors: list[BaseException] = []
+    warmed = threading.Barrier(len(workers) + 1)
+    go = threading.Event()
+    stop_at = [0.0]
+
+    def loop(index: int, op: Op) -> None:
+        try:
+            op(0)  # warm-up: connections, first touches
+            warmed.wait()
+            go.wait()
+            i = 1
+            while time.perf_counter() < stop_at[0]:
+                op(i)
+                i += 1
+            counts[index] = i - 1
+        except BaseException as exc:  # reported to the caller below
+            errors.append(exc)
+            warmed.abort()
+
+    threads = [threading.Thread(target=loop, args=(i, op)) for i, op in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    try:
+        warmed.wait(timeout=60)
+    except threading.BrokenBarrierError:
+        pass
+    start = time.perf_counter()
+    stop_at[0] = start + CASE_SECONDS
+    go.set()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+    return size * sum(counts) / (time.perf_counter() - start) / 1e9
+
+
+# ---- ceilings -------------------------------------------------------------------------
+def memcpy_gbps(size: int) -> float:
+    """Copies from as many distinct sources as the kvd gets read: caches do not help either."""
+    count = _fill_count(size)
+    src = np.ones(size * count, dtype=np.uint8)
+    dst = np.empty(size, dtype=np.uint8)
+    return measure(
+        size, [lambda i: np.copyto(dst, src[(i % count) * size : (i % count + 1) * size])]
+    )
+
+
+def _fill_count(size: int) -> int:
+    return max(2, min(32, FILL_BYTES // size))
+
+
+class LoopbackServer:
+    """Sends a slot's bytes per 16-byte request (size, slot): like kvd's gets
+    and the memcpy ceiling, a size is read from as many distinct sources as
+    kvd holds values of it, so the sender's copy comes from memory, not from
+    a cache that kvd's values would not fit in. (On the development VM the
+    kernel's copy dominates: one hot source measured the same, 4.78 against
+    4.66 GB/s at 4 MiB, medians of four.)"""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        total = max(size * _fill_count(size) for size in sizes)
+        self.data = np.ones(total, dtype=np.uint8).data  # every page touched
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while request := conn.recv(_REQUEST.size, socket.MSG_WAITALL):
+                size, slot = _REQUEST.unpack(request)
+                conn.sendall(self.data[slot * size : (slot + 1) * size])
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+_REQUEST = struct.Struct("<QQ")
+
+
+def tcp_gbps(server: LoopbackServer, size: int, clients: int) -> float:
+    socks: list[socket.socket] = []
+    count = _fill_count(size)
+
+    def worker(index: int) -> Op:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        socks.append(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buffer = memoryview(bytearray(size))
+
+        def op(i: int) -> None:
+            sock.sendall(_REQUEST.pack(size, (i + index) % count))
+            pos = 0
+            while pos < size:
+                pos += sock.recv_into(buffer[pos:])
+
+        return op
+
+    try:
+        return measure(size, [worker(index) for index in range(clients)])
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# ---- kvd ------------------------------------------------------------------------------
+def kvd_rows(
+    path: str,
+    tcp_target: str,
+    unix_target: str,
+    size: int,
+    progress: Progress,
+    procs: ClientProcesses,
+) -> list[Row]:
+    ns = f"bench-{path}-{size}"
+    keys = tuple(b"v%d" % i for i in range(_fill_count(size)))
+    value = value_bytes(size)
+    rows = []
+    with kvd_client(path, tcp_target, unix_target) as filler:
+        buffer = filler.buffer(size)
+        for clients in CLIENTS:
+            # (Again) before each round: the previous round's puts may have
+            # pushed these out of L1 and, past L2's size, out of kvd. A put of
+            # a key L2 still holds changes nothing, so a get brings it back
+            # into L1: the round then measures L1 gets, not promotions.
+            for key in keys:
+                filler.put(ns, key, value.data)
+                expect_size(filler.get_into(ns, key, buffer), size)
+            progress(f"paths: {path} {size_label(size)} x{clients}")
+            for op in ("get", "put", "get-batch"):
+                if op == "get-batch" and clients > 1:
+                    continue
+                batch = min(BATCH_VALUES, len(keys)) if op == "get-batch" else 1
+                case = Case(
+                    "kvd", op, size, keys, f"p{clients}", ns, path, tcp_target, unix_target,
+                    batch=batch,
+                )  # fmt: skip
+                gbps = procs.measure(case, CASE_SECONDS, clients)
+                note = f"{batch} values a call" if batch > 1 else ""
+                rows.append(Row(path, op, size, clients, gbps, note))
+        filler.delete_namespace(ns)
+    return rows
+
+
+# The L2-cold daemon's L1 and how much is written to it: three times L1, so
+# the first two thirds of what was written live on L2 only, and each get of
+# them reads the SSD (and no get is repeated).
+COLD_DRAM = "64MiB"
+COLD_DRAM_BYTES = 64 << 20
+COLD_SSD = "1GiB"
+
+
+def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[Row]:
+    """Single-client gets of values that are on L2 only (the daemon's L1 holds others)."""
+    ns = f"cold-{path}-{size}"
+    count = max(8, 3 * COLD_DRAM_BYTES // size)
+    keys = [b"c%d" % i for i in range(count)]
+    value = value_bytes(size)
+    with Client(tcp_target, timeout_s=120, shm=False, bulk=True) as filler:
+        for key in keys:
+            filler.put(ns, key, value.data)
+        _wait_written_back(filler)
+    cold = keys[: count * 2 // 3]
+    with kvd_client(path, tcp_target, unix_target) as client:
+        buffer = client.buffer(size)
+        expect_size(client.get_into(ns, keys[-1], buffer), size)  # warm-up: connections, regions
+        start = time.perf_counter()
+        done = 0
+        for key in cold:
+            expect_size(client.get_into(ns, key, buffer), size)
+            done += 1
+            if time.perf_counter() - start > CASE_SECONDS:
+                break
+        gbps = size * done / (time.perf_counter() - start) / 1e9
+        client.delete_namespace(ns)
+        del buffer
+    return [Row(path, "get-cold", size, 1, gbps, f"{done} L2 reads")]
+
+
+def _wait_written_back(client: Client, limit_s: float = 60.0) -> None:
+    """Wait until the daemon's write-back is idle, so cold reads do not share
+    the disk with earlier writes (the fio ceiling has it alone)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if not stats["writeback_queue"] and not stats["writeback_writing"]:
+            return
+        time.sleep(0.05)
+
+
+# fio's file for the L2 ceiling: larger than any value, small enough to lay
+# out in a second or two.
+FIO_FILE_BYTES = 512 << 20
+FIO_SECONDS = 2.0
+FIO_DEPTHS = (1, 32)
+
+
+def fio_rows(directory: str, sizes: tuple[int, ...], progress: Progress) -> list[Row]:
+    """The ceiling of the L2-cold rows: fio io_uring O_DIRECT random reads of
+    each size in ``directory`` (the cold daemon's file system), at queue depth
+    1 (one read at a time, as one client's gets) and 32 (what the device gives)."""
+    path = os.path.join(directory, "fio-ceiling")
+    rows: list[Row] = []
+    try:
+        for size in sizes:
+            progress(f"paths: fio {size_label(size)}")
+            for depth in FIO_DEPTHS:
+                gbps = fio_randread(
+                    path,
+                    block_bytes=size,
+                    queue_depth=depth,
+                    seconds=FIO_SECONDS,
+                    file_bytes=max(FIO_FILE_BYTES, 2 * size),
+                )
+                note = "" if gbps is not None else "skipped: fio not installed"
+                rows.append(Row("fio", f"read QD{depth}", size, 1, gbps, note))
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return rows
+
+
+# ---- peers ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on port {port}")
+
+
+def redis_rows(sizes: tuple[int, ...], progress: Progress, procs: ClientProcesses) -> list[Row]:
+    server = shutil.which("redis-server")
+    try:
+        import redis
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:
+        return _skipped("redis", sizes, "redis-py not installed (pip install 'kvd[bench]')")
+    if server is None:
+        return _skipped("redis", sizes, "redis-server not installed (apt install redis-server)")
+    if not HIREDIS_AVAILABLE:
+        return _skipped("redis", sizes, "hiredis parser not installed: not redis' best setup")
+    port = _free_port()
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(
+        [server, *args, "--proto-max-bulk-len", "1gb"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    rows: list[Row] = []
+    try:
+        _wait_port(port, proc)
+        for size in sizes:
+            value = value_bytes(size).tobytes()
+            keys = tuple(b"v%d" % i for i in range(_fill_count(size)))
+            filler = redis.Redis(port=port)
+            for key in keys:
+                filler.set(key, value)
+            for clients in CLIENTS:
+                progress(f"paths: redis {size_label(size)} x{clients}")
+                for op in ("get", "put"):
+                    case = Case("redis", op, size, keys, port=port)
+                    gbps = procs.measure(case, CASE_SECONDS, clients)
+                    rows.append(Row("redis", op, size, clients, gbps))
+            filler.flushall()
+            filler.close()
+    except (OSError, RuntimeError) as exc:
+        return _skipped("redis", sizes, f"could not run: {exc}")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return rows
+
+
+_MOONCAKE_HOLDER = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup(sys.argv[1], sys.argv[2], 1 << 30, 16 << 20, "tcp", "", sys.argv[3])
+print("ready", rc, flush=True)
+time.sleep(600)
+"""
+
+
+def mooncake_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
+    """Mooncake Store, TCP transport: values live in another process's segment."""
+    master = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    try:
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        return _skipped(
+            "mooncake", sizes, "mooncake-transfer-engine-non-cuda not installed (kvd[bench])"
+        )
+    if not os.path.exists(master):
+        return _skipped("mooncake", sizes, "mooncake_master not found")
+    rpc_port, http_port = _free_port(), _free_port()
+    metadata = f"http://127.0.0.1:{http_port}/metadata"
+    master_addr = f"127.0.0.1:{rpc_port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    rows: list[Row] = []
+    try:
+        procs.append(
+            subprocess.Popen(
+                [
+                    master,
+                    "--rpc_address=127.0.0.1",
+                    f"--rpc_port={rpc_port}",
+                    "--enable_http_metadata_server=true",
+                    "--http_metadata_server_host=127.0.0.1",
+                    f"--http_metadata_server_port={http_port}",
+                    f"--metrics_port={_free_port()}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        _wait_port(rpc_port, procs[0])
+        _wait_port(http_port, procs[0])
+        holder = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _MOONCAKE_HOLDER,
+                f"127.0.0.1:{_free_port()}",
+                metadata,
+                master_addr,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(holder)
+        assert holder.stdout is not None
+        if holder.stdout.readline().split() != [b"ready", b"0"]:
+            return _skipped("mooncake", sizes, "the segment holder did not start")
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            f"127.0.0.1:{_free_port()}", metadata, 0, 256 << 20, "tcp", "", master_addr
+        )
+        if rc != 0:
+            return _skipped("mooncake", sizes, f"setup returned {rc}")
+        try:
+            for size in sizes:
+                progress(f"paths: mooncake {size_label(size)} x1")
+                try:
+                    rows += _mooncake_size(store, size)
+                except (AssertionError, RuntimeError) as exc:
+                    # One size failing (an object evicted under a get) is that
+                    # size's rows, reported as skipped; the run goes on.
+                    rows += _skipped("mooncake", (size,), f"failed: {exc}")
+        finally:
+            store.close()
+    except (OSError, RuntimeError) as exc:
+        return _skipped("mooncake", sizes, f"could not run: {exc}")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+    return rows
+
+
+def _mooncake_size(store: Any, size: int) -> list[Row]:
+    """Get and put GB/s of one value size; the previous sizes' objects removed
+    first, so Mooncake's eviction never takes a value the gets read."""
+    store.remove_all()
+    src = value_bytes(size)
+    dst = np.empty_like(src)
+    for array in (src, dst):
+        store.register_buffer(array.ctypes.data, size)
+    try:
+        keys = [f"v{size}-{i}" for i in range(max(2, min(8, FILL_BYTES // size)))]
+        for key in keys:
+            store.put_from(key, src.ctypes.data, size)
+
+        def get(i: int) -> None:
+            expect_size(store.get_into(keys[i % len(keys)], dst.ctypes.data, size), size)
+
+        def put(i: int) -> None:
+            store.put_from(f"p{size}-{i}", src.ctypes.data, size)
+
+        return [
+            Row("mooncake", "get", size, 1, measure(size, [get])),
+            Row("mooncake", "put", size, 1, measure(size, [put])),
+        ]
+    finally:
+        for array in (src, dst):
+            store.unregister_buffer(array.ctypes.data)
+
+
+def _skipped(path: str, sizes: tuple[int, ...], reason: str) -> list[Row]:
+    return [
+        Row(path, op, size, 1, None, f"skipped: {reason}")
+        for size in sizes
+        for op in ("get", "put")
+    ]
+
+
+# ---- the run --------------------------------------------------------------------------
+def run(
+    tcp_target: str,
+    unix_target: str,
+    sizes: tuple[int, ...] = SIZES_BYTES,
+    progress: Progress = print,
+    peers: bool = True,
+    cold: tuple[str, str] | None = None,
+    cold_dir: str | None = None,
+) -> list[Row]:
+    """Every path and ceiling; ``cold`` is a small-L1 daemon's (tcp, unix)
+    targets, ``cold_dir`` a directory on its file system for the fio ceiling."""
+    rows = ceiling_rows(sizes, progress)
+    progress(f"paths: starting {max(CLIENTS)} client processes")
+    procs = ClientProcesses(max(CLIENTS))
+    try:
+        for path in ("shm", "bulk", "grpc"):
+            for size in sizes:
+                rows += kvd_rows(path, tcp_target, unix_target, size, progress, procs)
+        if peers:
+            rows += redis_rows(sizes, progress, procs)
+    finally:
+        procs.close()
+    if cold is not None:
+        # The puts above leave the main daemon writing back to the same disk.
+        with Client(tcp_target, timeout_s=60, shm=False, bulk=False) as main:
+            _wait_written_back(main)
+        for path in ("shm", "bulk", "grpc"):
+            for size in sizes:
+                progress(f"paths: {path} {size_label(size)} L2-cold")
+                rows += cold_rows(path, cold[0], cold[1], size)
+        if cold_dir is not None:
+            rows += fio_rows(cold_dir, sizes, progress)
+    if peers:
+        rows += mooncake_rows(sizes, progress)
+    # The ceilings again, keeping the higher figure: this machine's memory and
+    # loopback speed drift within a run, and a ratio to a low ceiling flatters.
+    again = {(r.path, r.size_bytes, r.clients): r for r in ceiling_rows(sizes, progress)}
+    for row in rows:
+        later = again.get((row.path, row.size_bytes, row.clients))
+        if later is not None and row.gbps is not None and later.gbps is not None:
+            row.gbps = max(row.gbps, later.gbps)
+    return rows
+
+
+def ceiling_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
+    rows: list[Row] = []
+    loopback = LoopbackServer(sizes)
+    try:
+        for size in sizes:
+            progress(f"paths: ceilings {size_label(size)}")
+            rows.append(Row("memcpy", "copy", size, 1, memcpy_gbps(size)))
+            for clients in CLIENTS:
+                rows.append(Row("tcp", "get", size, clients, tcp_gbps(loopback, size, clients)))
+    finally:
+        loopback.close()
+    return rows
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def bench_daemon_args(shm_dir: str) -> list[str]:
+    # 16 clients each attach a staging region and a buffer region.
+    return ["--shm-dir", shm_dir, "--max-regions-per-client", "64", "--max-regions", "256"]
+
+
+def temp_shm_dir() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="kvd-bench-", dir=base)

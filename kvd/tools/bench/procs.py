@@ -1,0 +1,202 @@
+"""Client processes for the many-client cases of ``kvd bench paths``.
+
+Sixteen client threads in one Python process measure that process's GIL
+more than the server: each op hands the GIL over a few times, and 16
+threads turn that into futex traffic (measured: 1 ms of client CPU per 4 MiB
+shared-memory get with 16 threads, 0.09 ms with one). Engines run one
+process per worker, so the many-client cases run one client per process: a
+pool started once (spawn, so no gRPC state is inherited) and reused for
+every case. Each case: every process builds its client and buffer, reports
+ready, then all run the op from one start time for the same seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvd.client.clients import Client
+
+# Building 16 clients (a gRPC channel, DescribePaths, two regions each) on 2
+# busy cores takes a few seconds; a process that says nothing for this long
+# is broken.
+REPORT_TIMEOUT_S = 120.0
+START_DELAY_S = 0.2
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "kvd" or "redis"
+    op: str  # "get", "put" or "get-batch" (kvd: get_many_into of ``batch`` values a call)
+    size: int
+    keys: tuple[bytes, ...] = ()  # what gets read (written before the case)
+    tag: str = ""  # makes put keys unique to the case
+    ns: str = ""
+    path: str = ""  # kvd: shm, bulk, grpc
+    tcp_target: str = ""
+    unix_target: str = ""
+    port: int = 0  # redis
+    batch: int = 1  # kvd get-batch: values a call
+
+
+# What each measured path must really use: a figure taken on a fallback
+# (region ops over gRPC, gRPC instead of bulk) would be reported under the
+# wrong name.
+_EXPECTED_PATHS = {"shm": {"shm", "shm-socket"}, "bulk": {"bulk"}, "grpc": set()}
+
+
+def kvd_client(path: str, tcp_target: str, unix_target: str) -> Client:
+    if path == "shm":
+        client = Client(unix_target, timeout_s=60)
+    else:
+        client = Client(tcp_target, timeout_s=60, shm=False, bulk=path == "bulk")
+    if client.paths != _EXPECTED_PATHS[path]:
+        client.close()
+        raise RuntimeError(f"{path} client uses {sorted(client.paths)}, not the {path} path")
+    return client
+
+
+def expect_size(got: object, size: int) -> None:
+    assert got == size, f"get returned {got}, expected {size}"
+
+
+def value_bytes(size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+
+
+class ClientProcesses:
+    """``count`` worker processes; ``measure`` runs a case on all of them."""
+
+    def __init__(self, count: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.count = count
+        self._inboxes: list[Any] = [ctx.Queue() for _ in range(count)]
+        self._outbox: Any = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_serve, args=(i, inbox, self._outbox), daemon=True)
+            for i, inbox in enumerate(self._inboxes)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def measure(self, case: Case, seconds: float, clients: int) -> float:
+        """Aggregate GB/s of ``clients`` processes running ``case`` at once."""
+        assert 1 <= clients <= self.count, "more clients than processes"
+        inboxes = self._inboxes[:clients]
+        for inbox in inboxes:
+            inbox.put(case)
+        ready = self._collect("ready", clients)
+        failed = [value for kind, value in ready if kind == "error"]
+        start = time.time() + START_DELAY_S
+        for inbox in inboxes:
+            inbox.put(None if failed else (start, seconds))
+        if failed:
+            raise RuntimeError(f"a client process failed: {failed[0]}")
+        done = self._collect("done", clients)
+        failed = [value for kind, value in done if kind == "error"]
+        if failed:
+            raise RuntimeError(f"a client process failed: {failed[0]}")
+        moved = case.size * case.batch * sum(int(value) for _, value in done)
+        return moved / seconds / 1e9
+
+    def _collect(self, phase: str, clients: int) -> list[tuple[str, Any]]:
+        """One message from each running process (its phase's, or an error)."""
+        got = []
+        for _ in range(clients):
+            try:
+                kind, _, value = self._outbox.get(timeout=REPORT_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"client processes did not report {phase}") from None
+            got.append((kind, value))
+        return got
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def _serve(index: int, inbox: Any, outbox: Any) -> None:
+    while True:
+        case = inbox.get()
+        if case is None:
+            return
+        try:
+            op, close = _prepare(case, index)
+        except Exception as exc:  # reported to the parent, which reports the case failed
+            outbox.put(("error", index, repr(exc)))
+            inbox.get()  # the parent's answer to a failed ready phase: skip
+            continue
+        try:
+            outbox.put(("ready", index, 0))
+            go = inbox.get()
+            if go is None:
+                continue
+            start, seconds = go
+            while time.time() < start:
+                time.sleep(0.001)
+            count, stop = 0, start + seconds
+            while time.time() < stop:
+                op(count)
+                count += 1
+            outbox.put(("done", index, count))
+        except Exception as exc:  # as above
+            outbox.put(("error", index, repr(exc)))
+        finally:
+            close()
+
+
+def _prepare(case: Case, index: int) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """The case's op for process ``index``, warmed up once, and its closer."""
+    keys, size = case.keys, case.size
+    if case.kind == "redis":
+        import redis
+
+        conn = redis.Redis(port=case.port)
+        value = value_bytes(size).tobytes()
+
+        def redis_get(n: int) -> None:
+            expect_size(len(conn.get(keys[(n + index) % len(keys)]) or b""), size)
+
+        def redis_put(n: int) -> None:
+            conn.set(b"p%d-%d" % (index, n % 8), value)
+
+        op = redis_get if case.op == "get" else redis_put
+        op(-1)  # warm-up: connection, first touches
+        return op, conn.close
+    client = kvd_client(case.path, case.tcp_target, case.unix_target)
+    try:
+        batch = case.batch
+        room = client.buffer(size * batch)
+        buffer = room[:size]
+        buffer[:] = value_bytes(size).data
+        views = [room[i * size : (i + 1) * size] for i in range(batch)]
+
+        def kvd_get(n: int) -> None:
+            expect_size(client.get_into(case.ns, keys[(n + index) % len(keys)], buffer), size)
+
+        def kvd_get_batch(n: int) -> None:
+            first = (n * batch + index) % len(keys)
+            batch_keys = [keys[(first + i) % len(keys)] for i in range(batch)]
+            for got in client.get_many_into(case.ns, batch_keys, views):
+                expect_size(got, size)
+
+        def kvd_put(n: int) -> None:
+            client.put(case.ns, f"{case.tag}-{index}-{n}".encode(), buffer)
+
+        op = {"get": kvd_get, "get-batch": kvd_get_batch, "put": kvd_put}[case.op]
+        op(-1)  # warm-up: connections, regions, first touches
+    except BaseException:
+        client.close()
+        raise
+    return op, client.close

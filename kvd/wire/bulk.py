@@ -1,0 +1,157 @@
+"""The bulk TCP protocol's frames (docs/bulk-protocol.md): what the daemon
+(``kvd.paths.bulk.server``, ``kvd.paths.shm.channel``) and the client (``kvd.client.bulk``)
+agree on. Header layouts, ops, flags, codes, field limits, and the codec.
+No field is ever deserialized into anything but bytes and integers.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvd.store.index import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
+from kvd.wire.errors import KvdError
+
+VERSION = 1
+REQUEST_MAGIC = b"KVDQ"
+RESPONSE_MAGIC = b"KVDR"
+# magic, version, op, flags, request_id, ns_len, key_len, parent_len, meta_len, length, checksum
+REQUEST = struct.Struct("<4sBBHQHHHHQQ")
+# magic, version, op, flags, request_id, code, meta_len, msg_len, length, checksum
+RESPONSE = struct.Struct("<4sBBHQiHHQQ")
+assert REQUEST.size == 40 and RESPONSE.size == 40
+
+OP_HELLO = 1
+OP_PUT = 2
+OP_GET = 3
+OPS = frozenset({OP_HELLO, OP_PUT, OP_GET})
+# Region ops: only on the shm socket (kvd.paths.shm.channel), never on the TCP port.
+OP_REGION_GET = 4
+OP_REGION_PUT = 5
+
+FLAG_DURABLE = 1  # request: acknowledge a put once it is on L2
+FLAG_CHECKSUM = 2  # request: the checksum field is set; verify the payload against it
+FLAG_EXISTED = 1  # response: the put's key already held these bytes
+
+TOKEN_BYTES_MAX = 4096
+MESSAGE_BYTES_MAX = 1024
+# Codes, as gRPC numbers them (the gRPC path reports the same ones).
+CODE_OK = 0
+CODE_NOT_FOUND = 5
+CODE_RESOURCE_EXHAUSTED = 8
+CODE_INTERNAL = 13
+CODE_BY_NAME = {
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "INVALID_ARGUMENT": 3,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "ALREADY_EXISTS": 6,
+    "PERMISSION_DENIED": 7,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+    "DATA_LOSS": 15,
+    "UNAUTHENTICATED": 16,
+}
+NAME_BY_CODE = {code: name for name, code in CODE_BY_NAME.items()}
+
+
+class ProtocolError(Exception):
+    """The peer broke the framing; the connection is closed with this reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    op: int
+    flags: int
+    request_id: int
+    ns_len: int
+    key_len: int
+    parent_len: int
+    meta_len: int
+    length: int
+    checksum: int
+
+    @property
+    def tail_bytes(self) -> int:
+        return self.ns_len + self.key_len + self.parent_len + self.meta_len
+
+
+def encode_request(
+    op: int,
+    request_id: int,
+    ns: bytes = b"",
+    key: bytes = b"",
+    *,
+    parent: bytes = b"",
+    meta: bytes = b"",
+    length: int = 0,
+    checksum: int | None = None,
+    durable: bool = False,
+    flags: int = 0,
+) -> bytes:
+    """Header and the variable fields; the payload (``length`` bytes) follows.
+    ``flags``: more flags (the shm socket's), beside durable and checksum."""
+    flags |= (FLAG_DURABLE if durable else 0) | (FLAG_CHECKSUM if checksum is not None else 0)
+    fields = (ns, key, parent, meta)
+    head = (REQUEST_MAGIC, VERSION, op, flags, request_id, *map(len, fields))
+    return b"".join((REQUEST.pack(*head, length, checksum or 0), *fields))
+
+
+def decode_request(
+    data: bytes | bytearray | memoryview, max_value_bytes: int, ops: frozenset[int] = OPS
+) -> Request:
+    magic, version, op, flags, rid, ns_len, key_len, parent_len, meta_len, length, checksum = (
+        REQUEST.unpack(data)
+    )
+    if magic != REQUEST_MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this daemon speaks {VERSION}")
+    if op not in ops:
+        raise ProtocolError(f"unknown op {op}")
+    if ns_len > NAMESPACE_BYTES_MAX or key_len > KEY_BYTES_MAX or parent_len > KEY_BYTES_MAX:
+        raise ProtocolError("namespace, key or parent longer than its limit")
+    if meta_len > META_BYTES_MAX:
+        raise ProtocolError(f"meta of {meta_len} bytes is over {META_BYTES_MAX}")
+    if op in (OP_PUT, OP_REGION_PUT) and length > max_value_bytes:
+        raise ProtocolError(f"value of {length} bytes is over max_value_bytes={max_value_bytes}")
+    if op == OP_HELLO and length > TOKEN_BYTES_MAX:
+        raise ProtocolError(f"hello token of {length} bytes is over {TOKEN_BYTES_MAX}")
+    return Request(op, flags, rid, ns_len, key_len, parent_len, meta_len, length, checksum)
+
+
+def encode_response(
+    op: int,
+    request_id: int,
+    code: int = CODE_OK,
+    *,
+    flags: int = 0,
+    meta: bytes = b"",
+    message: str = "",
+    length: int = 0,
+    checksum: int = 0,
+) -> bytes:
+    text = message.encode()[:MESSAGE_BYTES_MAX]
+    header = RESPONSE.pack(
+        RESPONSE_MAGIC, VERSION, op, flags, request_id, code, len(meta), len(text), length, checksum
+    )
+    return b"".join((header, meta, text))
+
+
+def error_code(exc: KvdError) -> int:
+    return CODE_BY_NAME.get(exc.code_name, CODE_BY_NAME["UNKNOWN"])
+
+
+def split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes]:
+    """(namespace, key, parent, meta) from a request's variable fields."""
+    a = request.ns_len
+    b = a + request.key_len
+    c = b + request.parent_len
+    try:
+        ns = tail[:a].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("namespace is not UTF-8") from None
+    return ns, tail[a:b], tail[b:c], tail[c:]

@@ -1,0 +1,231 @@
+"""Three real daemons on loopback in one static pool: a chain stored through
+one is found and read through the others, and an owner that stops (SIGSTOP)
+or dies (SIGKILL) costs misses, never errors or wrong bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvd.client.clients import Client
+from kvd.cluster.rendezvous import Placement
+from kvd.tools.bench.daemon import SpawnedDaemon
+from tests.cluster.cluster import start_static_pool
+from tests.conftest import wait_until
+from tests.sockets import metric
+
+pytestmark = pytest.mark.timeout(120)
+
+# Each client call may take this long; a peer call gives up after 200 ms, so
+# a call that returns at all returned well inside it.
+CLIENT_TIMEOUT_S = 5.0
+
+
+def value_of(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest() * 300  # ~9.6 KiB, different per key
+
+
+def chain(namespace: str, count: int) -> list[bytes]:
+    return [f"{namespace}-block-{i:04d}".encode() for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SpawnedDaemon]]:
+    daemons = start_static_pool(tmp_path_factory.mktemp("pool"), 3)
+    yield daemons
+    for daemon in daemons:
+        if daemon.alive():
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.discard()
+
+
+_open: list[Client] = []
+
+
+@pytest.fixture(autouse=True)
+def close_clients() -> Iterator[None]:
+    yield
+    while _open:
+        _open.pop().close()
+
+
+def client_of(daemon: SpawnedDaemon, **options: bool) -> Client:
+    client = Client(daemon.target, timeout_s=CLIENT_TIMEOUT_S, **options)
+    _open.append(client)
+    return client
+
+
+def clients(pool: list[SpawnedDaemon]) -> list[Client]:
+    return [client_of(daemon) for daemon in pool]
+
+
+def placement(pool: list[SpawnedDaemon]) -> Placement:
+    return Placement([d.target for d in pool])
+
+
+def store_chain(client: Client, namespace: str, keys: list[bytes]) -> None:
+    for key in keys:
+        client.put(namespace, key, value_of(key))
+
+
+def test_chain_stored_on_one_is_found_and_read_through_another(pool: list[SpawnedDaemon]) -> None:
+    a, b, c = clients(pool)
+    keys = chain("found", 60)
+    store_chain(a, "found", keys)
+    owners = placement(pool).owners("found", keys)
+    assert len(set(owners)) == 3  # the chain really is spread over the pool
+    # A put is answered by the daemon it reached, then handed to its owner.
+    assert wait_until(lambda: b.lookup("found", keys) == len(keys))
+    assert c.lookup("found", keys) == len(keys)
+    assert a.lookup("found", keys) == len(keys)
+    assert c.exists("found", keys) == [True] * len(keys)  # the connectors' other question
+    # Gets through another daemon: bulk TCP (the client's default) and gRPC.
+    assert [b.get("found", key) for key in keys] == [value_of(key) for key in keys]
+    c_grpc = client_of(pool[2], bulk=False)
+    assert [c_grpc.get("found", key) for key in keys] == [value_of(key) for key in keys]
+    assert metric(pool[1].metrics_port, "kvd_cluster_members") == 3
+    assert metric(pool[0].metrics_port, "kvd_cluster_forwards_total") > 0
+    assert metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total") > 0
+
+
+def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[SpawnedDaemon]) -> None:
+    a, b, _ = clients(pool)
+    keys = chain("kept", 30)
+    store_chain(a, "kept", keys)
+    remote = [k for k, o in zip(keys, placement(pool).owners("kept", keys), strict=True)
+              if o == pool[2].target]  # fmt: skip
+    assert remote
+    assert wait_until(lambda: b.lookup("kept", keys) == len(keys))
+    before = metric(pool[1].metrics_port, "kvd_cluster_remote_gets_total")
+    assert [b.get("kept", key) for key in remote] == [value_of(key) for key in remote]
+    assert [b.get("kept", key) for key in remote] == [value_of(key) for key in remote]
+    # The second round came from b's own L1: one peer read per key in all.
+    assert metric(pool[1].metrics_port, "kvd_cluster_remote_gets_total") - before == len(remote)
+
+
+def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[SpawnedDaemon]) -> None:
+    a, b, _ = clients(pool)
+    keys = chain("batch", 50)
+    store_chain(a, "batch", keys)
+    assert wait_until(lambda: b.lookup("batch", keys) == len(keys))
+    lacking = len(keys) - len(_owned_by(pool, "batch", keys, 1))  # b holds its own share
+    before = metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total")
+    b_grpc = client_of(pool[1], bulk=False)
+    assert b_grpc.get_many_with_meta("batch", keys) == [(value_of(k), b"") for k in keys]
+    assert metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total") - before == lacking
+
+
+def test_a_key_nobody_holds_is_a_miss(pool: list[SpawnedDaemon]) -> None:
+    a, b, _ = clients(pool)
+    keys = chain("absent", 20)
+    assert b.lookup("absent", keys) == 0
+    assert [b.get("absent", key) for key in keys] == [None] * len(keys)
+    assert a.exists("absent", keys) == [False] * len(keys)
+
+
+def _owned_by(pool: list[SpawnedDaemon], namespace: str, keys: list[bytes], i: int) -> list[bytes]:
+    owners = placement(pool).owners(namespace, keys)
+    return [k for k, o in zip(keys, owners, strict=True) if o == pool[i].target]
+
+
+def check_reads_miss_or_match(client: Client, namespace: str, keys: list[bytes]) -> list[bytes]:
+    """Every get returns the right bytes or None, never an error; the keys missed."""
+    missed = []
+    for key in keys:
+        value = client.get(namespace, key)
+        if value is None:
+            missed.append(key)
+        else:
+            assert value == value_of(key)
+    return missed
+
+
+def test_stopped_owner_costs_misses_within_the_deadline(pool: list[SpawnedDaemon]) -> None:
+    a, b, _ = clients(pool)
+    b_grpc = client_of(pool[1], bulk=False)
+    keys = chain("stopped", 40)
+    store_chain(a, "stopped", keys)
+    assert wait_until(lambda: b.lookup("stopped", keys) == len(keys))
+    on_c = _owned_by(pool, "stopped", keys, 2)
+    on_a = _owned_by(pool, "stopped", keys, 0)
+    assert on_c and on_a
+    os.kill(pool[2].proc.pid, signal.SIGSTOP)
+    try:
+        # b holds none of c's keys: each is a miss (no error inside the client's
+        # deadline); a's keys still read, over both transports.
+        assert check_reads_miss_or_match(b, "stopped", on_c) == on_c
+        assert check_reads_miss_or_match(b_grpc, "stopped", on_c) == on_c
+        assert check_reads_miss_or_match(b, "stopped", on_a) == []
+        assert b.lookup("stopped", keys) <= keys.index(on_c[0])  # the chain ends at c's keys
+        assert metric(pool[1].metrics_port, "kvd_cluster_peer_errors_total") > 0
+    finally:
+        os.kill(pool[2].proc.pid, signal.SIGCONT)
+    # c is back: its keys read again once b tries it again (within PEER_DOWN_S).
+    assert wait_until(lambda: b_grpc.get("stopped", on_c[0]) == value_of(on_c[0]))
+
+
+def test_killed_owner_costs_misses_and_the_rest_serve(pool: list[SpawnedDaemon]) -> None:
+    a, b, _ = clients(pool)
+    keys = chain("killed", 40)
+    store_chain(a, "killed", keys)
+    assert wait_until(lambda: b.lookup("killed", keys) == len(keys))
+    on_c = _owned_by(pool, "killed", keys, 2)
+    pool[2].kill()
+    assert check_reads_miss_or_match(b, "killed", on_c) == on_c
+    assert check_reads_miss_or_match(a, "killed", keys) == []  # a kept every put it took
+    assert b.lookup("killed", keys) <= keys.index(on_c[0])
+    # New puts through a still land and are read through b, for keys a or b own.
+    fresh = chain("after", 20)
+    store_chain(a, "after", fresh)
+    live = [k for k in fresh if k not in _owned_by(pool, "after", fresh, 2)]
+    assert wait_until(lambda: all(b.get("after", k) == value_of(k) for k in live))
+
+
+def test_list_not_naming_the_daemon_serves_alone(tmp_path: Path) -> None:
+    daemon = SpawnedDaemon(
+        tmp_path, ["--pool-members", "static:127.0.0.1:1,127.0.0.1:2,127.0.0.1:1"], ssd=""
+    )
+    try:
+        client = client_of(daemon)
+        client.put("alone", b"k", b"v")
+        assert client.get("alone", b"k") == b"v"
+        assert client.lookup("alone", [b"k", b"other"]) == 1
+        assert metric(daemon.metrics_port, "kvd_cluster_members") == 1
+        text = "\n".join(daemon.log)
+        assert "does not name this daemon" in text
+        assert "more than once" in text
+    finally:
+        daemon.discard()
+
+
+def test_the_callers_deadline_bounds_peer_calls(tmp_path: Path) -> None:
+    """Peer calls may take 3 s here, the caller gives 0.5 s: a stopped owner
+    must still cost a miss inside the caller's deadline, not DEADLINE_EXCEEDED."""
+    daemons = start_static_pool(tmp_path, 2, peer_timeout_ms=3000)
+    a, b = daemons
+    try:
+        put = client_of(a)
+        keys = chain("deadline", 30)
+        store_chain(put, "deadline", keys)
+        on_b = _owned_by(daemons, "deadline", keys, 1)
+        on_a = _owned_by(daemons, "deadline", keys, 0)
+        assert on_a and on_b
+        hurried = Client(a.target, timeout_s=0.5, bulk=False)
+        _open.append(hurried)
+        assert wait_until(lambda: hurried.lookup("deadline", keys) == len(keys))
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            # a asks b only for what a lacks: drop a's own copies of b's keys.
+            assert put.delete("deadline", on_b) == len(on_b)
+            assert hurried.get("deadline", on_b[0]) is None
+            assert hurried.lookup("deadline", keys) == keys.index(on_b[0])
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+    finally:
+        for daemon in daemons:
+            daemon.discard()

@@ -1,0 +1,278 @@
+"""Bulk TCP port against a real daemon: round trips through BulkClient and
+Client, and bad input on a raw socket (wrong magic, truncated frame, length
+over the limit, a slow-loris sender, a wrong checksum): the connection is
+closed with a logged reason, nothing partial is visible, others are served."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from kvd.client.bulk import BulkClient, BulkPut
+from kvd.client.clients import AlreadyExists, Client, InvalidArgument
+from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
+from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.sockets import closed_by_daemon, metric, recv_exact
+
+NS = "bulk-test"
+
+
+@pytest.fixture
+def bulk_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
+    return daemon_factory("--bulk-frame-timeout-ms", "300")
+
+
+def _raw(daemon: DaemonProcess) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", daemon.bulk_port), timeout=5)
+    sock.sendall(encode_request(OP_HELLO, 0))
+    assert len(recv_exact(sock, RESPONSE.size)) == RESPONSE.size
+    return sock
+
+
+def _still_serving(daemon: DaemonProcess) -> None:
+    with BulkClient("127.0.0.1", daemon.bulk_port) as client:
+        client.put(NS, b"canary", b"alive")
+        assert client.get(NS, b"canary") == b"alive"
+
+
+def _logged(daemon: DaemonProcess, reason: str) -> bool:
+    return wait_until(
+        lambda: any("bulk connection closed" in line and reason in line for line in daemon.log),
+        timeout_s=5,
+    )
+
+
+def test_round_trips_and_codes(bulk_daemon: DaemonProcess) -> None:
+    value = os.urandom((2 << 20) + 123)
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port, connections=3) as client:
+        assert client.put(NS, b"k", value, b"meta") is False
+        assert client.put(NS, b"k", value) is True
+        with pytest.raises(AlreadyExists):
+            client.put(NS, b"k", b"other bytes")
+        assert client.get(NS, b"k") == value
+        assert client.get(NS, b"nope") is None
+        buffer = bytearray(len(value) + 10)
+        assert client.get_into(NS, b"k", buffer) == len(value) and buffer[: len(value)] == value
+        with pytest.raises(InvalidArgument, match="too small"):
+            client.get_into(NS, b"k", bytearray(100))
+        with pytest.raises(InvalidArgument):
+            client.put("", b"k", b"x")  # answered with a code; the connection stays
+        values = [os.urandom(1000 + i) for i in range(150)]  # more than one pipeline window
+        items = [BulkPut(b"m%d" % i, memoryview(v)) for i, v in enumerate(values)]
+        assert client.put_many(NS, items) == [False] * 150
+        keys = [b"m%d" % i for i in range(150)] + [b"absent"]
+        assert client.get_many(NS, keys) == [*values, None]
+
+
+def test_small_answers_never_overtake_queued_ones(bulk_daemon: DaemonProcess) -> None:
+    """Small answers leave straight from the reader only when nothing is queued
+    or being sent: in one pipelined window of 3 MiB values (queued), small
+    ones, misses and puts, every answer comes back in order and whole."""
+    big = [os.urandom(3 << 20) for _ in range(3)]
+    small = [os.urandom(n) for n in (1, 4096, 65536, 1 << 20)]
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port, connections=1) as client:
+        named = {b"big%d" % i: v for i, v in enumerate(big)}
+        named.update({b"small%d" % i: v for i, v in enumerate(small)})
+        client.put_many(NS, [BulkPut(k, memoryview(v)) for k, v in named.items()])
+        keys = []
+        for i in range(40):
+            keys += [b"big%d" % (i % 3), b"small%d" % (i % 4), b"miss%d" % i, b"small%d" % (i % 2)]
+        expected = [named.get(key) for key in keys]
+        for _ in range(3):
+            assert client.get_many(NS, keys) == expected
+        buffers = [memoryview(bytearray(3 << 20)) for _ in keys]
+        sizes = client.get_many_into(NS, keys, buffers)
+        for buffer, size, value in zip(buffers, sizes, expected, strict=True):
+            assert (size is None) == (value is None)
+            assert size is None or bytes(buffer[:size]) == value
+        # Puts answered straight from the reader between queued gets, in one window.
+        fresh = [BulkPut(b"fresh%d" % i, memoryview(os.urandom(100))) for i in range(64)]
+        assert client.put_many(NS, fresh) == [False] * 64
+        assert client.get_many(NS, [p.key for p in fresh]) == [bytes(p.value) for p in fresh]
+
+
+def test_a_small_answer_waits_for_the_send_under_way(bulk_daemon: DaemonProcess) -> None:
+    """A client that reads late: the writer is stuck half-way through a big
+    answer with nothing queued when a small get arrives; the small answer
+    must follow the big one's last byte, not cut into it."""
+    big, tiny = os.urandom(6 << 20), os.urandom(500)
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        client.put(NS, b"big", big)
+        client.put(NS, b"tiny", tiny)
+    sock = _raw(bulk_daemon)
+    sock.sendall(encode_request(OP_GET, 1, NS.encode(), b"big"))
+    time.sleep(0.1)  # the writer fills the socket and waits for room
+    sock.sendall(encode_request(OP_GET, 2, NS.encode(), b"tiny"))
+    time.sleep(0.1)
+    for rid, value in ((1, big), (2, tiny)):
+        header = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+        assert (header[4], header[5], header[8]) == (rid, 0, len(value))
+        assert recv_exact(sock, header[6] + header[7] + len(value))[-len(value) :] == value
+    sock.close()
+
+
+def test_client_uses_bulk_over_tcp(bulk_daemon: DaemonProcess) -> None:
+    """Single puts and gets of any size and put_many with a large value go
+    over the bulk port; a put_many of small values is one gRPC BatchPut."""
+    value = os.urandom(1 << 20)
+    port = bulk_daemon.metrics_port
+
+    def moved(op: str, direction: str) -> float:
+        return metric(port, f'kvd_bytes_total{{direction="{direction}",op="{op}"}}')
+
+    with Client(bulk_daemon.target, shm=False) as client:
+        client.put(NS, b"big", value)
+        client.put_many(NS, [(b"c1", value), (b"c2", b"small")], chained=True)
+        assert client.get(NS, b"big") == value
+        assert client.get_many(NS, [b"c1", b"c2"]) == [value, b"small"]
+        assert moved("bulk_put", "in") == (2 << 20) + 5
+        client.put(NS, b"tiny", b"t" * 10, b"meta", parent=b"big")
+        assert moved("bulk_put", "in") == (2 << 20) + 15
+        buffer = bytearray(100)
+        assert client.get_into(NS, b"tiny", buffer) == 10 and buffer[:10] == b"t" * 10
+        assert client.get_many_into(NS, [b"tiny", b"none"], [buffer, bytearray(5)]) == [10, None]
+        assert moved("bulk_get", "out") == (2 << 20) + 5 + 20
+        assert client.get_with_meta(NS, b"tiny") == (b"t" * 10, b"meta")
+        client.put_many(NS, [(b"s1", b"x"), (b"s2", b"y")])
+        assert moved("bulk_put", "in") == (2 << 20) + 15
+        assert moved("batch_put", "in") == 2
+
+
+def test_wrong_magic_closes_the_connection(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    sock.sendall(b"XXXX" + encode_request(OP_GET, 1, NS.encode(), b"k")[4:])
+    assert closed_by_daemon(sock)
+    assert _logged(bulk_daemon, "bad magic")
+    _still_serving(bulk_daemon)
+
+
+def test_first_frame_must_be_hello(bulk_daemon: DaemonProcess) -> None:
+    sock = socket.create_connection(("127.0.0.1", bulk_daemon.bulk_port), timeout=5)
+    sock.sendall(encode_request(OP_GET, 1, NS.encode(), b"k"))
+    assert closed_by_daemon(sock)
+    assert _logged(bulk_daemon, "HELLO")
+
+
+def test_truncated_put_leaves_nothing(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    header = encode_request(OP_PUT, 1, NS.encode(), b"half", length=1 << 20)
+    sock.sendall(header + b"x" * (1 << 19))
+    sock.close()
+    assert _logged(bulk_daemon, "ended inside a frame")
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        assert client.get(NS, b"half") is None
+    _still_serving(bulk_daemon)
+
+
+def test_length_over_the_limit_closes(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    sock.sendall(encode_request(OP_PUT, 1, NS.encode(), b"huge", length=1 << 40))
+    assert closed_by_daemon(sock)
+    assert _logged(bulk_daemon, "max_value_bytes")
+    _still_serving(bulk_daemon)
+
+
+def test_slow_loris_is_cut_off(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    frame = encode_request(OP_PUT, 1, NS.encode(), b"slow", length=4096) + b"y" * 4096
+    sock.sendall(frame[:20])  # half a header, then silence
+    start = time.monotonic()
+    assert closed_by_daemon(sock)
+    assert time.monotonic() - start < 4  # frame timeout is 300 ms
+    assert _logged(bulk_daemon, "TimeoutError")
+    sock = _raw(bulk_daemon)
+    sock.sendall(frame[:1000])  # a whole header, then part of the payload
+    assert closed_by_daemon(sock)
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        assert client.get(NS, b"slow") is None
+    _still_serving(bulk_daemon)
+
+
+def test_wrong_checksum_is_refused(bulk_daemon: DaemonProcess) -> None:
+    sock = _raw(bulk_daemon)
+    sock.sendall(encode_request(OP_PUT, 7, NS.encode(), b"bad", length=5, checksum=1) + b"hello")
+    answer = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+    assert answer[4] == 7 and answer[5] == 15  # request id, DATA_LOSS
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        assert client.get(NS, b"bad") is None
+        client.put(NS, b"good", b"hello")
+    sock.close()
+
+
+def test_concurrent_large_gets_are_sent_whole(bulk_daemon: DaemonProcess) -> None:
+    """Eight clients at once get 3 MiB values: sends beyond the first go out
+    from send threads, and every byte arrives in order."""
+    values = {b"big%d" % i: os.urandom(3 << 20) for i in range(4)}
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        for key, value in values.items():
+            client.put(NS, key, value)
+    errors: list[BaseException] = []
+
+    def reader(seed: int) -> None:
+        try:
+            with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+                for n in range(12):
+                    key = b"big%d" % ((seed + n) % 4)
+                    assert client.get(NS, key) == values[key]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors[0]
+
+
+def test_a_client_that_stops_reading_is_dropped(bulk_daemon: DaemonProcess) -> None:
+    """Two clients ask for 24 MiB each and read nothing: the first one's send
+    runs on the event loop, the second one's on a send thread; both give up
+    after the frame timeout (300 ms) and close their connection; everyone
+    else is served meanwhile."""
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        client.put(NS, b"huge", os.urandom(24 << 20))
+    stalled = []
+    for rid in range(2):
+        stalled.append(_get_without_reading(bulk_daemon, rid, b"huge"))
+        time.sleep(0.3)  # the first send is under way (and stuck) before the second starts
+    assert wait_until(
+        lambda: sum("did not read its answer" in line for line in bulk_daemon.log) == 2,
+        timeout_s=5,
+    )
+    _still_serving(bulk_daemon)
+    for sock in stalled:
+        sock.close()
+    assert wait_until(lambda: metric(bulk_daemon.metrics_port, "kvd_bulk_connections") == 0)
+
+
+def test_sigterm_during_a_stuck_send_thread_stops_promptly(daemon_factory: DaemonFactory) -> None:
+    """With the default 30 s frame timeout, only shutting the socket down ends
+    a send thread that waits for a client that reads nothing."""
+    bulk_daemon = daemon_factory()
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port) as client:
+        client.put(NS, b"huge", os.urandom(24 << 20))
+    stalled = []
+    for rid in range(2):  # with 6 CPUs or more, the second send is on a send thread
+        stalled.append(_get_without_reading(bulk_daemon, rid, b"huge"))
+        time.sleep(0.1)
+    start = time.monotonic()
+    assert bulk_daemon.stop() == 0
+    assert time.monotonic() - start < 5
+    for sock in stalled:
+        sock.close()
+
+
+def _get_without_reading(daemon: DaemonProcess, rid: int, key: bytes) -> socket.socket:
+    """A connection that asks for ``key`` and then reads nothing (small receive buffer)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    sock.connect(("127.0.0.1", daemon.bulk_port))
+    sock.sendall(encode_request(OP_HELLO, 0))
+    recv_exact(sock, RESPONSE.size)
+    sock.sendall(encode_request(OP_GET, rid, NS.encode(), key))
+    return sock

@@ -1,0 +1,156 @@
+"""The ``density`` and ``s3fifo`` eviction policies (kvd.store.eviction.density,
+kvd.store.eviction.s3fifo); the contract every policy keeps is tested in
+tests/store/eviction/test_eviction.py."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kvd.store.eviction.density import _AGE_EDGES, DensityPolicy, reference_class
+from kvd.store.eviction.policy import LruPolicy, make_policy
+from kvd.store.eviction.s3fifo import S3FifoPolicy
+from tests.store.eviction.test_eviction import drain, insert_chain, never
+
+
+def test_density_without_lookups_evicts_exactly_as_lru() -> None:
+    rng = random.Random(11)
+    lru, density = LruPolicy[int](), DensityPolicy[int]()
+    pinned: set[int] = set()
+    victims = 0
+    for _ in range(5000):
+        draw = rng.random()
+        key = rng.randrange(300)
+        if draw < 0.5:
+            parent = key - 1 if key % 6 else None
+            lru.insert(key, parent)
+            density.insert(key, parent)
+        elif draw < 0.75:
+            lru.touch(key)
+            density.touch(key)
+        elif draw < 0.8:
+            pinned ^= {key}
+        else:
+            victim = lru.victim(pinned.__contains__)
+            assert density.victim(pinned.__contains__) == victim
+            if victim is not None:
+                lru.remove(victim)
+                density.remove(victim)
+                victims += 1
+    assert victims > 500
+    assert drain(density) == drain(lru)
+
+
+def replay(name: str, cycles: int = 600) -> tuple[int, Any]:
+    """Per cycle: a 6-block head shared by every cycle's question with a
+    2-block fresh tail, and a fresh 60-block one-shot chain; the cache holds
+    200 blocks (3 cycles of one-shots). The hits of the shared questions."""
+    policy = make_policy(name)
+    hits_total = 0
+
+    def request(chain: list[tuple[str, int]]) -> int:
+        hits = 0
+        while hits < len(chain) and chain[hits] in policy._nodes:
+            policy.touch(chain[hits])
+            hits += 1
+        policy.on_lookup(chain, hits)
+        parent = chain[hits - 1] if hits else None
+        for key in chain[hits:]:
+            while len(policy) >= 200:
+                victim = policy.victim(lambda k: k in chain)
+                assert victim is not None and victim not in chain
+                policy.remove(victim)
+            policy.insert(key, parent)
+            parent = key
+        return hits
+
+    for cycle in range(cycles):
+        if cycle % 7 == 0:
+            # Every 7th cycle the head is read (the rest of the time it waits
+            # longer than LRU keeps it: 7 x 62 blocks put > 200).
+            hits_total += request([("head", i) for i in range(6)] + [("q", cycle), ("t", cycle)])
+        request([("scan", cycle * 100 + i) for i in range(60)])
+    return hits_total, policy
+
+
+def test_density_learns_to_keep_what_comes_back_through_one_shot_scans() -> None:
+    lru_hits, _ = replay("lru")
+    density_hits, policy = replay("density")
+    assert isinstance(policy, DensityPolicy)
+    assert lru_hits == 0  # 7 cycles put 434 blocks: LRU forgets the head
+    # The head's blocks are re-read every 7 cycles (8 lookups later, count
+    # rising); one-shot scan blocks never are: those get no retention, and
+    # a scan's last block is not kept past the rest of its chain.
+    assert density_hits > 0.8 * 6 * (600 // 7)
+    scan = reference_class(0, 1, 60, False)
+    head = reference_class(8, 8, 8, False)
+    assert policy.reuse_share(scan) == 0.0
+    assert policy.retention(scan) == 0
+    assert policy.retention(head) >= 8
+    assert replay("density")[0] == density_hits  # deterministic
+
+
+def test_density_remembers_evicted_blocks_in_its_ghost() -> None:
+    policy = DensityPolicy[int]()
+    chain = [1, 2, 3]
+    policy.on_lookup(chain, 0)
+    insert_chain(policy, chain)
+    for key in reversed(chain):
+        assert policy.victim(never) == key
+        policy.remove(key)
+    assert policy.ghost_len == 3
+    for _ in range(5):
+        policy.on_lookup([99], 0)  # other lookups: the clock moves
+    policy.on_lookup(chain, 0)  # the chain is back, 6 lookups later
+    assert policy.ghost_len == 0
+    policy.insert(1, None)
+    node = policy._nodes[1]
+    assert (node.gap, node.count) == (6, 2)  # type: ignore[attr-defined]
+    assert node.klass == reference_class(6, 2, 3, False)  # type: ignore[attr-defined]
+
+
+def test_density_state_stays_bounded() -> None:
+    policy = DensityPolicy[int]()
+    for start in range(0, 2 * (_AGE_EDGES[-1] + 100), 2):
+        policy.on_lookup([start, start + 1], 0)  # announced, never put
+    assert policy.pending_len <= 1 << 16
+    for key in range(3000):
+        policy.on_lookup([key, key + 1_000_000], 0)
+        policy.insert(key, None)  # the chain never goes on
+    assert len(policy._filling) <= 1024
+    for key in range(3000):
+        policy.remove(policy.victim(never))  # type: ignore[arg-type]
+        policy.insert(10_000 + key, None)
+        policy.on_lookup([10_000 + key], 1)
+    assert policy.ghost_len <= 4 * len(policy) + 1024
+    heaps = len(policy._leaf_heap) + len(policy._inner_heap)
+    assert heaps <= 2 * len(policy) + 1025
+
+
+def test_density_retention_is_capped_by_the_residence() -> None:
+    _, policy = replay("density", cycles=300)
+    # 200 blocks tracked, ~53 references per lookup: a mean residence of
+    # ~4 lookups; no class is kept past 4 of them.
+    residence = 200 / (policy._entered[:, 0].sum() / policy._lookups)
+    assert max(policy._retention) <= 4 * residence
+
+
+def test_s3fifo_scan_resistance_and_promotion() -> None:
+    policy = S3FifoPolicy[str]()
+    for key in "abcdefghij":  # ten unrelated blocks in the small queue
+        policy.insert(key, None)
+    policy.touch("a")  # hit while small: promoted when its turn comes
+    assert policy.small_len == 10
+    assert policy.victim(never) == "b"  # "a" went to the main queue instead
+    policy.remove("b")
+    assert policy.small_len == 8 and policy.ghost_len == 1
+    policy.insert("b", None)  # back from the ghost: straight into main
+    assert policy.small_len == 8
+    # Main ("a", "b") goes round once per hit; small is over its share.
+    assert drain(policy)[:8] == list("cdefghij")
+
+
+def test_s3fifo_evicts_a_chain_tail_first_within_a_queue() -> None:
+    policy = S3FifoPolicy[int]()
+    insert_chain(policy, [1, 2, 3, 4])
+    assert drain(policy) == [4, 3, 2, 1]

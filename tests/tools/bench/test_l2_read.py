@@ -1,0 +1,89 @@
+"""``kvd bench l2`` on a small data set: rows for every case with GB/s and CPU
+time per read, on a directory and on RAM-backed loop devices it makes
+itself (root only), striped over two of them, and cleaned up after."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvd.io.backend import native_available
+from kvd.tools.bench import l2_read, ramdisk
+
+MiB = 1 << 20
+DATA_BYTES = 16 * MiB
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("losetup") is None, reason="loop devices need root"
+)
+
+
+def _attached() -> str:
+    return subprocess.run(["losetup", "-l", "-n", "-O", "BACK-FILE"], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+
+
+def _check_rows(rows: list[l2_read.Row], devices: int) -> None:
+    backends = {"uring", "threads"} if native_available()[0] else {"threads"}
+    cases = {(b, p) for b in backends for p in l2_read.READ_PATHS}
+    assert {(r.backend, r.path) for r in rows} == cases
+    for row in rows:
+        assert row.devices == devices and row.block_bytes == 64 << 10 and row.depth == 4
+        assert row.kvd_gbps > 0 and row.cpu_us_per_read > 0
+    table = l2_read.markdown(rows)
+    assert "CPU µs/read" in table and table.count("\n") == len(rows) + 1
+
+
+@pytest.mark.slow
+def test_bench_on_a_directory(tmp_path: Path) -> None:
+    target = l2_read.Target.of([str(tmp_path)], [], data_bytes=DATA_BYTES)
+    rows = l2_read.run(target, lambda _: None, blocks_bytes=[64 << 10], depths=[4], seconds=0.2)
+    _check_rows(rows, 1)
+    assert not (tmp_path / l2_read.DATA_FILE).exists()
+
+
+@pytest.mark.slow
+@needs_root
+@pytest.mark.parametrize(("count", "fs"), [(2, "none"), (1, "ext4")])
+def test_bench_on_ramdisks_it_makes_and_removes(count: int, fs: str) -> None:
+    # 256 MiB each: the tier wants at least two 64 MiB segments per path.
+    with ramdisk.ramdisks(count, 256 * MiB, fs) as made:
+        assert len(made) == count
+        for path in made:
+            mode = os.stat(path).st_mode
+            assert stat.S_ISBLK(mode) if fs == "none" else stat.S_ISDIR(mode)
+        on_fs = fs != "none"
+        target = l2_read.Target.of(made if on_fs else [], [] if on_fs else made, DATA_BYTES)
+        rows = l2_read.run(target, lambda _: None, blocks_bytes=[64 << 10], depths=[4],
+                           seconds=0.2)  # fmt: skip
+        _check_rows(rows, count)
+        backing = [line for line in _attached().splitlines() if "kvd-ramdisk-" in line]
+        assert len(backing) >= count
+    for path in made:
+        assert not os.path.exists(path) or not _is_ours(path)
+    assert not [d for d in os.listdir(ramdisk.SHM_DIR) if d.startswith("kvd-ramdisk-")]
+
+
+def _is_ours(device: str) -> bool:
+    """Whether ``device`` is still a loop device backed by a kvd ramdisk file."""
+    out = subprocess.run(["losetup", "-n", "-O", "BACK-FILE", device], capture_output=True,
+                         text=True)  # fmt: skip
+    return "kvd-ramdisk-" in out.stdout
+
+
+def test_bad_bench_settings_are_refused(tmp_path: Path) -> None:
+    target = l2_read.Target.of([str(tmp_path)], [], data_bytes=DATA_BYTES)
+    for bad in ({"depths": [0]}, {"blocks_bytes": [1000]}, {"read_paths": ["l1"]},
+                {"seconds": 0.0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            l2_read.run(target, lambda _: None, **bad)
+    with pytest.raises(ValueError, match="not a block device"):
+        l2_read.Target.of([], [str(tmp_path)])
+    with pytest.raises(ramdisk.RamdiskError), ramdisk.ramdisks(1, 64 * MiB, "xfs"):
+        pass
+    with pytest.raises(ramdisk.RamdiskError, match="count"):
+        ramdisk.check_can_make(0, MiB)

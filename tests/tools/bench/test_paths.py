@@ -1,0 +1,44 @@
+"""A tiny `kvd bench paths` run: every kvd path and ceiling produces a number,
+and the results land as JSON and markdown (peers left out: they are optional)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from kvd.tools.bench import main, paths
+
+
+def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paths, "CASE_SECONDS", 0.05)
+    monkeypatch.setattr(paths, "CLIENTS", (1, 2))
+    monkeypatch.setattr(paths, "FILL_BYTES", 1 << 20)
+    monkeypatch.setattr(paths, "FIO_FILE_BYTES", 16 << 20)
+    monkeypatch.setattr(paths, "FIO_SECONDS", 1.0)
+    assert main(["--out", str(tmp_path), "paths", "--sizes", "65536", "--no-peers"]) == 0
+    [result] = tmp_path.glob("*-paths.json")
+    data = json.loads(result.read_text())
+    measured = {(r["path"], r["op"], r["clients"]): r["gbps"] for r in data["rows"]}
+    for path in ("shm", "bulk", "grpc"):
+        for op in ("get", "put"):
+            for clients in (1, 2):
+                assert measured[(path, op, clients)] > 0
+        assert measured[(path, "get-batch", 1)] > 0  # get_many_into of 8 values a call
+        assert measured[(path, "get-cold", 1)] > 0  # values only on L2
+    assert measured[("memcpy", "copy", 1)] > 0 and measured[("tcp", "get", 1)] > 0
+    # The L2-cold rows' ceiling, from the same run on the cold daemon's file system.
+    for depth in paths.FIO_DEPTHS:
+        fio = measured[("fio", f"read QD{depth}", 1)]
+        assert fio is None if shutil.which("fio") is None else fio > 0
+    assert "| shm | get | 1 |" in result.with_suffix(".md").read_text()
+    assert {t["target"] for t in data["targets"]} >= {
+        "bulk get 4 MiB / loopback TCP",
+        "shm get-batch 4 MiB / memcpy",
+        "shm get-cold 4 MiB / fio QD1",
+    }
+    # The chart, both panels, where matplotlib (the bench extra) is installed.
+    assert result.with_suffix(".png").exists() == (find_spec("matplotlib") is not None)
