@@ -38,7 +38,8 @@ from kvd.io.backend import IoBackend, IoOp, OpKind
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2.tier import L2Tier, SegmentState
 from kvd.paths.bulk import server as bulk
-from kvd.store.store import TIER_L1, TIER_L2, PutResult, PutTicket, Store, StoreLimits, placement
+from kvd.store import placement
+from kvd.store.store import TIER_L1, TIER_L2, PutResult, PutTicket, Store, StoreLimits
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import ResourceExhausted, Unavailable
