@@ -3,21 +3,13 @@ on ephemeral ports and a Unix socket under the test's tmp dir."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvd.tools.bench.daemon import SpawnedDaemon
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-DaemonProcess = SpawnedDaemon
-
-
-DaemonFactory = Callable[..., DaemonProcess]
+from tests.support import DaemonFactory, DaemonProcess
 
 
 @pytest.fixture
@@ -49,15 +41,6 @@ def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
     daemon = DaemonProcess(tmp_path_factory.mktemp("kvd"), [])
     yield daemon
     daemon.discard()
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -24,7 +24,7 @@ from kvd.client.clients import (
     chain_keys,
 )
 from kvd.v1 import kvd_pb2 as pb
-from tests.conftest import DaemonFactory, DaemonProcess
+from tests.support import DaemonFactory, DaemonProcess
 
 
 def value_for(key: bytes, size: int) -> bytes:

@@ -18,8 +18,8 @@ from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import SERVICE
 from tests.cluster.cluster import free_ports
-from tests.conftest import wait_until
 from tests.sockets import metric
+from tests.support import wait_until
 
 VALUE = b"x" * 4096
 

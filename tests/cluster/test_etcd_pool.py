@@ -16,8 +16,8 @@ from kvd.client.clients import Client
 from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.cluster.cluster import free_ports
 from tests.cluster.etcd_server import EtcdServer, etcd_binary
-from tests.conftest import wait_until
 from tests.sockets import metric
+from tests.support import wait_until
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -13,8 +13,8 @@ from kvd.client.clients import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.cluster.cluster import free_ports
-from tests.conftest import wait_until
 from tests.sockets import metric
+from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

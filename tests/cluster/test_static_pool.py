@@ -16,8 +16,8 @@ from kvd.client.clients import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.cluster.cluster import start_static_pool
-from tests.conftest import wait_until
 from tests.sockets import metric
+from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

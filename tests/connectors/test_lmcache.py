@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvd.connectors.lmcache import kvd_address, split_key_string
-from tests.conftest import DaemonProcess
+from tests.support import DaemonProcess
 
 lmcache = pytest.importorskip("lmcache", reason="LMCache is not installed")
 torch = pytest.importorskip("torch", reason="torch is not installed")

@@ -31,7 +31,7 @@ import pytest
 from kvd.client.clients import Client
 from kvd.connectors.common import bytes_key
 from kvd.connectors.lease_locks import LockTable
-from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 lmcache = pytest.importorskip("lmcache", reason="LMCache is not installed")
 torch = pytest.importorskip("torch", reason="torch is not installed")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvd.connectors.sglang import KvdHiCacheStorage, page_hashes, storage_namespace
-from tests.conftest import DaemonProcess
+from tests.support import DaemonProcess
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 

@@ -22,7 +22,7 @@ import pytest
 
 from kvd.client.clients import Client
 from kvd.connectors.vllm import BlockTransfer, KvdConnector, KvdConnectorMetadata, block_keys
-from tests.conftest import DaemonProcess
+from tests.support import DaemonProcess
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from kvd.client.clients import Client, KvdError
-from tests.conftest import DaemonFactory, wait_until
+from tests.support import DaemonFactory, wait_until
 
 GRACE_MS = 4000
 WRITERS = 4

@@ -22,7 +22,7 @@ from kvd.client.clients import Client
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import checksum
 from kvd.wire.grpc import KVStoreStub
-from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 Code = grpc.StatusCode
 

@@ -23,7 +23,7 @@ from kvd.connectors.common import tls_config
 from kvd.daemon.tls import ServerTls
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
-from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 CALL_TIMEOUT_S = 5
 

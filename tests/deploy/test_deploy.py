@@ -18,7 +18,7 @@ import yaml
 
 from kvd.config.settings import load_config
 from kvd.config.sizes import parse_size
-from tests.conftest import REPO
+from tests.support import REPO
 
 DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "systemd" / "kvd.paths.grpc.service"

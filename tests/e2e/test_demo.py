@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import DaemonFactory
+from tests.support import DaemonFactory
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -27,8 +27,7 @@ import pytest
 from kvd.connectors.vllm import block_keys
 from kvd.tools.bench.engine_proc import REPO, EngineEnv, VllmProcess
 from kvd.tools.bench.vllm_engine import kv_transfer_config
-
-from .conftest import RestartableDaemon, free_port
+from tests.engines.support import RestartableDaemon, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

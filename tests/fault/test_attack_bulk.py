@@ -20,8 +20,8 @@ import pytest
 from kvd.client.clients import Client
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from kvd.wire.errors import ResourceExhausted
-from tests.conftest import DaemonFactory, DaemonProcess, wait_until
 from tests.sockets import recv_exact
+from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 pytestmark = pytest.mark.fault
 

@@ -41,7 +41,7 @@ from kvd.paths.auth import hash_token
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import KvdError
 from kvd.wire.grpc import KVStoreStub
-from tests.conftest import REPO, DaemonFactory, DaemonProcess
+from tests.support import REPO, DaemonFactory, DaemonProcess
 
 pytestmark = pytest.mark.fault
 

@@ -30,7 +30,7 @@ import pytest
 from kvd.client.clients import Client, KvdError
 from kvd.connectors.sglang import KvdHiCacheStorage
 from kvd.connectors.vllm import KvdConnector
-from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 pytestmark = pytest.mark.fault
 

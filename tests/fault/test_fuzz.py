@@ -43,8 +43,8 @@ from kvd.paths.shm.channel import REGION_REF
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import KvdError
 from kvd.wire.grpc import KVStoreStub
-from tests.conftest import DaemonProcess
 from tests.paths.shm.test_shm import RawRegion
+from tests.support import DaemonProcess
 
 FUZZ_N = int(os.environ.get("KVD_TEST_FUZZ_N", "3000"))
 # Shares of FUZZ_N: round trips cost ~1 ms, in-process parses ~10 us.

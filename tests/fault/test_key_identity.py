@@ -30,7 +30,7 @@ from kvd.client.clients import Client
 from kvd.connectors.lmcache import kvd_address
 from kvd.connectors.sglang import page_hashes, storage_namespace
 from kvd.connectors.vllm import KvdConnector, block_keys
-from tests.conftest import REPO, DaemonProcess
+from tests.support import REPO, DaemonProcess
 
 pytestmark = pytest.mark.fault
 

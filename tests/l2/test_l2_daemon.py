@@ -18,7 +18,7 @@ from kvd.client.clients import Client, ResourceExhausted, Unavailable
 from kvd.io.backend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
 from kvd.tools.bench.daemon import SpawnedDaemon
-from tests.conftest import wait_until
+from tests.support import wait_until
 
 MiB = 1 << 20
 BACKENDS = ["threads", "uring"]

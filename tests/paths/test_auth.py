@@ -28,7 +28,7 @@ from kvd.paths.auth import (
 )
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
-from tests.conftest import DaemonProcess, wait_until
+from tests.support import DaemonProcess, wait_until
 
 TOKEN_A = "token-for-team-a"
 TOKEN_ADMIN = "token-for-the-admin"

@@ -20,7 +20,7 @@ from kvd.paths.metrics import NamespaceCollector
 from kvd.util.logs import Throttle
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
-from tests.conftest import REPO, DaemonFactory, DaemonProcess
+from tests.support import REPO, DaemonFactory, DaemonProcess
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvd-dashboard.json"
 NAMESPACES_MAX = 2

@@ -28,7 +28,7 @@ from kvd.paths.shm.regions import PIECE_BYTES, POPULATE_BYTES_MAX, _populate, co
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import KvdError
 from kvd.wire.grpc import KVStoreStub
-from tests.conftest import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 NS = "shm-test"
 

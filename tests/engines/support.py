@@ -1,0 +1,82 @@
+"""What the real-engine tests share besides fixtures: free ports, and a
+daemon that restarts on the same ports and files (a restart the engine's
+connector must ride through without being told)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+from kvd.client.clients import Client
+from kvd.tools.bench.daemon import SpawnedDaemon
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class RestartableDaemon:
+    """A daemon on fixed ports and one L2 file, stopped, killed, frozen and
+    started again by the tests."""
+
+    def __init__(self, workdir: Path, dram: str = "512MiB", ssd: str = "1GiB") -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.bulk_port = free_port()
+        self.dram, self.ssd = dram, ssd
+        self.daemon: SpawnedDaemon | None = None
+
+    @property
+    def url(self) -> str:
+        return f"kvd://127.0.0.1:{self.port}"
+
+    @property
+    def socket_url(self) -> str:
+        """The daemon's Unix socket: gRPC there, values through shared memory."""
+        return f"kvd://{self.workdir / 'kvd.sock'}"
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, *args: str) -> SpawnedDaemon:
+        assert self.daemon is None or not self.daemon.alive()
+        self.daemon = SpawnedDaemon(
+            self.workdir,
+            ["--listen", self.target, "--bulk-listen", f"127.0.0.1:{self.bulk_port}", *args],
+            dram=self.dram,
+            ssd=self.ssd,
+            segment="64MiB",
+        )
+        return self.daemon
+
+    def stop(self) -> int:
+        assert self.daemon is not None
+        return self.daemon.stop()
+
+    def kill9(self) -> None:
+        assert self.daemon is not None
+        self.daemon.kill()
+
+    def freeze(self) -> None:
+        assert self.daemon is not None
+        os.kill(self.daemon.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.daemon is not None
+        os.kill(self.daemon.proc.pid, signal.SIGCONT)
+
+    def stats(self) -> dict[str, int]:
+        with Client(self.target, timeout_s=10) as client:
+            return {k: int(v) for k, v in client.stats().items() if isinstance(v, int | float)}
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            if self.daemon.alive():
+                self.thaw()
+            self.daemon.discard()
