@@ -15,7 +15,15 @@ import grpc
 from kvd.store.index import LookupResult
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import checksum
-from kvd.wire.errors import BY_CODE_NAME, DataLoss, InvalidArgument, KvdError, ResourceExhausted
+from kvd.wire.errors import (
+    BY_CODE_NAME,
+    DataLoss,
+    InvalidArgument,
+    KvdError,
+    ResourceExhausted,
+    code_name,
+    error_class,
+)
 
 DEFAULT_TIMEOUT_S = 5.0
 # Streamed puts send 1 MiB messages: gRPC Python's sweet spot here
@@ -242,17 +250,10 @@ def batch_put_result(response: pb.BatchPutResponse, first: int) -> list[bool]:
     existed = []
     for i, status in enumerate(response.statuses):
         if status.code != 0:
-            name = grpc.StatusCode(code_by_value(status.code)).name
-            raise BY_CODE_NAME.get(name, KvdError)(f"item {first + i}: {name}: {status.message}")
+            name = code_name(status.code)
+            raise error_class(status.code)(f"item {first + i}: {name}: {status.message}")
         existed.append(status.existed)
     return existed
-
-
-def code_by_value(value: int) -> tuple[int, str]:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code.value  # type: ignore[no-any-return]
-    return grpc.StatusCode.UNKNOWN.value  # type: ignore[no-any-return]
 
 
 def batch_get_item(item: pb.GetItem) -> bytes | type[ResourceExhausted] | None:

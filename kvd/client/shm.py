@@ -37,20 +37,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kvd.client.shm_socket import RegionOps
 from kvd.client.spans import ALIGN_BYTES, Spans
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import (
-    BY_CODE_NAME,
+    CODE_NUMBERS,
     DeadlineExceeded,
     InvalidArgument,
     KvdError,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
+    error_for,
 )
 
 # Staging for buffers outside any region: 64 MiB holds a batch of sixteen
@@ -63,17 +63,15 @@ GET_ROOM_BYTES = 4 << 20
 BATCH_ITEMS_MAX = 256
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
-_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-_NAMES = {int(code.value[0]): code.name for code in grpc.StatusCode}
+_NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
+_RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
 
 Call = Callable[[Any, Any], Any]
 Attach = Callable[[int, int], tuple[int, bytes]]
 
 
 def _error(result: pb.RegionItemResult) -> KvdError:
-    name = _NAMES.get(result.code, "UNKNOWN")
-    return BY_CODE_NAME.get(name, KvdError)(f"{name}: {result.message}")
+    return error_for(result.code, result.message)
 
 
 def _item_error(result: pb.RegionItemResult, room: int) -> KvdError:

@@ -21,7 +21,6 @@ from kvd.client.bulk import Answer, BulkClient, Connection
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.bulk import (
     FLAG_EXISTED,
-    NAME_BY_CODE,
     OP_REGION_GET,
     OP_REGION_PUT,
     REQUEST,
@@ -30,7 +29,7 @@ from kvd.wire.bulk import (
     VERSION,
     encode_request,
 )
-from kvd.wire.errors import BY_CODE_NAME, DeadlineExceeded, KvdError, PermissionDenied, Unavailable
+from kvd.wire.errors import DeadlineExceeded, PermissionDenied, Unavailable, error_for
 from kvd.wire.shm import (
     ATTACHED,
     DEADLINE,
@@ -143,8 +142,7 @@ class RegionOps:
         finally:
             sock.close()
         if answer.op != OP_REGION_ATTACH or answer.code != 0:
-            name = NAME_BY_CODE.get(answer.code, "UNKNOWN")
-            raise BY_CODE_NAME.get(name, KvdError)(f"{name}: {answer.message}")
+            raise error_for(answer.code, answer.message)
         if len(answer.meta) != ATTACHED.size:
             raise Unavailable("shm socket: a REGION_ATTACH answer without a region")
         region_id, token = ATTACHED.unpack(answer.meta)

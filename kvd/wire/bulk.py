@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 
 from kvd.store.index import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
-from kvd.wire.errors import KvdError
+from kvd.wire.errors import CODE_NAMES, CODE_NUMBERS, error_number
 
 VERSION = 1
 REQUEST_MAGIC = b"KVDQ"
@@ -35,27 +35,15 @@ FLAG_EXISTED = 1  # response: the put's key already held these bytes
 
 TOKEN_BYTES_MAX = 4096
 MESSAGE_BYTES_MAX = 1024
-# Codes, as gRPC numbers them (the gRPC path reports the same ones).
-CODE_OK = 0
-CODE_NOT_FOUND = 5
-CODE_RESOURCE_EXHAUSTED = 8
-CODE_INTERNAL = 13
-CODE_BY_NAME = {
-    "CANCELLED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
-NAME_BY_CODE = {code: name for name, code in CODE_BY_NAME.items()}
+# Codes: the gRPC status numbers, from the one registry (kvd.wire.errors);
+# the gRPC path reports the same ones.
+CODE_BY_NAME = CODE_NUMBERS
+NAME_BY_CODE = CODE_NAMES
+CODE_OK = CODE_NUMBERS["OK"]
+CODE_NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
+CODE_RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
+CODE_INTERNAL = CODE_NUMBERS["INTERNAL"]
+error_code = error_number  # the status number an error is answered with
 
 
 class ProtocolError(Exception):
@@ -139,10 +127,6 @@ def encode_response(
         RESPONSE_MAGIC, VERSION, op, flags, request_id, code, len(meta), len(text), length, checksum
     )
     return b"".join((header, meta, text))
-
-
-def error_code(exc: KvdError) -> int:
-    return CODE_BY_NAME.get(exc.code_name, CODE_BY_NAME["UNKNOWN"])
 
 
 def split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes]:

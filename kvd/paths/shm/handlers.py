@@ -42,10 +42,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from kvd.l2.format import BLOCK_BYTES
 from kvd.paths.auth import Authenticator, check_grpc, grpc_principal, request_scope
+from kvd.paths.grpc.status import status_code
 from kvd.paths.metrics import Metrics
 from kvd.paths.shm.jobs import (
     CODES,
@@ -68,7 +67,8 @@ from kvd.paths.shm.regions import (
     copy_slices,
     copy_span,
 )
-from kvd.store.store import TIER_NAMES, PutResult, PutTicket, Reader, Store
+from kvd.store.index import TIER_NAMES, PutResult, PutTicket, Reader
+from kvd.store.store import Store
 from kvd.util.aio import settle
 from kvd.util.cpus import OFFLOAD, WORKER_THREADS
 from kvd.v1 import kvd_pb2 as pb
@@ -116,7 +116,7 @@ def _rpc(op: str) -> Callable[[Handler], Handler]:
             except KvdError as exc:
                 code = exc.code_name
                 self.metrics.refused(code, op, str(exc))
-                await context.abort(grpc.StatusCode[exc.code_name], str(exc))
+                await context.abort(status_code(exc), str(exc))
             except BaseException:
                 code = "CANCELLED"
                 raise

@@ -10,19 +10,18 @@ from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 
 from kvd.paths.shm.regions import copy_from_pages, copy_to_pages, xxh3_of
-from kvd.store.store import PutResult
+from kvd.store.index import PutResult
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire.errors import DeadlineExceeded, KvdError
+from kvd.wire.errors import CODE_NUMBERS, DeadlineExceeded, KvdError, error_number
 
-CODES: dict[str, int] = {code.name: int(code.value[0]) for code in grpc.StatusCode}
+CODES = CODE_NUMBERS
 
 
 def item_status(exc: KvdError) -> pb.RegionItemResult:
-    return pb.RegionItemResult(code=CODES.get(exc.code_name, CODES["UNKNOWN"]), message=str(exc))
+    return pb.RegionItemResult(code=error_number(exc), message=str(exc))
 
 
 def is_late(deadline_ns: int) -> bool:

@@ -63,7 +63,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from kvd.wire.errors import InvalidArgument, KvdError, NotFound, ResourceExhausted
+from kvd.wire.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 
 if TYPE_CHECKING:
     from kvd.paths.auth import Principal
@@ -87,10 +92,8 @@ SEALS_NEEDED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 SEALS_REFUSED = fcntl.F_SEAL_WRITE | 0x10
 
 
-class AttachRefused(KvdError):
+class AttachRefused(FailedPrecondition):
     """A region offered in a way the daemon does not take (a file by name)."""
-
-    code_name = "FAILED_PRECONDITION"
 
 
 @dataclass(frozen=True)
