@@ -21,7 +21,7 @@ from kvd.config.sizes import parse_size
 from tests.support import REPO
 
 DEPLOY = REPO / "deploy"
-UNIT = DEPLOY / "systemd" / "kvd.paths.grpc.service"
+UNIT = DEPLOY / "systemd" / "kvd.service"
 K8S = DEPLOY / "k8s"
 VERIFY_TIMEOUT_S = 60
 
@@ -56,7 +56,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
     # verify checks that ExecStart exists; kvd need not be installed here.
-    unit = tmp_path / "kvd.paths.grpc.service"
+    unit = tmp_path / "kvd.service"
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/kvd", shutil.which("true") or ""))
     result = subprocess.run(
         [analyze, "verify", str(unit)],
@@ -68,7 +68,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     if "Failed to" in result.stderr and "bus" in result.stderr.lower():
         pytest.skip(f"systemd-analyze cannot run here: {result.stderr.strip()}")
     assert result.returncode == 0, result.stderr
-    assert "kvd.paths.grpc.service" not in result.stderr, result.stderr
+    assert "kvd.service" not in result.stderr, result.stderr
 
 
 # ---- Kubernetes ---------------------------------------------------------------------
