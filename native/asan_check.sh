@@ -14,10 +14,10 @@ inc=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 suffix=$("$python" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 cp -r "$repo/kvd" "$scratch/kvd"
 rm -f "$scratch"/kvd/io/_uring*.so
-mkdir -p "$scratch/tests/l2"
-cp "$repo/tests/io/test_backend.py" "$repo/tests/io/test_backend_records.py" "$scratch/tests/"
+mkdir -p "$scratch/tests/io" "$scratch/tests/l2"
+cp "$repo"/tests/io/*.py "$scratch/tests/io/"
 cp "$repo"/tests/l2/*.py "$scratch/tests/l2/"
-touch "$scratch/tests/__init__.py"
+cp "$repo/tests/__init__.py" "$repo/tests/support.py" "$scratch/tests/"
 cp "$repo/pyproject.toml" "$scratch/"  # pytest settings: asyncio mode, warnings are errors
 gcc -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
     -fno-omit-frame-pointer -Wall -Wextra -Werror -std=gnu11 -shared -fPIC -I"$inc" \
