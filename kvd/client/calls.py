@@ -12,7 +12,6 @@ from typing import Any, NoReturn
 
 import grpc
 
-from kvd.store.index import LookupResult
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import (
@@ -24,6 +23,7 @@ from kvd.wire.errors import (
     code_name,
     error_class,
 )
+from kvd.wire.lookup import LookupResult
 
 DEFAULT_TIMEOUT_S = 5.0
 # Streamed puts send 1 MiB messages: gRPC Python's sweet spot here

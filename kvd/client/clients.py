@@ -61,7 +61,6 @@ from kvd.client.calls import (
 from kvd.client.keys import chain_keys
 from kvd.client.shm import ShmPath
 from kvd.client.shm_socket import RegionOps
-from kvd.store.index import LookupResult
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import (
     AlreadyExists,
@@ -76,6 +75,7 @@ from kvd.wire.errors import (
     Unavailable,
 )
 from kvd.wire.grpc import KVStoreStub
+from kvd.wire.lookup import LookupResult
 
 __all__ = [
     "AlreadyExists",

@@ -36,17 +36,15 @@ from typing import Any, TypeVar
 
 from kvd.client.clients import Client, Tls
 from kvd.wire.errors import Unavailable
+from kvd.wire.limits import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
 
 log = logging.getLogger("kvd.connectors")
 
 T = TypeVar("T")
 
-NAMESPACE_BYTES_MAX = 256
 # Bytes one batched load asks for at once: the pages an engine stages for
 # it, and the daemon's copies in flight, stay bounded however long the prefix.
 LOAD_BATCH_BYTES = 64 << 20
-KEY_BYTES_MAX = 64
-META_BYTES_MAX = 4096
 # A connector's calls sit on the engine's critical path: a lookup that takes
 # longer than a prefill of a few hundred tokens (~0.5 s on a GPU) is worth
 # less than recomputing, so the default deadline is short.

@@ -9,8 +9,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvd.store.index import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
 from kvd.wire.errors import CODE_NAMES, CODE_NUMBERS, error_number
+from kvd.wire.limits import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
 
 VERSION = 1
 REQUEST_MAGIC = b"KVDQ"
