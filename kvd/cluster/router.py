@@ -32,10 +32,11 @@ from dataclasses import dataclass, fields
 from kvd.cluster import scope
 from kvd.cluster.membership import Membership
 from kvd.cluster.peers import PeerError, Peers
-from kvd.store.index import Entry, LookupResult, Reader
+from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import KvdError
+from kvd.wire.lookup import LookupResult
 
 log = logging.getLogger("kvd.cluster")
 

@@ -45,7 +45,8 @@ from kvd.paths.grpc.service import KVStoreService, ServiceLimits
 from kvd.paths.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
 from kvd.store.eviction.policy import make_policy
-from kvd.store.store import Store, StoreLimits
+from kvd.store.index import StoreLimits
+from kvd.store.store import Store
 from kvd.util import crashpoints, logs
 from kvd.v1 import kvd_pb2
 from kvd.wire.grpc import add_kvstore
@@ -142,15 +143,7 @@ class Daemon:
         self.config = config
         self.metrics = Metrics()
         self.pool = Pool(config.dram_bytes)
-        limits = StoreLimits(
-            max_value_bytes=config.max_value_bytes,
-            max_lookup_keys=config.max_lookup_keys,
-            lease_ms_max=config.lease_ms_max,
-            max_leases=config.max_leases,
-            namespace_l1_quota_bytes=config.namespace_l1_quota_bytes,
-            namespace_l2_quota_bytes=config.namespace_l2_quota_bytes,
-            uploads_max_bytes=config.uploads_max_bytes or config.dram_bytes // 2,
-        )
+        limits = StoreLimits.from_config(config)
         crashpoints.configure(config.test_crash_point, config.test_crash_after)
         self.l2 = open_l2(config)
         self.store = Store(self.pool, limits, make_policy(config.eviction_policy), l2=self.l2)

@@ -1,28 +1,25 @@
 """The store's records: what the index holds for each value, and the
 handles given to a put in progress (``PutTicket``) and to a reader
-(``Reader``), with the limits and validation of names and keys.
+(``Reader``), with the validation of names and keys against the limits both
+sides agree on (``kvd.wire.limits``).
 
-Pure data: no I/O, no grpc, no metrics.
+Pure data: no I/O, no grpc, no metrics. A reader unpins through the callable
+it is given, never through its store.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.l1.pool import Run
 from kvd.l2 import L2Record
 from kvd.wire.errors import InvalidArgument
+from kvd.wire.limits import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
 
 if TYPE_CHECKING:
-    from kvd.store.store import Store
-
-KEY_BYTES_MAX = 64
-META_BYTES_MAX = 4096
-NAMESPACE_BYTES_MAX = 256
-# Bounds the index's per-namespace structures; a namespace is one model
-# layout of one tenant, so thousands is already a large fleet.
-NAMESPACES_MAX = 65536
+    from kvd.config.settings import Config
 
 # Same numbers as kvd.v1.Tier on the wire.
 TIER_L1 = 1
@@ -34,13 +31,29 @@ PolicyKey = tuple[int, bytes]
 
 @dataclass(frozen=True)
 class StoreLimits:
-    max_value_bytes: int = 256 << 20
-    max_lookup_keys: int = 4096
-    lease_ms_max: int = 60_000
-    max_leases: int = 65536
-    namespace_l1_quota_bytes: int = 0  # 0: no quota
-    namespace_l2_quota_bytes: int = 0
-    uploads_max_bytes: int = 0  # 0: no cap (the daemon passes its setting)
+    """The store's limits. Their defaults are the settings' (``from_config``):
+    the settings table is the one place a limit's default is written."""
+
+    max_value_bytes: int
+    max_lookup_keys: int
+    lease_ms_max: int
+    max_leases: int
+    namespace_l1_quota_bytes: int  # 0: no quota
+    namespace_l2_quota_bytes: int
+    uploads_max_bytes: int  # 0: no cap
+
+    @classmethod
+    def from_config(cls, config: Config) -> StoreLimits:
+        return cls(
+            max_value_bytes=config.max_value_bytes,
+            max_lookup_keys=config.max_lookup_keys,
+            lease_ms_max=config.lease_ms_max,
+            max_leases=config.max_leases,
+            namespace_l1_quota_bytes=config.namespace_l1_quota_bytes,
+            namespace_l2_quota_bytes=config.namespace_l2_quota_bytes,
+            # 0 in the setting: half of L1 (dram_bytes).
+            uploads_max_bytes=config.uploads_max_bytes or config.dram_bytes // 2,
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -93,9 +106,11 @@ class PutTicket:
 
 @dataclass(eq=False, slots=True)
 class Reader:
-    """A pinned entry being read; ``close()`` unpins it (idempotent)."""
+    """A pinned entry being read; ``close()`` unpins it (idempotent) through
+    ``unpin``, which the store gives (the pages of an entry unlinked while it
+    was read are freed after its last reader)."""
 
-    store: Store
+    unpin: Callable[[Entry], None]
     entry: Entry
     views: list[memoryview]
     tier: int = TIER_L1
@@ -116,22 +131,13 @@ class Reader:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.store._unpin(self.entry)
+            self.unpin(self.entry)
 
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
     existed: bool
     checksum: int
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    prefix_len: int
-    l1_hits: int
-    l2_hits: int
-    lease_id: int
-    lease_ms: int
 
 
 @dataclass

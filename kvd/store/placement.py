@@ -1,10 +1,12 @@
 """Placement between L1 and L2: promotion of an L2 hit into L1 (shared by
 concurrent gets of one key; a batched get's in one ``L2Tier.read_many``
-call, ``fetch_many``), prefetch after a Lookup, explicit eviction,
-rewrites of values whose L2 record was dropped (within write-back's
-credit), and withdrawal of a durable put that failed. A mixin of
-``kvd.store.store.Store``: the store's index and pool are declared here only for
-the type checker.
+call, ``promote_many``), prefetch after a Lookup, reads straight from L2
+into a client's memory, rewrites of values whose L2 record was dropped
+(within write-back's credit), and withdrawal of a durable put that failed.
+
+The store owns the get (``Store.fetch``) and hands this module the L1 index
+and the callables it needs: ``reader`` pins an entry for a get and counts the hit, ``miss``
+counts a miss, ``reinsert`` queues a rewrite. Imports neither grpc nor metrics.
 """
 
 from __future__ import annotations
@@ -12,100 +14,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from kvd.io.backend import IoError
 from kvd.l1.pool import Pool, Run
 from kvd.l2 import ChecksumMismatch, L2Record, L2Tier
-from kvd.store.index import (
-    KEY_BYTES_MAX,
-    TIER_L1,
-    TIER_L2,
-    Entry,
-    Namespace,
-    Reader,
-    StoreCounters,
-    check_key,
-)
+from kvd.store.entries import Entries
+from kvd.store.index import TIER_L2, Entry, Reader, StoreCounters, check_key
 from kvd.wire.errors import ResourceExhausted
-
-if TYPE_CHECKING:
-    from kvd.store.writeback import WriteBack
-
+from kvd.wire.limits import KEY_BYTES_MAX
 
 # Keys read from L2 straight into a client's memory that are remembered: a
 # second such get within the last this many promotes the value into L1.
 DIRECT_READS_REMEMBERED = 4096
-# Bytes one ``fetch_many`` reads from L2 in one backend call. A batched get
+# Bytes one ``promote_many`` reads from L2 in one backend call. A batched get
 # of a chain pins all its values until its copies end either way; this only
 # bounds the pages allocated for reads not yet done. 32 MiB: 512 values of
 # 64 KiB, where the batch's Python work is already per call (kvd bench l2).
 FETCH_BATCH_BYTES_MAX = 32 << 20
 
 
-class L2Placement:
-    pool: Pool
-    l2: L2Tier | None
-    writeback: WriteBack | None
-    counters: StoreCounters
-    _promotions: dict[tuple[str, bytes], asyncio.Future[None]]
-    _direct_reads: OrderedDict[tuple[str, bytes], None]
-    on_miss: Callable[[str, bytes], Awaitable[Reader | None]] | None
+class Placement:
+    def __init__(
+        self,
+        l2: L2Tier,
+        pool: Pool,
+        entries: Entries,
+        counters: StoreCounters,
+        reader: Callable[[Entry, int], Reader],
+        miss: Callable[[str], None],
+        reinsert: Callable[[Entry], bool],
+    ) -> None:
+        self.l2 = l2
+        self.pool = pool
+        self.entries = entries
+        self.counters = counters
+        self._reader = reader
+        self._miss = miss
+        self._reinsert = reinsert
+        # Reads of L2 records into L1 under way, by (namespace, key): a get of
+        # one waits for it instead of reading the record again.
+        self.promotions: dict[tuple[str, bytes], asyncio.Future[None]] = {}
+        self._direct_reads: OrderedDict[tuple[str, bytes], None] = OrderedDict()
 
-    if TYPE_CHECKING:  # defined by Store
-
-        def _l1(self, ns_name: str, key: bytes) -> Entry | None: ...
-        def _namespace(self, name: str) -> Namespace: ...
-        def _link(self, entry: Entry) -> None: ...
-        def _unlink(self, entry: Entry) -> None: ...
-        def _reader(self, entry: Entry, tier: int) -> Reader: ...
-        def _miss(self, ns_name: str) -> None: ...
-        def open(self, ns_name: str, key: bytes) -> Reader | None: ...
-        async def _alloc(self, size: int) -> list[Run]: ...
-        def _alloc_now(self, size: int) -> list[Run] | None: ...
-
-    def peek(self, ns_name: str, key: bytes) -> Reader | None:
-        """Pin an L1 value for the daemon's own use: no hit counted, no
-        recency given to the eviction policy (handing a put to its owner)."""
-        entry = self._l1(ns_name, key)
-        if entry is None:
-            return None
-        entry.readers += 1
-        views = self.pool.views(entry.runs, entry.size)
-        return Reader(self, entry, views, TIER_L1)  # type: ignore[arg-type]  # self: the Store
-
-    async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
-        """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
-
-        Every transport's get starts here. A value held nowhere here goes to
-        ``on_miss`` (the pool asks the key's owner) before it is a miss.
-        """
-        while True:
-            reader = self.open(ns_name, key)
-            if reader is not None:
-                return reader
-            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
-            if record is None:
-                remote = await self.on_miss(ns_name, key) if self.on_miss is not None else None
-                if remote is None:
-                    self._miss(ns_name)
-                return remote
-            pending = self._promotions.get((ns_name, key))
-            if pending is None:
-                break
-            # Another get is reading this record: share its read, then look
-            # again (its value may already have left L1 by the time we run).
-            await asyncio.shield(pending)
-        entry = await self._promote(record)
-        if entry is None:
-            self._miss(ns_name)
-            return None
-        return self._reader(entry, TIER_L2)
-
-    async def fetch_many(self, ns_name: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:
-        """``fetch`` for the keys of a batched get whose values are only on
-        L2, read in one ``L2Tier.read_many`` call per ``FETCH_BATCH_BYTES_MAX``.
+    async def promote_many(self, ns_name: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:
+        """``Store.fetch`` for the keys of a batched get whose values are only
+        on L2, read in one ``L2Tier.read_many`` call per ``FETCH_BATCH_BYTES_MAX``.
 
         Returns, by index into ``keys``, a pinned reader or None for a miss
         (a failed read: counted and its record dropped, as ``fetch`` does).
@@ -113,17 +67,15 @@ class L2Placement:
         another get, a key repeated in the batch, no room in a pool pinned
         full) go through ``fetch``.
         """
-        if self.l2 is None:
-            return {}
         records: list[tuple[int, L2Record]] = []
         seen: set[bytes] = set()
         for index, key in enumerate(keys):
             if not key or len(key) > KEY_BYTES_MAX:
                 continue  # ``fetch`` refuses it, for this item alone
-            if key in seen or (ns_name, key) in self._promotions:
+            if key in seen or (ns_name, key) in self.promotions:
                 continue
             seen.add(key)
-            if self._l1(ns_name, key) is None and (record := self.l2.lookup(ns_name, key)):
+            if self.entries.get(ns_name, key) is None and (record := self.l2.lookup(ns_name, key)):
                 records.append((index, record))
         readers: dict[int, Reader | None] = {}
         try:
@@ -147,7 +99,6 @@ class L2Placement:
         The first record's pages may wait for eviction; the others' are
         taken only when free at once, so that no batch waits holding pages.
         """
-        assert self.l2 is not None
         loop = asyncio.get_running_loop()
         batch: list[tuple[int, L2Record, list[Run]]] = []
         promotions: list[tuple[tuple[str, bytes], asyncio.Future[None]]] = []
@@ -157,16 +108,20 @@ class L2Placement:
                 pk = (record.namespace, record.key)
                 if batch and batch_bytes + record.read_bytes > FETCH_BATCH_BYTES_MAX:
                     break
-                if pk in self._promotions or not record.live:
+                if pk in self.promotions or not record.live:
                     # Another get began reading it while this batch waited for
                     # pages, or it was deleted: ``fetch`` shares or misses.
                     taken += 1
                     continue
-                runs = self._alloc_now(record.size) if batch else await self._alloc(record.size)
+                runs = (
+                    self.entries.alloc_now(record.size)
+                    if batch
+                    else await self.entries.alloc(record.size)
+                )
                 if runs is None:
                     break
                 done: asyncio.Future[None] = loop.create_future()
-                self._promotions[pk] = done
+                self.promotions[pk] = done
                 promotions.append((pk, done))
                 batch.append((index, record, runs))
                 batch_bytes += record.read_bytes
@@ -192,7 +147,7 @@ class L2Placement:
             for _, _, runs in batch:  # not read: cancelled, or the backend failed
                 self.pool.free(runs)
             for pk, done in promotions:
-                del self._promotions[pk]
+                del self.promotions[pk]
                 done.set_result(None)
 
     def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:
@@ -200,9 +155,9 @@ class L2Placement:
         it, for ``read_l2_into``. None as well for a value read that way
         recently: read again, it is being reused, and the get promotes it."""
         check_key(key)
-        if self.l2 is None or (ns_name, key) in self._promotions:
+        if (ns_name, key) in self.promotions:
             return None
-        if self._l1(ns_name, key) is not None:
+        if self.entries.get(ns_name, key) is not None:
             return None
         if (ns_name, key) in self._direct_reads:
             del self._direct_reads[(ns_name, key)]
@@ -214,14 +169,13 @@ class L2Placement:
         long, 4 KiB-aligned memory, e.g. a client's shared-memory region),
         checked against its checksum; L1 is left as it was. False when the
         read failed: the record is dropped and the get is a miss."""
-        assert self.l2 is not None
         try:
             await self.l2.read(record, [dst])
         except (ChecksumMismatch, IoError):
             self.counters.promotion_failures += 1
             self._miss(record.namespace)
             return False
-        ns = self._namespace(record.namespace)
+        ns = self.entries.namespace(record.namespace)
         ns.hits += 1
         self.counters.hits += 1
         self.counters.l2_hits += 1
@@ -231,20 +185,19 @@ class L2Placement:
             self._direct_reads.popitem(last=False)
         return True
 
-    async def _prefetch(self, record: L2Record) -> None:
+    async def prefetch(self, record: L2Record) -> None:
         if (
             record.live
-            and self._l1(record.namespace, record.key) is None
-            and (record.namespace, record.key) not in self._promotions
+            and self.entries.get(record.namespace, record.key) is None
+            and (record.namespace, record.key) not in self.promotions
         ):
-            await self._promote(record)
+            await self.promote(record)
 
-    async def _promote(self, record: L2Record) -> Entry | None:
-        assert self.l2 is not None
+    async def promote(self, record: L2Record) -> Entry | None:
         done = asyncio.get_running_loop().create_future()
-        self._promotions[(record.namespace, record.key)] = done
+        self.promotions[(record.namespace, record.key)] = done
         try:
-            runs = await self._alloc(record.size)
+            runs = await self.entries.alloc(record.size)
             try:
                 await self.l2.read(record, self.pool.views(runs, record.read_bytes))
             except (ChecksumMismatch, IoError):
@@ -256,52 +209,44 @@ class L2Placement:
                 raise
             return self._adopt(record, runs)
         finally:
-            del self._promotions[(record.namespace, record.key)]
+            del self.promotions[(record.namespace, record.key)]
             done.set_result(None)
 
     def _adopt(self, record: L2Record, runs: list[Run]) -> Entry | None:
         """Link a value read from L2 into ``runs`` into L1 (or free them)."""
-        current = self._l1(record.namespace, record.key)
+        current = self.entries.get(record.namespace, record.key)
         if current is not None or not record.live:
             # A put landed meanwhile (same bytes, keys are write-once) or a
             # delete removed the key: use L1's copy, or miss.
             self.pool.free(runs)
             return current
-        ns = self._namespace(record.namespace)
+        ns = self.entries.namespace(record.namespace)
         entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
                       record.parent or None, l2=record)  # fmt: skip
-        self._link(entry)
+        self.entries.link(entry)
         self.counters.promotions += 1
         self.counters.l2_hits += 1
         return entry
 
-    async def _withdraw(self, entry: Entry) -> None:
+    async def withdraw(self, entry: Entry) -> None:
         """Take back a put that was not acknowledged: no copy of it stays visible."""
         if entry.linked:
             entry.deleted = True
-            self._unlink(entry)
-        if entry.l2 is not None and self.l2 is not None:
+            self.entries.unlink(entry)
+        if entry.l2 is not None:
             # The index forgets the record first; the tombstone is best effort
             # (the disk just failed) and only guards a restart.
             with contextlib.suppress(IoError):
                 await self.l2.delete_record(entry.l2)
 
-    def evict(self, ns_name: str, key: bytes) -> bool:
-        """Drop a value from L1 now if it is safe on L2 and not pinned (cold reads, tests)."""
-        entry = self._l1(ns_name, key)
-        if entry is None or entry.dirty or entry.l2 is None or entry.readers or entry.leases:
-            return False
-        self._unlink(entry)
-        self.counters.evictions += 1
-        return True
-
-    def _on_l2_drop(self, record: L2Record) -> None:
+    def on_l2_drop(self, record: L2Record) -> None:
         """L2 forgot a record (reclaim, bad checksum): an L1 copy stays in L1,
         clean (evictable, as before), and is written again if write-back's
-        rewrite credit allows. It is not marked dirty: a dirty value cannot
-        leave L1, and re-queueing every one made each reclaim force the next."""
-        entry = self._l1(record.namespace, record.key)
-        if entry is not None and entry.l2 is record and self.writeback is not None:
+        rewrite credit allows (``reinsert``). It is not marked dirty: a dirty
+        value cannot leave L1, and re-queueing every one made each reclaim
+        force the next."""
+        entry = self.entries.get(record.namespace, record.key)
+        if entry is not None and entry.l2 is record:
             entry.l2 = None
-            if self.writeback.reinsert(entry):
+            if self._reinsert(entry):
                 self.counters.l2_reinserted += 1

@@ -19,6 +19,10 @@ of one key share one read.
 A put whose bytes are still arriving (a stream) reserves pages as they
 come instead (``kvd.store.uploads``): nothing is evicted for bytes not yet sent.
 
+The store composes the parts below it (``entries``: L1's index and
+eviction; ``placement``, ``writeback``, ``uploads``, ``leases``), handing each
+the callables it needs; none of them imports this module.
+
 Keys are write-once: a second put of a key with the same checksum is a no-op,
 with a different one it is ``AlreadyExists``. Two puts of one key may run at
 once; the first to finish publishes, the second compares checksums.
@@ -30,38 +34,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
-from kvd.l1.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
+from kvd.l1.pool import PAGE_BYTES, Pool, pages_for
 from kvd.l2 import L2Record, L2Tier
+from kvd.store.entries import Entries
 from kvd.store.eviction.policy import EvictionPolicy, make_policy
 from kvd.store.index import (
-    KEY_BYTES_MAX,
-    META_BYTES_MAX,
-    NAMESPACES_MAX,
     TIER_L1,
     TIER_L2,
-    TIER_NAMES,
     Entry,
-    LookupResult,
     Namespace,
-    PolicyKey,
     PutResult,
     PutTicket,
     Reader,
     StoreCounters,
     StoreLimits,
     check_key,
-    check_namespace,
     check_put_names,
 )
 from kvd.store.leases import LeaseTable
-from kvd.store.placement import L2Placement
+from kvd.store.placement import Placement
 from kvd.store.prefetch import Prefetcher
 from kvd.store.uploads import Uploads
 from kvd.store.writeback import WriteBack
@@ -70,48 +66,56 @@ from kvd.wire.errors import (
     AlreadyExists,
     DataLoss,
     InvalidArgument,
-    ResourceExhausted,
     Unavailable,
 )
-
-__all__ = [  # the records live in kvd.store.index; importers may keep using kvd.store.store
-    "KEY_BYTES_MAX", "META_BYTES_MAX", "TIER_L1", "TIER_L2", "TIER_NAMES", "Entry",
-    "LookupResult", "Namespace", "PutResult", "PutTicket", "Reader", "Store", "StoreLimits",
-]  # fmt: skip
+from kvd.wire.lookup import LookupResult
 
 
-class Store(L2Placement, Uploads):
+class Store:
     def __init__(
         self,
         pool: Pool,
-        limits: StoreLimits | None = None,
+        limits: StoreLimits,
         policy: EvictionPolicy[Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         l2: L2Tier | None = None,
     ) -> None:
         self.pool = pool
-        self.limits = limits or StoreLimits()
+        self.limits = limits
         # Not `policy or ...`: a policy holding nothing has len() 0, so it is falsy.
         self.policy: EvictionPolicy[Any] = policy if policy is not None else make_policy("lru")
         self.counters = StoreCounters()
         self._clock = clock
-        self._namespaces: dict[str, Namespace] = {}
-        self._ns_by_id: dict[int, Namespace] = {}
-        self._ns_ids = itertools.count(1)
         self.leases = LeaseTable(self.limits.max_leases, clock, self._pin, self._unpin_lease)
-        self.entry_count = 0
-        self.upload_bytes = 0
+        self.entries = Entries(
+            pool,
+            self.policy,
+            self.counters,
+            limits.namespace_l1_quota_bytes,
+            keep_dirty=lambda: self.writeback is not None and self.writeback.healthy,
+            on_drop_dirty=self._dropped_unwritten,
+            expire_leases=self.leases.expire,
+            wait_write_back=self._write_back_progress,
+        )
+        alloc_now = self.entries.alloc_now
+        self.uploads = Uploads(pool, limits.uploads_max_bytes, self.entries.quota_room, alloc_now)
         self.l2 = l2
         self.writeback: WriteBack | None = None
+        self.placement: Placement | None = None
         self.prefetcher: Prefetcher | None = None
-        self._promotions: dict[tuple[str, bytes], asyncio.Future[None]] = {}
-        self._direct_reads: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         # The pool's hooks (kvd.cluster.router): a miss asks the owner; a put goes to it.
         self.on_miss: Callable[[str, bytes], Awaitable[Reader | None]] | None = None
         self.on_put: Callable[[Entry], None] | None = None
         if l2 is not None:
-            self.writeback = WriteBack(self, l2, clock)
-            l2.on_drop = self._on_l2_drop
+            self.writeback = WriteBack(
+                l2, pool, self.entries.pin, self.entries.unpin,
+                limits.namespace_l2_quota_bytes, clock,
+            )  # fmt: skip
+            self.placement = Placement(
+                l2, pool, self.entries, self.counters, self._reader, self._miss,
+                self.writeback.reinsert,
+            )  # fmt: skip
+            l2.on_drop = self.placement.on_l2_drop
 
     def start(self) -> None:
         """Start background work (write-back, L2 prefetch); call on the event loop."""
@@ -130,23 +134,28 @@ class Store(L2Placement, Uploads):
         return left
 
     # ---- namespaces ------------------------------------------------------------
-    def _namespace(self, name: str) -> Namespace:
-        ns = self._namespaces.get(name)
-        if ns is None:
-            check_namespace(name)
-            if len(self._namespaces) >= NAMESPACES_MAX:
-                raise ResourceExhausted(f"more than {NAMESPACES_MAX} namespaces")
-            ns = Namespace(next(self._ns_ids), name)
-            self._namespaces[name] = ns
-            self._ns_by_id[ns.id] = ns
-        return ns
+    @property
+    def entry_count(self) -> int:
+        return self.entries.count
+
+    @property
+    def upload_bytes(self) -> int:
+        """Pool bytes held by puts whose bytes are still arriving."""
+        return self.uploads.held_bytes
+
+    @property
+    def _namespaces(self) -> dict[str, Namespace]:
+        return self.entries.by_name
+
+    @property
+    def _promotions(self) -> dict[tuple[str, bytes], asyncio.Future[None]]:
+        return self.placement.promotions if self.placement is not None else {}
 
     def namespaces(self) -> list[Namespace]:
-        return list(self._namespaces.values())
+        return list(self.entries.by_name.values())
 
     def _l1(self, ns_name: str, key: bytes) -> Entry | None:
-        ns = self._namespaces.get(ns_name)
-        return None if ns is None else ns.entries.get(key)
+        return self.entries.get(ns_name, key)
 
     def _stored_checksum(self, ns_name: str, key: bytes) -> int | None:
         entry = self._l1(ns_name, key)
@@ -171,7 +180,7 @@ class Store(L2Placement, Uploads):
         with the given checksum; raises ``AlreadyExists`` when it holds another.
         """
         while (begun := self.begin_put_now(ns_name, key, size, meta, parent, checksum)) is None:
-            await self._write_back_progress(size, ns_name)
+            await self.entries.wait_room(size, ns_name)
         return begun
 
     def begin_put_now(
@@ -187,9 +196,9 @@ class Store(L2Placement, Uploads):
         existed = self._check_put(ns_name, key, size, meta, parent, checksum)
         if existed is not None:
             return existed
-        if not self._l1_quota_room(ns_name, size):
+        if not self.entries.quota_room(ns_name, size):
             return None
-        runs = self._alloc_now(size)
+        runs = self.entries.alloc_now(size)
         if runs is None:
             return None
         return PutTicket(
@@ -236,7 +245,7 @@ class Store(L2Placement, Uploads):
         assert not ticket.done, "ticket finished twice"
         assert ticket.covered_bytes == ticket.size or not ticket.upload, "upload not complete"
         ticket.done = True
-        self._upload_ended(ticket)
+        self.uploads.ended(ticket)
         if ticket.checksum is not None and ticket.checksum != checksum:
             self.pool.free(ticket.runs)
             raise DataLoss(
@@ -246,11 +255,11 @@ class Store(L2Placement, Uploads):
         if stored is not None:
             self.pool.free(ticket.runs)
             return self._same_or_conflict(stored, checksum)
-        ns = self._namespace(ticket.ns_name)
+        ns = self.entries.namespace(ticket.ns_name)
         entry = Entry(
             ns, ticket.key, ticket.size, checksum, ticket.meta, ticket.runs, ticket.parent
         )
-        self._link(entry)
+        self.entries.link(entry)
         self.counters.puts += 1
         self.counters.bytes_in += entry.size
         if self.writeback is not None:
@@ -260,14 +269,6 @@ class Store(L2Placement, Uploads):
         if self.on_put is not None:
             self.on_put(entry)
         return PutResult(existed=False, checksum=checksum)
-
-    def _link(self, entry: Entry) -> None:
-        ns = entry.ns
-        ns.entries[entry.key] = entry
-        ns.bytes_stored += entry.size
-        self.entry_count += 1
-        parent_pk = (ns.id, entry.parent) if entry.parent else None
-        self.policy.insert((ns.id, entry.key), parent_pk)
 
     async def publish(self, ticket: PutTicket, checksum: int, durable: bool = False) -> PutResult:
         """Publish a filled ticket; with ``durable``, return once the value is on L2.
@@ -287,7 +288,8 @@ class Store(L2Placement, Uploads):
             await self.writeback.make_durable(entry)
         except BaseException:
             if entry is not None and not result.existed:
-                await self._withdraw(entry)
+                assert self.placement is not None
+                await self.placement.withdraw(entry)
             raise
         crashpoints.hit("after_publish")
         return result
@@ -302,7 +304,7 @@ class Store(L2Placement, Uploads):
         """Give a ticket's pages back (idempotent; safe after finish_put)."""
         if not ticket.done:
             ticket.done = True
-            self._upload_ended(ticket)
+            self.uploads.ended(ticket)
             self.pool.free(ticket.runs)
 
     async def put(
@@ -332,100 +334,50 @@ class Store(L2Placement, Uploads):
             raise
         return await self.publish(ticket, hasher(value), durable)
 
+    # ---- uploads ---------------------------------------------------------------
+    def begin_upload(
+        self,
+        ns_name: str,
+        key: bytes,
+        size: int,
+        meta: bytes = b"",
+        parent: bytes | None = None,
+        checksum: int | None = None,
+    ) -> PutTicket | PutResult:
+        """A put whose bytes are yet to arrive (``kvd.store.uploads``): checked,
+        holding no page yet (``grow_put`` adds them), or the answer when the key
+        holds these bytes."""
+        existed = self._check_put(ns_name, key, size, meta, parent, checksum)
+        if existed is not None:
+            return existed
+        return PutTicket(ns_name, key, size, meta, parent or None, checksum, [], [], upload=True)
+
+    def grow_put_now(self, ticket: PutTicket, nbytes: int) -> list[memoryview] | None:
+        """Views of the ticket's pages for its next ``nbytes`` (bytes that have
+        arrived); None where room needs write-back first."""
+        return self.uploads.grow_now(ticket, nbytes)
+
+    async def grow_put(self, ticket: PutTicket, nbytes: int) -> list[memoryview]:
+        """``grow_put_now``, waiting for write-back to make room; ResourceExhausted
+        when it cannot."""
+        while (views := self.uploads.grow_now(ticket, nbytes)) is None:
+            await self.entries.wait_room(nbytes, ticket.ns_name)
+        return views
+
     # ---- room in L1 ------------------------------------------------------------
-    async def _write_back_progress(self, size: int, ns_name: str = "") -> None:
-        """Wait until write-back unpinned some values; ResourceExhausted when it
-        cannot, naming the namespace's quota or the pool as what is full."""
+    async def _write_back_progress(self) -> bool:
+        """Wait until write-back unpinned some values; False when it cannot."""
         wb = self.writeback
-        if wb is not None and wb.can_make_progress() and await wb.wait_progress():
-            return
-        self.counters.eviction_failures += 1
-        quota = self.limits.namespace_l1_quota_bytes
-        ns = self._namespaces.get(ns_name)
-        if quota and ns is not None and ns.bytes_stored + size > quota:
-            raise ResourceExhausted(
-                f"namespace {ns_name!r} is at its L1 quota ({quota} bytes) and its values are "
-                "pinned by readers, leases or write-back"
-            )
-        raise ResourceExhausted(
-            f"pool full: {pages_for(size)} pages needed, {self.pool.free_pages} free, "
-            "the rest pinned by readers, leases or write-back"
-        )
+        return wb is not None and wb.can_make_progress() and await wb.wait_progress()
 
-    def _l1_quota_room(self, ns_name: str, size: int) -> bool:
-        """Room for ``size`` more bytes under the namespace's L1 quota, after
-        evicting what of its own can go at once; False when the rest is pinned."""
-        quota = self.limits.namespace_l1_quota_bytes
-        if not quota:
-            return True
-        if size > quota:
-            raise ResourceExhausted(f"value of {size} bytes is over the namespace's L1 quota")
-        ns = self._namespaces.get(ns_name)
-        while ns is not None and ns.bytes_stored + size > quota:
-            victim = next((e for e in ns.entries.values() if self._evictable(e)), None)
-            if victim is None:
-                return False
-            self._evict(victim)
-        return True
-
-    async def _alloc(self, size: int) -> list[Run]:
-        while (runs := self._alloc_now(size)) is None:
-            await self._write_back_progress(size)
-        return runs
-
-    def _alloc_now(self, size: int) -> list[Run] | None:
-        """Pages for ``size`` bytes, after evicting what can go at once; None
-        when too much of the rest is pinned."""
-        self.leases.expire()
-        need = pages_for(size)
-        while self.pool.free_pages < need:
-            if not self._evict_one():
-                return None
-        try:
-            return self.pool.alloc(size)
-        except PoolFull as exc:  # cannot happen after the loop above
-            raise AssertionError(str(exc)) from exc
-
-    def _pinned(self, pk: PolicyKey) -> bool:
-        entry = self._entry_by_pk(pk)
-        return entry is None or not self._evictable(entry)
-
-    def _evictable(self, entry: Entry) -> bool:
-        if entry.readers > 0 or entry.leases > 0:
-            return False
-        # A value not yet on L2 stays, unless L2 is failing (then it is dropped).
-        return not (entry.dirty and self.writeback is not None and self.writeback.healthy)
-
-    def _entry_by_pk(self, pk: PolicyKey) -> Entry | None:
-        ns = self._ns_by_id.get(pk[0])
-        return None if ns is None else ns.entries.get(pk[1])
-
-    def _evict_one(self) -> bool:
-        pk = self.policy.victim(self._pinned)
-        if pk is None:
-            return False
-        entry = self._entry_by_pk(pk)
-        assert entry is not None and entry.readers == 0 and entry.leases == 0, pk
-        self._evict(entry)
-        return True
-
-    def _evict(self, entry: Entry) -> None:
-        if entry.dirty and self.writeback is not None:
+    def _dropped_unwritten(self) -> None:
+        if self.writeback is not None:
             self.writeback.dropped_unwritten += 1
-        self._unlink(entry)
-        self.counters.evictions += 1
 
-    def _unlink(self, entry: Entry) -> None:
-        """Remove from L1; free the pages unless a reader still holds them."""
-        ns = entry.ns
-        del ns.entries[entry.key]
-        ns.bytes_stored -= entry.size
-        self.entry_count -= 1
-        entry.linked = False
-        self.policy.remove((ns.id, entry.key))
-        if entry.readers == 0:
-            self.pool.free(entry.runs)
-            entry.runs = []
+    def evict(self, ns_name: str, key: bytes) -> bool:
+        """Drop a value from L1 now if it is safe on L2 and not pinned (cold reads, tests)."""
+        entry = self._l1(ns_name, key)
+        return entry is not None and self.entries.drop_clean(entry)
 
     # ---- get -------------------------------------------------------------------
     def open(self, ns_name: str, key: bytes) -> Reader | None:
@@ -442,26 +394,78 @@ class Store(L2Placement, Uploads):
         entry = self._l1(ns_name, key)
         return None if entry is None else entry.size
 
+    def peek(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin an L1 value for the daemon's own use: no hit counted, no
+        recency given to the eviction policy (handing a put to its owner)."""
+        entry = self._l1(ns_name, key)
+        if entry is None:
+            return None
+        self.entries.pin(entry)
+        views = self.pool.views(entry.runs, entry.size)
+        return Reader(self.entries.unpin, entry, views, TIER_L1)
+
+    async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
+
+        Every transport's get starts here. A value held nowhere here goes to
+        ``on_miss`` (the pool asks the key's owner) before it is a miss.
+        """
+        while True:
+            reader = self.open(ns_name, key)
+            if reader is not None:
+                return reader
+            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+            if record is None:
+                remote = await self.on_miss(ns_name, key) if self.on_miss is not None else None
+                if remote is None:
+                    self._miss(ns_name)
+                return remote
+            assert self.placement is not None
+            pending = self.placement.promotions.get((ns_name, key))
+            if pending is None:
+                break
+            # Another get is reading this record: share its read, then look
+            # again (its value may already have left L1 by the time we run).
+            await asyncio.shield(pending)
+        entry = await self.placement.promote(record)
+        if entry is None:
+            self._miss(ns_name)
+            return None
+        return self._reader(entry, TIER_L2)
+
+    async def fetch_many(self, ns_name: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:
+        """``fetch`` for the keys of a batched get whose values are only on L2,
+        read together (``Placement.promote_many``); by index into ``keys``, a
+        pinned reader or None for a miss. Indices left out go through ``fetch``."""
+        if self.placement is None:
+            return {}
+        return await self.placement.promote_many(ns_name, keys)
+
+    def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:
+        """The L2 record of a value that is not in L1 and not being read into
+        it, for ``read_l2_into`` (``Placement.l2_only``)."""
+        check_key(key)
+        return None if self.placement is None else self.placement.l2_only(ns_name, key)
+
+    async def read_l2_into(self, record: L2Record, dst: memoryview) -> bool:
+        """Read an L2-only value straight into ``dst``, checked against its
+        checksum; False when the read failed (``Placement.read_l2_into``)."""
+        assert self.placement is not None
+        return await self.placement.read_l2_into(record, dst)
+
     def _reader(self, entry: Entry, tier: int) -> Reader:
         entry.ns.hits += 1
         self.counters.hits += 1
         self.counters.bytes_out += entry.size
-        entry.readers += 1
+        self.entries.pin(entry)
         self.policy.touch((entry.ns.id, entry.key))
-        return Reader(self, entry, self.pool.views(entry.runs, entry.size), tier)
+        return Reader(self.entries.unpin, entry, self.pool.views(entry.runs, entry.size), tier)
 
     def _miss(self, ns_name: str) -> None:
         self.counters.misses += 1
-        ns = self._namespaces.get(ns_name)
+        ns = self.entries.by_name.get(ns_name)
         if ns is not None:
             ns.misses += 1
-
-    def _unpin(self, entry: Entry) -> None:
-        entry.readers -= 1
-        assert entry.readers >= 0, "reader closed twice"
-        if entry.readers == 0 and not entry.linked and entry.runs:
-            self.pool.free(entry.runs)
-            entry.runs = []
 
     # ---- index queries ---------------------------------------------------------
     def _has(self, ns_name: str, key: bytes) -> int:
@@ -502,12 +506,13 @@ class Store(L2Placement, Uploads):
             pins.append(record)
         # The policy learns from how each chain's lookup went (kvd.store.eviction.policy),
         # the first one of a namespace included.
-        ns = self._namespace(ns_name)
+        ns = self.entries.namespace(ns_name)
         self.policy.on_lookup([(ns.id, key) for key in keys], leading_l1)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
-        if self.prefetcher is not None and l1_hits < len(pins):
+        if self.prefetcher is not None and self.placement is not None and l1_hits < len(pins):
+            prefetch = self.placement.prefetch
             self.prefetcher.schedule(
-                [partial(self._prefetch, p) for p in pins if isinstance(p, L2Record)]
+                [partial(prefetch, p) for p in pins if isinstance(p, L2Record)]
             )
         return LookupResult(
             len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0
@@ -559,14 +564,14 @@ class Store(L2Placement, Uploads):
         entry = self._l1(ns_name, key)
         if entry is not None:
             entry.deleted = True
-            self._unlink(entry)
+            self.entries.unlink(entry)
             found = 1
         if self.l2 is not None and await self.l2.delete(ns_name, key):
             found = 1
         return found
 
     async def delete_namespace(self, ns_name: str) -> int:
-        ns = self._namespaces.get(ns_name)
+        ns = self.entries.by_name.get(ns_name)
         keys = set(ns.entries) if ns is not None else set()
         if self.l2 is not None:
             keys.update(self.l2.keys_of(ns_name))
@@ -586,7 +591,7 @@ class Store(L2Placement, Uploads):
             "upload_bytes": self.upload_bytes,
             "page_bytes": PAGE_BYTES,
             "entries": self.entry_count,
-            "namespaces": len(self._namespaces),
+            "namespaces": len(self.entries.by_name),
             "leases_active": len(self.leases),
             "leases_granted": self.leases.granted,
             "leases_expired": self.leases.expired,

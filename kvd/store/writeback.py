@@ -23,6 +23,9 @@ an idle daemon whose L1 held more than L2 kept rewriting at the device's
 full bandwidth (2 GB/s, 483x the bytes put, measured on a 48 MiB L1 over a
 32 MiB L2). A record that is not rewritten leaves its value in L1 only: it
 is evicted like any other and then gone, as a cache may.
+
+Write-back holds an entry's pages while it writes them through the ``pin``
+and ``unpin`` it is given (the L1 index's), never through the store.
 """
 
 from __future__ import annotations
@@ -34,16 +37,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kvd.io.backend import IoError
+from kvd.l1.pool import Pool
 from kvd.l2 import L2Full, L2Tier
 from kvd.l2.format import BLOCK_BYTES, align_up
+from kvd.store.index import Entry
 from kvd.util import crashpoints
 from kvd.wire.errors import ResourceExhausted, Unavailable
-
-if TYPE_CHECKING:
-    from kvd.store.store import Entry, Store
 
 log = logging.getLogger("kvd.store.writeback")
 
@@ -65,9 +66,20 @@ REWRITE_CREDIT_SEGMENTS = 1
 
 
 class WriteBack:
-    def __init__(self, store: Store, l2: L2Tier, clock: Callable[[], float] = time.monotonic):
-        self.store = store
+    def __init__(
+        self,
+        l2: L2Tier,
+        pool: Pool,
+        pin: Callable[[Entry], None],
+        unpin: Callable[[Entry], None],
+        namespace_l2_quota_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.l2 = l2
+        self.pool = pool
+        self._pin = pin
+        self._unpin = unpin
+        self.namespace_l2_quota_bytes = namespace_l2_quota_bytes  # 0: no quota
         self._clock = clock
         self._queue: deque[Entry] = deque()  # dirty: not yet on L2
         self._rewrites: deque[Entry] = deque()  # clean, L2 record reclaimed
@@ -182,7 +194,7 @@ class WriteBack:
     # ---- one append ------------------------------------------------------------
     async def _within_l2_quota(self, entry: Entry, durable: bool) -> None:
         """Drop the namespace's oldest L2 records to fit ``entry``; durable puts are refused."""
-        quota = self.store.limits.namespace_l2_quota_bytes
+        quota = self.namespace_l2_quota_bytes
         if not quota:
             return
         name = entry.ns.name
@@ -197,18 +209,17 @@ class WriteBack:
     async def write(self, entry: Entry, *, durable: bool = False) -> None:
         """Append one L1 entry to L2 (its pages pinned meanwhile); raises on failure."""
         await self._within_l2_quota(entry, durable)
-        store = self.store
-        entry.readers += 1
+        self._pin(entry)
         self.writing += 1
         try:
-            views = store.pool.views(entry.runs, align_up(entry.size, BLOCK_BYTES))
+            views = self.pool.views(entry.runs, align_up(entry.size, BLOCK_BYTES))
             record = await self.l2.append(
                 entry.ns.name, entry.key, entry.parent or b"", entry.meta, entry.size,
                 entry.checksum, views,
             )  # fmt: skip
         finally:
             self.writing -= 1
-            store._unpin(entry)
+            self._unpin(entry)
             self._progress.set()
         if entry.dirty:
             self.first_write_bytes += entry.size

@@ -30,9 +30,11 @@ import pytest
 
 from kvd.client.clients import Client
 from kvd.config.rules import l2_capacity_warning
+from kvd.config.settings import Config
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2.tier import L2Tier
-from kvd.store.store import Store, StoreLimits
+from kvd.store.index import StoreLimits
+from kvd.store.store import Store
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.wire.checksum import checksum
 from tests.l2 import backend, open_devices
@@ -265,7 +267,7 @@ async def test_rewrites_stay_within_credit_and_a_durable_put_rewrites(tmp_path: 
     tier = L2Tier(devices, io)
     await tier.recover()
     pool = Pool(POOL_PAGES * PAGE_BYTES)
-    store = Store(pool, StoreLimits(), l2=tier)
+    store = Store(pool, StoreLimits.from_config(Config()), l2=tier)
     store.start()
     writeback = store.writeback
     assert writeback is not None

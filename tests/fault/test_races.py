@@ -34,12 +34,14 @@ from pathlib import Path
 import pytest
 
 from kvd.client.clients import AlreadyExists, Client
+from kvd.config.settings import Config
 from kvd.io.backend import IoBackend, IoOp, OpKind
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2.tier import L2Tier, SegmentState
 from kvd.paths.bulk import server as bulk
 from kvd.store import placement
-from kvd.store.store import TIER_L1, TIER_L2, PutResult, PutTicket, Store, StoreLimits
+from kvd.store.index import TIER_L1, TIER_L2, PutResult, PutTicket, StoreLimits
+from kvd.store.store import Store
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import ResourceExhausted, Unavailable
@@ -128,7 +130,8 @@ class Rig:
         self.tier = L2Tier(self.devices, self.gate)
         await self.tier.recover()
         self.pool = Pool(POOL_PAGES * PAGE_BYTES)
-        self.store = Store(self.pool, StoreLimits(), clock=self.clock, l2=self.tier)
+        limits = StoreLimits.from_config(Config())
+        self.store = Store(self.pool, limits, clock=self.clock, l2=self.tier)
         self.store.start()
         return self.store
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import pytest
 
+from kvd.config.settings import Config
 from kvd.l1.pool import PAGE_BYTES, Pool
-from kvd.store.store import PutResult, PutTicket, Store, StoreLimits
+from kvd.store.index import PutResult, PutTicket, StoreLimits
+from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import AlreadyExists, DataLoss, InvalidArgument, ResourceExhausted
 
@@ -25,9 +28,14 @@ class Clock:
         return self.now
 
 
+def store_limits(**limits: int) -> StoreLimits:
+    """The settings' defaults (the only ones), with ``limits`` changed."""
+    return dataclasses.replace(StoreLimits.from_config(Config()), **limits)
+
+
 def make_store(pages: int = 16, **limits: int) -> tuple[Store, Clock]:
     clock = Clock()
-    return Store(Pool(pages * PAGE_BYTES), StoreLimits(**limits), clock=clock), clock
+    return Store(Pool(pages * PAGE_BYTES), store_limits(**limits), clock=clock), clock
 
 
 _loop = asyncio.new_event_loop()
@@ -277,7 +285,7 @@ def test_store_uses_the_policy_it_is_given_even_while_empty() -> None:
 
     policy = make_policy("pred")
     assert len(policy) == 0  # an empty policy is falsy: the store must not replace it
-    store = Store(Pool(4 * PAGE_BYTES), StoreLimits(), policy)
+    store = Store(Pool(4 * PAGE_BYTES), store_limits(), policy)
     assert store.policy is policy
 
 

@@ -38,15 +38,17 @@ import random
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvd.config.settings import Config
 from kvd.io.backend import native_available, open_backend
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2 import DeviceSet, L2Tier
 from kvd.l2.format import align_up
-from kvd.store.store import Store, StoreLimits
+from kvd.store.index import StoreLimits
+from kvd.store.store import Store
 from kvd.tools.bench.backends import fio_randread
 from kvd.wire.checksum import checksum
 
@@ -121,7 +123,8 @@ def _devices(target: Target) -> DeviceSet:
 
 def _open(target: Target, backend: str, pool_bytes: int) -> tuple[Store, L2Tier]:
     tier = L2Tier(_devices(target), open_backend(backend, depth=IO_DEPTH))
-    store = Store(Pool(pool_bytes), StoreLimits(max_value_bytes=8 * MiB), l2=tier)
+    limits = replace(StoreLimits.from_config(Config()), max_value_bytes=8 * MiB)
+    store = Store(Pool(pool_bytes), limits, l2=tier)
     return store, tier
 
 

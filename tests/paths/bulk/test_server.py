@@ -17,6 +17,7 @@ import os
 import socket
 import warnings
 
+from kvd.config.settings import Config
 from kvd.l1.pool import Pool
 from kvd.paths.bulk.server import (
     FAIR_SHARE_REQUESTS,
@@ -29,7 +30,8 @@ from kvd.paths.bulk.server import (
     encode_request,
 )
 from kvd.paths.metrics import Metrics
-from kvd.store.store import Store, StoreLimits
+from kvd.store.index import StoreLimits
+from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from tests.sockets import most_between_turns, recv_exact
 
@@ -38,7 +40,7 @@ VALUE = os.urandom(100)
 
 
 async def test_a_burst_of_buffered_gets_lets_other_work_run() -> None:
-    store = Store(Pool(16 << 20), StoreLimits())
+    store = Store(Pool(16 << 20), StoreLimits.from_config(Config()))
     await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
     metrics = Metrics()
     server = BulkServer(store, BulkLimits(), metrics)
@@ -65,7 +67,7 @@ async def test_a_burst_of_buffered_gets_lets_other_work_run() -> None:
 
 
 async def test_closing_with_a_full_answer_queue_leaves_nothing_pinned() -> None:
-    store = Store(Pool(16 << 20), StoreLimits())
+    store = Store(Pool(16 << 20), StoreLimits.from_config(Config()))
     big = os.urandom(6 << 20)
     await store.put("ns", b"big", big, checksum=checksum(big), hasher=checksum)
     await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
@@ -99,7 +101,7 @@ async def _stop_at_each_turn(hello: bool) -> list[str]:
     """For 0..39 turns of the loop after a client connected (and, with
     ``hello``, was answered and hung up): stop the server; the unclosed-socket
     warnings meanwhile."""
-    store = Store(Pool(1 << 20), StoreLimits())
+    store = Store(Pool(1 << 20), StoreLimits.from_config(Config()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         for turns in range(40):
@@ -140,7 +142,8 @@ class _OutOfDescriptors(socket.socket):
 
 
 async def test_the_port_outlives_accepts_that_fail() -> None:
-    server = BulkServer(Store(Pool(1 << 20), StoreLimits()), BulkLimits(), Metrics())
+    store = Store(Pool(1 << 20), StoreLimits.from_config(Config()))
+    server = BulkServer(store, BulkLimits(), Metrics())
     port = await server.start("127.0.0.1", 0)
     assert server._accept_task is not None and server._listener is not None
     server._accept_task.cancel()
@@ -160,7 +163,7 @@ async def test_the_port_outlives_accepts_that_fail() -> None:
 
 async def test_connections_left_behind_by_a_stall_do_not_crowd_out_new_ones() -> None:
     limits = BulkLimits(max_connections=8)
-    server = BulkServer(Store(Pool(1 << 20), StoreLimits()), limits, Metrics())
+    server = BulkServer(Store(Pool(1 << 20), StoreLimits.from_config(Config())), limits, Metrics())
     port = await server.start("127.0.0.1", 0)
     try:
         # The loop is stuck (a stalled daemon): clients connect, give up, close.

@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from kvd.client.shm import SEALS
+from kvd.config.settings import Config
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.paths.bulk.server import (
     OP_HELLO,
@@ -34,7 +35,8 @@ from kvd.paths.metrics import Metrics
 from kvd.paths.shm.channel import ShmChannel
 from kvd.paths.shm.handlers import IDLE_INLINE_COPY_BYTES
 from kvd.paths.shm.regions import Caller, Region, RegionLimits, RegionRegistry
-from kvd.store.store import Store, StoreLimits
+from kvd.store.index import StoreLimits
+from kvd.store.store import Store
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import KvdError
@@ -56,7 +58,7 @@ class Rig:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
-    store = Store(Pool((40 << 20) // PAGE_BYTES * PAGE_BYTES), StoreLimits())
+    store = Store(Pool((40 << 20) // PAGE_BYTES * PAGE_BYTES), StoreLimits.from_config(Config()))
     limits = ServiceLimits(
         max_message_bytes=4 << 20, max_inflight_bytes=64 << 20, max_batch_items=64
     )

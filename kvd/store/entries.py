@@ -1,0 +1,189 @@
+"""L1's index: the namespaces, their entries over the pool's pages, and the
+eviction that makes room for a new value.
+
+An entry is evictable when no reader, lease or write-back holds it and it is
+on L2, or L2 is failing: ``keep_dirty`` (given by the store: write-back is
+healthy) says whether a value not yet on L2 must stay. Room that eviction
+cannot make at once is waited for through ``wait_write_back`` (write-back
+unpinning values); expired leases let go first (``expire_leases``). Nothing
+here knows the store, the L2 tier or write-back: the store hands this index
+the callables above, and hands its ``pin``/``unpin`` to them. Imports neither grpc nor metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvd.l1.pool import Pool, PoolFull, Run, pages_for
+from kvd.store.eviction.policy import EvictionPolicy
+from kvd.store.index import Entry, Namespace, PolicyKey, StoreCounters, check_namespace
+from kvd.wire.errors import ResourceExhausted
+from kvd.wire.limits import NAMESPACES_MAX
+
+
+class Entries:
+    def __init__(
+        self,
+        pool: Pool,
+        policy: EvictionPolicy[Any],
+        counters: StoreCounters,
+        namespace_l1_quota_bytes: int,
+        keep_dirty: Callable[[], bool],
+        on_drop_dirty: Callable[[], None],
+        expire_leases: Callable[[], None],
+        wait_write_back: Callable[[], Awaitable[bool]],
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.counters = counters
+        self.namespace_l1_quota_bytes = namespace_l1_quota_bytes
+        self._keep_dirty = keep_dirty
+        self._on_drop_dirty = on_drop_dirty
+        self._expire_leases = expire_leases
+        self._wait_write_back = wait_write_back
+        self.by_name: dict[str, Namespace] = {}
+        self._by_id: dict[int, Namespace] = {}
+        self._ids = itertools.count(1)
+        self.count = 0
+
+    # ---- namespaces and lookups ----------------------------------------------
+    def namespace(self, name: str) -> Namespace:
+        """The namespace called ``name``, made on first use."""
+        ns = self.by_name.get(name)
+        if ns is None:
+            check_namespace(name)
+            if len(self.by_name) >= NAMESPACES_MAX:
+                raise ResourceExhausted(f"more than {NAMESPACES_MAX} namespaces")
+            ns = Namespace(next(self._ids), name)
+            self.by_name[name] = ns
+            self._by_id[ns.id] = ns
+        return ns
+
+    def get(self, ns_name: str, key: bytes) -> Entry | None:
+        ns = self.by_name.get(ns_name)
+        return None if ns is None else ns.entries.get(key)
+
+    def _by_pk(self, pk: PolicyKey) -> Entry | None:
+        ns = self._by_id.get(pk[0])
+        return None if ns is None else ns.entries.get(pk[1])
+
+    # ---- linking -------------------------------------------------------------
+    def link(self, entry: Entry) -> None:
+        ns = entry.ns
+        ns.entries[entry.key] = entry
+        ns.bytes_stored += entry.size
+        self.count += 1
+        parent_pk = (ns.id, entry.parent) if entry.parent else None
+        self.policy.insert((ns.id, entry.key), parent_pk)
+
+    def unlink(self, entry: Entry) -> None:
+        """Remove from L1; free the pages unless a reader still holds them."""
+        ns = entry.ns
+        del ns.entries[entry.key]
+        ns.bytes_stored -= entry.size
+        self.count -= 1
+        entry.linked = False
+        self.policy.remove((ns.id, entry.key))
+        if entry.readers == 0:
+            self.pool.free(entry.runs)
+            entry.runs = []
+
+    def pin(self, entry: Entry) -> None:
+        """Hold an entry's pages for a reader or a write."""
+        entry.readers += 1
+
+    def unpin(self, entry: Entry) -> None:
+        """Give a reader's hold back; an entry unlinked meanwhile frees its pages."""
+        entry.readers -= 1
+        assert entry.readers >= 0, "reader closed twice"
+        if entry.readers == 0 and not entry.linked and entry.runs:
+            self.pool.free(entry.runs)
+            entry.runs = []
+
+    # ---- eviction ------------------------------------------------------------
+    def evictable(self, entry: Entry) -> bool:
+        if entry.readers > 0 or entry.leases > 0:
+            return False
+        # A value not yet on L2 stays, unless L2 is failing (then it is dropped).
+        return not (entry.dirty and self._keep_dirty())
+
+    def _pinned(self, pk: PolicyKey) -> bool:
+        entry = self._by_pk(pk)
+        return entry is None or not self.evictable(entry)
+
+    def evict(self, entry: Entry) -> None:
+        if entry.dirty:
+            self._on_drop_dirty()
+        self.unlink(entry)
+        self.counters.evictions += 1
+
+    def drop_clean(self, entry: Entry) -> bool:
+        """Evict an entry now if it is safe on L2 and not pinned; False if not."""
+        if entry.dirty or entry.l2 is None or entry.readers or entry.leases:
+            return False
+        self.unlink(entry)
+        self.counters.evictions += 1
+        return True
+
+    def _evict_one(self) -> bool:
+        pk = self.policy.victim(self._pinned)
+        if pk is None:
+            return False
+        entry = self._by_pk(pk)
+        assert entry is not None and entry.readers == 0 and entry.leases == 0, pk
+        self.evict(entry)
+        return True
+
+    async def wait_room(self, size: int, ns_name: str = "") -> None:
+        """Wait until write-back unpinned some values; ResourceExhausted when it
+        cannot, naming the namespace's quota or the pool as what is full."""
+        if await self._wait_write_back():
+            return
+        self.counters.eviction_failures += 1
+        quota = self.namespace_l1_quota_bytes
+        ns = self.by_name.get(ns_name)
+        if quota and ns is not None and ns.bytes_stored + size > quota:
+            raise ResourceExhausted(
+                f"namespace {ns_name!r} is at its L1 quota ({quota} bytes) and its values are "
+                "pinned by readers, leases or write-back"
+            )
+        raise ResourceExhausted(
+            f"pool full: {pages_for(size)} pages needed, {self.pool.free_pages} free, "
+            "the rest pinned by readers, leases or write-back"
+        )
+
+    async def alloc(self, size: int) -> list[Run]:
+        while (runs := self.alloc_now(size)) is None:
+            await self.wait_room(size)
+        return runs
+
+    def alloc_now(self, size: int) -> list[Run] | None:
+        """Pages for ``size`` bytes, after expired leases let go of theirs and
+        evicting what can go at once; None when too much of the rest is pinned."""
+        self._expire_leases()
+        need = pages_for(size)
+        while self.pool.free_pages < need:
+            if not self._evict_one():
+                return None
+        try:
+            return self.pool.alloc(size)
+        except PoolFull as exc:  # cannot happen after the loop above
+            raise AssertionError(str(exc)) from exc
+
+    def quota_room(self, ns_name: str, size: int) -> bool:
+        """Room for ``size`` more bytes under the namespace's L1 quota, after
+        evicting what of its own can go at once; False when the rest is pinned."""
+        quota = self.namespace_l1_quota_bytes
+        if not quota:
+            return True
+        if size > quota:
+            raise ResourceExhausted(f"value of {size} bytes is over the namespace's L1 quota")
+        ns = self.by_name.get(ns_name)
+        while ns is not None and ns.bytes_stored + size > quota:
+            victim = next((e for e in ns.entries.values() if self.evictable(e)), None)
+            if victim is None:
+                return False
+            self.evict(victim)
+        return True
