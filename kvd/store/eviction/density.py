@@ -40,7 +40,7 @@ for R lookups earns ``H_c(R)`` (its chance of reuse within R) and costs
 planned occupancy (references per lookup x mean cost, summed over classes)
 fills the blocks tracked, and is capped at 4 mean residences (blocks
 tracked / references per lookup). Victims are the earliest deadlines ``t + R_c``
-(ties: the oldest access), chain tails first (kvd.store.eviction.policy's contract).
+(ties: the oldest access), chain tails first (kvd.store.eviction.chains' contract).
 
 Without ``on_lookup`` calls the clock never moves, every retention stays 0,
 and blocks go in access order: exactly ``lru``. docs/eviction.md has the
@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvd.store.eviction.policy import _HEAP_SLACK, K, _ChainPolicy, _Node
+from kvd.store.eviction.chains import HEAP_SLACK, ChainPolicy, K, Node
 
 # Bucket upper edges (inclusive) per feature; past the last edge is one more
 # bucket. Gap 0 means "no previous reference". Measured on the tuning set
@@ -144,7 +144,7 @@ def reference_class(gap: int, count: int, chain_blocks: int, last: bool) -> int:
     return (gap_bucket * _COUNT_BUCKETS + count_bucket) * _LENGTH_BUCKETS + length_bucket
 
 
-class _DensityNode(_Node[K]):
+class _DensityNode(Node[K]):
     __slots__ = ("count", "due", "gap", "klass", "tick")
 
     def __init__(self, parent: K | None) -> None:
@@ -156,7 +156,7 @@ class _DensityNode(_Node[K]):
         self.due = 0  # deadline, in lookups
 
 
-class DensityPolicy(_ChainPolicy[K]):
+class DensityPolicy(ChainPolicy[K]):
     """Deadline = last reference + retention of its class (see module doc)."""
 
     name = "density"
@@ -268,10 +268,10 @@ class DensityPolicy(_ChainPolicy[K]):
             return
         super().touch(key)
 
-    def _new_node(self, parent: K | None) -> _Node[K]:
+    def _new_node(self, parent: K | None) -> Node[K]:
         return _DensityNode(parent)
 
-    def _priority_on_insert(self, key: K, node: _Node[K]) -> float:
+    def _priority_on_insert(self, key: K, node: Node[K]) -> float:
         assert isinstance(node, _DensityNode)
         announced = self._pending.pop(key, None)
         if announced is not None:
@@ -287,18 +287,18 @@ class DensityPolicy(_ChainPolicy[K]):
                 self._filling.popitem(last=False)
         return self._priority(node.due)
 
-    def _priority_on_touch(self, node: _Node[K]) -> float:
+    def _priority_on_touch(self, node: Node[K]) -> float:
         assert isinstance(node, _DensityNode)
         if node.tick < 0:  # never looked up: due from now (LRU without lookups)
             node.due = self._now + self._retention[node.klass]
         return self._priority(node.due)
 
-    def _on_remove(self, key: K, node: _Node[K], evicted: bool) -> None:
+    def _on_remove(self, key: K, node: Node[K], evicted: bool) -> None:
         assert isinstance(node, _DensityNode)
         self._filling.pop(key, None)
         if evicted and node.tick >= 0:
             self._ghost[key] = (node.klass, node.gap, node.tick, node.count, node.due)
-            while len(self._ghost) > _GHOST_FACTOR * len(self._nodes) + _HEAP_SLACK:
+            while len(self._ghost) > _GHOST_FACTOR * len(self._nodes) + HEAP_SLACK:
                 self._ghost.popitem(last=False)
 
     def victim(self, skip: Callable[[K], bool]) -> K | None:

@@ -8,7 +8,7 @@ gives every block of the chain, hit or about to be put, the deadline
 ``now + R[class]``, or keeps the later deadline it already had (a hit never
 shortens what an earlier turn planned). ``now`` counts lookups (a logical
 clock: replays run at any speed and give the same victims). Victims are the
-earliest deadlines, chain tails first (kvd.store.eviction.policy's contract).
+earliest deadlines, chain tails first (kvd.store.eviction.chains' contract).
 A chain's last block is partial, the next turn re-reads everything but it, so its retention is 0.
 
 What it learns. Each lookup records its turn in a bounded history under the
@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvd.store.eviction.policy import K, _ChainPolicy, _Node
+from kvd.store.eviction.chains import ChainPolicy, K, Node
 
 # Turn classes: continuation depth (0..3) x new blocks (1 | 2-3 | 4-10 | more)
 # x chain length (<=8 | <=32 | <=64 | more); on the conversation trace their
@@ -130,7 +130,7 @@ class _Turn:
         return self.blocks - 1
 
 
-class _HazardNode(_Node[K]):
+class _HazardNode(Node[K]):
     __slots__ = ("depth", "klass")
 
     def __init__(self, parent: K | None) -> None:
@@ -139,7 +139,7 @@ class _HazardNode(_Node[K]):
         self.depth = 0
 
 
-class HazardPolicy(_ChainPolicy[K]):
+class HazardPolicy(ChainPolicy[K]):
     """Deadline = access + retention of the turn's class (see module doc)."""
 
     name = "hazard"
@@ -235,10 +235,10 @@ class HazardPolicy(_ChainPolicy[K]):
         if now % _REFRESH == 0:
             self._refresh()
 
-    def _new_node(self, parent: K | None) -> _Node[K]:
+    def _new_node(self, parent: K | None) -> Node[K]:
         return _HazardNode(parent)
 
-    def _priority_on_insert(self, key: K, node: _Node[K]) -> float:
+    def _priority_on_insert(self, key: K, node: Node[K]) -> float:
         assert isinstance(node, _HazardNode)
         announced = self._pending.pop(key, None)
         klass, depth = announced or (turn_class(0, 2, 2), 0)
@@ -252,11 +252,11 @@ class HazardPolicy(_ChainPolicy[K]):
                 self._filling.popitem(last=False)
         return self._deadline(klass)
 
-    def _priority_on_touch(self, node: _Node[K]) -> float:
+    def _priority_on_touch(self, node: Node[K]) -> float:
         assert isinstance(node, _HazardNode)
         return self._extended(node)
 
-    def _on_remove(self, key: K, node: _Node[K], evicted: bool) -> None:
+    def _on_remove(self, key: K, node: Node[K], evicted: bool) -> None:
         self._filling.pop(key, None)
 
     def victim(self, skip: Callable[[K], bool]) -> K | None:

@@ -10,7 +10,7 @@ ghost). Otherwise the main queue's oldest block goes, unless it was hit
 since it last came round: then its frequency drops by one and it goes to
 the back. A block whose key is in the ghost enters the main queue at once.
 
-Prefix awareness as in kvd.store.eviction.policy: within each queue leaves go before
+Prefix awareness as in kvd.store.eviction.chains: within each queue leaves go before
 interior blocks, so a chain is eaten tail first. FIFO order is a sequence
 number given on entering (or going round) a queue.
 """
@@ -21,7 +21,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvd.store.eviction.policy import K, _ChainPolicy, _Node
+from kvd.store.eviction.chains import ChainPolicy, K, Node
 
 # Small queue share of the tracked blocks: S3-FIFO's 10 %.
 _SMALL_SHARE = 0.1
@@ -32,7 +32,7 @@ _FREQ_CAP = 3
 _ROUNDS_MAX = 1 << 20
 
 
-class _FifoNode(_Node[K]):
+class _FifoNode(Node[K]):
     __slots__ = ("main",)
 
     def __init__(self, parent: K | None) -> None:
@@ -40,7 +40,7 @@ class _FifoNode(_Node[K]):
         self.main = False
 
 
-class S3FifoPolicy(_ChainPolicy[K]):
+class S3FifoPolicy(ChainPolicy[K]):
     """S3-FIFO, leaves first within each queue (see the module docstring)."""
 
     name = "s3fifo"
@@ -62,14 +62,14 @@ class S3FifoPolicy(_ChainPolicy[K]):
     def ghost_len(self) -> int:
         return len(self._ghost)
 
-    def _new_node(self, parent: K | None) -> _Node[K]:
+    def _new_node(self, parent: K | None) -> Node[K]:
         return _FifoNode(parent)
 
     def _tick(self) -> float:
         self._order += 1
         return float(self._order)
 
-    def _priority_on_insert(self, key: K, node: _Node[K]) -> float:
+    def _priority_on_insert(self, key: K, node: Node[K]) -> float:
         assert isinstance(node, _FifoNode)
         if key in self._ghost:
             del self._ghost[key]
@@ -78,7 +78,7 @@ class S3FifoPolicy(_ChainPolicy[K]):
             self._small += 1
         return self._tick()
 
-    def _priority_on_touch(self, node: _Node[K]) -> float:
+    def _priority_on_touch(self, node: Node[K]) -> float:
         node.hits = min(node.hits, _FREQ_CAP)
         return node.priority  # a hit does not move a block in its FIFO
 
@@ -87,7 +87,7 @@ class S3FifoPolicy(_ChainPolicy[K]):
         if node is not None:
             node.hits = min(node.hits + 1, _FREQ_CAP)
 
-    def _on_remove(self, key: K, node: _Node[K], evicted: bool) -> None:
+    def _on_remove(self, key: K, node: Node[K], evicted: bool) -> None:
         assert isinstance(node, _FifoNode)
         if not node.main:
             self._small -= 1
@@ -96,7 +96,7 @@ class S3FifoPolicy(_ChainPolicy[K]):
                 while len(self._ghost) > max(len(self._nodes) - self._small, 1):
                     self._ghost.popitem(last=False)
 
-    def _push(self, key: K, node: _Node[K]) -> None:
+    def _push(self, key: K, node: Node[K]) -> None:
         assert isinstance(node, _FifoNode)
         self._seq += 1
         node.seq = self._seq

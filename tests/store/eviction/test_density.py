@@ -8,7 +8,8 @@ import random
 from typing import Any
 
 from kvd.store.eviction.density import _AGE_EDGES, DensityPolicy, reference_class
-from kvd.store.eviction.policy import LruPolicy, make_policy
+from kvd.store.eviction.lru import LruPolicy
+from kvd.store.eviction.policy import make_policy
 from kvd.store.eviction.s3fifo import S3FifoPolicy
 from tests.store.eviction.test_eviction import drain, insert_chain, never
 

@@ -9,16 +9,15 @@ from typing import Any
 import pytest
 
 from kvd.store.eviction.hazard import _AGE_EDGES, HazardPolicy, turn_class
+from kvd.store.eviction.lru import GdfPolicy, LruPolicy
 from kvd.store.eviction.policy import (
     DEFAULT_POLICY,
     POLICIES,
     EvictionPolicy,
-    GdfPolicy,
-    LruPolicy,
-    PredPolicy,
     UnknownPolicyError,
     make_policy,
 )
+from kvd.store.eviction.pred import PredPolicy
 
 
 def never(_key: object) -> bool:
