@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvd.config.rules import parse_address
+from kvd.config.addresses import parse_address
 
 # A static list past this is a config mistake, not a fleet: placement costs
 # one hash per member per key (kvd/cluster/rendezvous.py).

@@ -12,8 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvd.config.rules import ConfigError
 from kvd.config.sizes import format_size, parse_size
+
+
+class ConfigError(Exception):
+    """A setting is unknown, malformed or out of bounds; the message names it."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
 
 ENV_PREFIX = "KVD_"
 

@@ -15,7 +15,7 @@ import grp
 import logging
 from typing import TYPE_CHECKING
 
-from kvd.config.settings import parse_address
+from kvd.config.addresses import parse_address
 from kvd.paths.bulk.server import BulkLimits, BulkServer
 from kvd.paths.metrics import Metrics, SnapshotCollector
 from kvd.paths.shm.channel import ShmChannel

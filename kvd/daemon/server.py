@@ -32,8 +32,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
 from kvd.cluster.node import POOL_COUNTERS, POOL_GAUGES, PoolNode, start_pool
+from kvd.config.addresses import is_loopback_host, parse_address
 from kvd.config.rules import l2_capacity_warning
-from kvd.config.settings import SETTINGS, ConfigError, is_loopback_host, parse_address
+from kvd.config.settings import SETTINGS, ConfigError
 from kvd.daemon.fast_paths import FastPaths
 from kvd.daemon.tls import ServerTls
 from kvd.io import faults
@@ -129,11 +130,6 @@ def open_l2(config: Config) -> L2Tier | None:
         devices.close()
         raise
     return L2Tier(devices, io)
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class Daemon:
@@ -259,7 +255,7 @@ class Daemon:
                 SnapshotCollector(self.pool_node.stats, POOL_GAUGES, POOL_COUNTERS)
             )
         if cfg.metrics_listen:
-            host, port = split_host_port(cfg.metrics_listen)
+            host, port = parse_address(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)
         self.fast_paths = await FastPaths.start(cfg, self.service, self.metrics)
         self.metrics.up.set(1)

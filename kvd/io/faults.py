@@ -6,7 +6,9 @@ when the ``io_faults`` setting is not empty, so a test can break a real
 daemon's disk in a chosen, repeatable way. Nothing here is random: the same
 spec and the same sequence of ops give the same faults.
 
-Spec grammar (whitespace around tokens is ignored)::
+The spec's grammar and parser live in ``kvd.io.fault_spec`` (the setting's
+check uses them without loading a backend). Spec grammar (whitespace around
+tokens is ignored)::
 
     spec    = "" | rule { "," rule }
     rule    = op ":" fault { ":" param }
@@ -39,115 +41,20 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from kvd.config.sizes import SizeError, parse_size
 from kvd.io.backend import IoBackend, IoError, IoOp, OpKind
+from kvd.io.fault_spec import BLOCK_BYTES, Rule, parse
 
-SPEC_CHARS_MAX = 4096
-RULES_MAX = 64
-BLOCK_BYTES = 4096  # O_DIRECT unit: shortened and shifted ops stay aligned
-SHIFT_BYTES_DEFAULT = 64 * 1024  # one L2 record slot
-N_MAX = 1 << 40
-
-_OPS = {"read": (OpKind.READ,), "write": (OpKind.WRITE,), "fsync": (OpKind.FSYNC, OpKind.FDATASYNC)}
-_FAULTS = ("eio", "enospc", "short", "misdirect")
-_TRIGGERS = ("nth", "every", "after_bytes")
+# The ops of each kind a rule names.
+_KINDS = {
+    "read": (OpKind.READ,),
+    "write": (OpKind.WRITE,),
+    "fsync": (OpKind.FSYNC, OpKind.FDATASYNC),
+}
 
 
-class FaultSpecError(ValueError):
-    """An ``io_faults`` spec that does not parse; the message says where."""
-
-
-@dataclass(slots=True)
-class Rule:
-    op: str
-    fault: str
-    trigger: str
-    value: int
-    shift_bytes: int = SHIFT_BYTES_DEFAULT
-    seen: int = 0  # ops of this kind so far
-    moved_bytes: int = 0  # bytes of unharmed ops of this kind (after_bytes)
-    fired: int = 0
-
-    def matches(self, kind: OpKind) -> bool:
-        return kind in _OPS[self.op]
-
-    def fires(self, nbytes: int) -> bool:
-        """Count one op of this rule's kind; whether the fault hits it."""
-        self.seen += 1
-        if self.trigger == "nth":
-            return self.seen == self.value
-        if self.trigger == "every":
-            return self.seen % self.value == 0
-        return self.moved_bytes + nbytes > self.value
-
-    def __str__(self) -> str:
-        text = f"{self.op}:{self.fault}:{self.trigger}={self.value}"
-        return text + (f":shift={self.shift_bytes}" if self.fault == "misdirect" else "")
-
-
-def _number(rule: str, name: str, text: str) -> int:
-    try:
-        value = parse_size(text) if name in ("after_bytes", "shift") else int(text, 10)
-    except (ValueError, SizeError):
-        raise FaultSpecError(f"io_faults rule {rule!r}: {name}={text!r} is not a number") from None
-    if not 1 <= value <= N_MAX and not (name == "after_bytes" and value == 0):
-        raise FaultSpecError(f"io_faults rule {rule!r}: {name} must be in 1..{N_MAX}")
-    return value
-
-
-def _parse_rule(text: str) -> Rule:
-    parts = [part.strip() for part in text.split(":")]
-    if len(parts) < 2:
-        raise FaultSpecError(f"io_faults rule {text!r}: expected op:fault:trigger=N")
-    op, fault, params = parts[0], parts[1], parts[2:]
-    if op not in _OPS:
-        raise FaultSpecError(f"io_faults rule {text!r}: op must be one of {', '.join(_OPS)}")
-    if fault not in _FAULTS:
-        raise FaultSpecError(f"io_faults rule {text!r}: fault must be one of {', '.join(_FAULTS)}")
-    if op == "fsync" and fault in ("short", "misdirect"):
-        raise FaultSpecError(f"io_faults rule {text!r}: fsync moves no bytes; use eio or enospc")
-    values: dict[str, int] = {}
-    for param in params:
-        name, sep, value = param.partition("=")
-        name = name.strip()
-        if not sep or name not in (*_TRIGGERS, "shift"):
-            raise FaultSpecError(
-                f"io_faults rule {text!r}: {param!r} is not nth=N, every=N, after_bytes=SIZE "
-                "or shift=SIZE"
-            )
-        if name in values:
-            raise FaultSpecError(f"io_faults rule {text!r}: {name} given twice")
-        values[name] = _number(text, name, value.strip())
-    triggers = [name for name in _TRIGGERS if name in values]
-    if len(triggers) != 1:
-        raise FaultSpecError(
-            f"io_faults rule {text!r}: needs exactly one of nth=, every=, after_bytes="
-        )
-    trigger = triggers[0]
-    if trigger == "after_bytes" and op == "fsync":
-        raise FaultSpecError(f"io_faults rule {text!r}: after_bytes counts read/write bytes")
-    shift = values.get("shift", SHIFT_BYTES_DEFAULT)
-    if "shift" in values and fault != "misdirect":
-        raise FaultSpecError(f"io_faults rule {text!r}: shift= applies to misdirect only")
-    if shift % BLOCK_BYTES:
-        raise FaultSpecError(f"io_faults rule {text!r}: shift must be a multiple of 4 KiB")
-    return Rule(op, fault, trigger, values[trigger], shift)
-
-
-def parse(spec: str) -> list[Rule]:
-    """The rules of a spec (empty for ""); FaultSpecError names the bad rule."""
-    if len(spec) > SPEC_CHARS_MAX:
-        raise FaultSpecError(f"io_faults is longer than {SPEC_CHARS_MAX} characters")
-    if not spec.strip():
-        return []
-    texts = [text.strip() for text in spec.split(",")]
-    if len(texts) > RULES_MAX:
-        raise FaultSpecError(f"io_faults has more than {RULES_MAX} rules")
-    if any(not text for text in texts):
-        raise FaultSpecError("io_faults has an empty rule (two commas, or a trailing comma)")
-    return [_parse_rule(text) for text in texts]
+def _matches(rule: Rule, kind: OpKind) -> bool:
+    return kind in _KINDS[rule.op]
 
 
 def _nbytes(op: IoOp) -> int:
@@ -179,11 +86,11 @@ class FaultyBackend:
         nbytes = _nbytes(op)
         chosen: Rule | None = None
         for rule in self.rules:
-            if rule.matches(op.kind) and rule.fires(nbytes) and chosen is None:
+            if _matches(rule, op.kind) and rule.fires(nbytes) and chosen is None:
                 chosen = rule
         if chosen is None:
             for rule in self.rules:
-                if rule.matches(op.kind):
+                if _matches(rule, op.kind):
                     rule.moved_bytes += nbytes
         else:
             chosen.fired += 1
@@ -250,6 +157,3 @@ def describe(backend: IoBackend) -> str:
     if isinstance(backend, FaultyBackend):
         return ",".join(str(rule) for rule in backend.rules)
     return ""
-
-
-__all__ = ["FaultSpecError", "FaultyBackend", "Rule", "describe", "parse", "wrap"]

@@ -5,15 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from kvd.config.addresses import is_loopback_host, parse_address
 from kvd.config.docs import settings_markdown
-from kvd.config.settings import (
-    SETTINGS,
-    Config,
-    ConfigError,
-    is_loopback_host,
-    load_config,
-    parse_address,
-)
+from kvd.config.settings import SETTINGS, Config, ConfigError, load_config
 from kvd.config.sizes import SizeError, format_size, parse_size
 
 GiB = 1 << 30

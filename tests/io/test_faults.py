@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvd.io.backend import IoBackend, IoError, IoOp, OpKind
-from kvd.io.faults import FaultSpecError, FaultyBackend, describe, parse, wrap
+from kvd.io.fault_spec import FaultSpecError, parse
+from kvd.io.faults import FaultyBackend, describe, wrap
 from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier
 from tests.l2 import BACKENDS, Aligned, Env, KiB, backend, get, payload, put, raw_read
 
