@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvd import __version__
 from kvd.config.settings import SETTINGS, ConfigError, Setting, config_from_environment
+from kvd.wire.limits import KEY_BYTES_MAX
 
 if TYPE_CHECKING:
     from kvd.client.clients import Client
@@ -35,8 +36,6 @@ TIMEOUT_S_MAX = 3600.0
 # `kvd put` reads the whole value into memory first; beyond 1 GiB use the
 # client library, which streams.
 PUT_VALUE_MAX_BYTES = 1 << 30
-# Keys are 1..64 bytes (the wire contract).
-KEY_MAX_BYTES = 64
 
 # Subcommands that live in their own module and appear once it exists:
 # name -> (module whose main(args: list[str]) -> int runs it, help).
@@ -60,8 +59,8 @@ def parse_key(text: str) -> bytes:
             raise UsageError(f"bad hex key {text!r}") from None
     else:
         key = text.encode()
-    if not 1 <= len(key) <= KEY_MAX_BYTES:
-        raise UsageError(f"a key is 1..{KEY_MAX_BYTES} bytes, {text!r} is {len(key)}")
+    if not 1 <= len(key) <= KEY_BYTES_MAX:
+        raise UsageError(f"a key is 1..{KEY_BYTES_MAX} bytes, {text!r} is {len(key)}")
     return key
 
 
@@ -86,6 +85,16 @@ def _add_setting_flag(parser: argparse.ArgumentParser, setting: Setting) -> None
     action = "append" if setting.kind == "list" else "store"
     parser.add_argument(
         setting.flag, dest=setting.name, action=action, metavar=_metavar(setting), help=help_text
+    )
+
+
+def _add_no_ssd(parser: argparse.ArgumentParser) -> None:
+    # A flag cannot spell an empty list (``--ssd-path ''`` is an empty path,
+    # refused), so this one does what ``ssd_path = []`` does in a file.
+    parser.add_argument(
+        "--no-ssd",
+        action="store_true",
+        help="no L2: ssd_path is the empty list (not with --ssd-path)",
     )
 
 
@@ -128,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help="TOML file [default $KVD_CONFIG]")
     for setting in SETTINGS:
         _add_setting_flag(serve, setting)
+    _add_no_ssd(serve)
 
     config = commands.add_parser(
         "config",
@@ -137,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--config", metavar="FILE", help="TOML file [default $KVD_CONFIG]")
     for setting in SETTINGS:
         _add_setting_flag(config, setting)
+    _add_no_ssd(config)
 
     commands.add_parser("version", help="print the version")
 
@@ -180,7 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings_given(args: argparse.Namespace) -> dict[str, object]:
-    return {setting.name: getattr(args, setting.name) for setting in SETTINGS}
+    given: dict[str, object] = {setting.name: getattr(args, setting.name) for setting in SETTINGS}
+    if args.no_ssd:
+        if given["ssd_path"] is not None:
+            raise UsageError("--no-ssd and --ssd-path conflict: give one or the other")
+        given["ssd_path"] = []
+    return given
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -14,7 +14,9 @@ import pytest
 
 from kvd import __version__
 from kvd.cli import UsageError, build_parser, main, parse_key
+from kvd.client.clients import Client, Unavailable
 from kvd.config.settings import SETTINGS
+from kvd.tools.bench.daemon import SpawnedDaemon
 
 REPO = Path(__file__).resolve().parent.parent
 SUBPROCESS_TIMEOUT_S = 60
@@ -83,6 +85,49 @@ def test_config_file_from_environment(
     printed = tomllib.loads(capsys.readouterr().out)
     assert printed["dram_bytes"] == "2GiB"
     assert printed["ssd_path"] == ["/y/b.dat", "/y/c.dat"]
+
+
+def test_no_ssd_flag_empties_ssd_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_text('ssd_path = ["/x/a.dat"]\n')
+    monkeypatch.setenv("KVD_CONFIG", str(path))
+    assert main(["config", "--no-ssd"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["ssd_path"] == []
+
+
+def test_no_ssd_conflicts_with_ssd_path_and_an_empty_path_stays_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--no-ssd", "--ssd-path", "/x/a.dat"]) == 2
+    assert "kvd: --no-ssd and --ssd-path conflict" in capsys.readouterr().err
+    assert main(["serve", "--ssd-path", ""]) == 2
+    assert "ssd_path: contains an empty path" in capsys.readouterr().err
+
+
+def test_serve_with_no_ssd_runs_without_l2(tmp_path: Path) -> None:
+    # The second --config (an empty file) replaces the one the helper writes
+    # for a daemon without L2, so only --no-ssd keeps L2 off here.
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    workdir = tmp_path / "d"
+    workdir.mkdir()
+    daemon = SpawnedDaemon(workdir, ["--config", str(empty), "--no-ssd"], ssd="")
+    try:
+        assert daemon.alive() and daemon.port, daemon.log[-5:]
+        started = [line for line in daemon.log if "kvd started" in line]
+        assert started and 'ssd_paths="" ssd_bytes=0' in started[0], started
+        with Client(daemon.target, timeout_s=10) as client:
+            assert client.put("ns", b"k", b"value") is False
+            assert client.get("ns", b"k") == b"value"
+            stats = client.stats()
+            assert stats.get("l2_bytes", 0) == 0 and stats.get("l2_writes", 0) == 0
+            with pytest.raises(Unavailable, match="no L2"):
+                client.put("ns", b"durable", b"value", durable=True)
+    finally:
+        daemon.stop()
+    assert not list(workdir.glob("*.dat"))
 
 
 def test_serve_has_a_flag_per_setting() -> None:
