@@ -1,7 +1,8 @@
 """What the daemon starts and stops for its fast paths: the shared-memory
 region registry and the task that frees regions of clients that exited, the
 shm socket (``kvd.paths.shm.channel``) and the bulk TCP server (``kvd.paths.bulk.server``),
-with their gauges. The handlers they serve are ``kvd.paths.shm.handlers``'s.
+with their gauges. The ops they serve are the gRPC service's ``RegionOps``
+(``kvd.paths.ops.region_ops``).
 
 Regions are attached on the shm socket only (their memfds travel with
 SCM_RIGHTS), so a daemon without its shm socket has no shared-memory path;
@@ -24,7 +25,8 @@ from kvd.wire.shm import socket_path
 
 if TYPE_CHECKING:
     from kvd.config.settings import Config
-    from kvd.paths.shm.handlers import RegionHandlers
+    from kvd.paths.grpc.service import KVStoreService
+    from kvd.paths.ops.region_ops import RegionOps
 
 log = logging.getLogger("kvd.fastpaths")
 
@@ -32,8 +34,8 @@ log = logging.getLogger("kvd.fastpaths")
 class FastPaths:
     """The daemon's shared-memory registry, its reaper task and the bulk TCP server."""
 
-    def __init__(self, service: RegionHandlers, regions: RegionRegistry | None) -> None:
-        self.service = service
+    def __init__(self, ops: RegionOps, regions: RegionRegistry | None) -> None:
+        self.ops = ops
         self.regions = regions
         self.bulk: BulkServer | None = None
         self.bulk_address = ""
@@ -41,7 +43,8 @@ class FastPaths:
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
-    async def start(cls, config: Config, service: RegionHandlers, metrics: Metrics) -> FastPaths:
+    async def start(cls, config: Config, service: KVStoreService, metrics: Metrics) -> FastPaths:
+        ops = service.region_ops
         regions: RegionRegistry | None = RegionRegistry(
             RegionLimits(
                 max_regions_per_client=config.max_regions_per_client,
@@ -49,10 +52,10 @@ class FastPaths:
                 max_region_bytes=config.max_region_bytes,
             ),
         )
-        paths = cls(service, regions)
+        paths = cls(ops, regions)
         limits = BulkLimits.from_config(config)
         channel = ShmChannel(
-            service,
+            ops,
             socket_path(config.shm_dir, config.shm_socket),
             limits,
             mode=config.socket_mode,
@@ -61,18 +64,18 @@ class FastPaths:
         try:
             await channel.start()
             paths.channel = channel
-            service.shm_socket = channel.path
+            ops.shm_socket = channel.path
         except OSError as exc:
             # Regions are attached on the socket: without it, gRPC and bulk TCP only.
             log.warning("shared-memory path off", extra={"path": channel.path, "reason": str(exc)})
             regions = paths.regions = None
         if config.bulk_listen:
             host, port = parse_address(config.bulk_listen)
-            paths.bulk = BulkServer(service.store, limits, metrics, service.auth)
+            paths.bulk = BulkServer(ops.store, limits, metrics, ops.auth)
             bound = await paths.bulk.start(host, port)
             paths.bulk_address = f"{host}:{bound}"
-        service.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
-        service.l2_direct_min_bytes = config.shm_l2_direct_min_bytes
+        ops.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
+        ops.l2_direct_min_bytes = config.shm_l2_direct_min_bytes
         metrics.add_collector(
             SnapshotCollector(paths._snapshot, _FAST_PATH_GAUGES, _FAST_PATH_COUNTERS)
         )
@@ -83,7 +86,7 @@ class FastPaths:
         return paths
 
     def _snapshot(self) -> dict[str, int]:
-        regions = self.service.regions
+        regions = self.ops.regions
         return {
             "regions": regions.count if regions else 0,
             "region_bytes": regions.mapped_bytes if regions else 0,
@@ -100,7 +103,7 @@ class FastPaths:
             await self.bulk.stop(grace_s)
         if self.channel is not None:
             await self.channel.stop()
-        self.service.close_fast_paths()
+        self.ops.close_fast_paths()
 
 
 _FAST_PATH_GAUGES = {

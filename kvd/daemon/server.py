@@ -42,8 +42,9 @@ from kvd.io.backend import open_backend
 from kvd.l1.pool import Pool
 from kvd.l2 import DeviceSet, L2Tier
 from kvd.paths.auth import Authenticator
-from kvd.paths.grpc.service import KVStoreService, ServiceLimits
+from kvd.paths.grpc.service import KVStoreService
 from kvd.paths.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
+from kvd.paths.ops.calls import ServiceLimits
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
 from kvd.store.eviction.policy import make_policy
 from kvd.store.index import StoreLimits

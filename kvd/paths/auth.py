@@ -17,7 +17,9 @@ on which digest, or how much of one, matched. Admin tokens reach every
 namespace and the admin calls (Delete of a whole namespace, Stats of the
 whole daemon). The gRPC paths carry the token as ``authorization: Bearer
 <token>`` metadata, the bulk TCP port in its HELLO frame, once per
-connection; health and reflection stay open.
+connection; health and reflection stay open. What only gRPC calls need (a
+call's context, the namespace a protobuf request names) is
+``kvd.paths.grpc.auth``'s; this module imports no protobuf.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.config.settings import ConfigError
-from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import PermissionDenied, Unauthenticated
 
 log = logging.getLogger("kvd.paths.auth")
@@ -225,31 +226,3 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
                 return value[len(_BEARER) :].strip()
             return None
     return None
-
-
-def check_grpc(
-    auth: Authenticator | None, context: Any, namespace: str | None, *, admin: bool = False
-) -> None:
-    """Unauthenticated or PermissionDenied unless the call's token may do this."""
-    if auth is not None:
-        auth.check(bearer_token(context.invocation_metadata()), namespace, admin=admin)
-
-
-def grpc_principal(auth: Authenticator | None, context: Any) -> Principal | None:
-    """The principal a gRPC call's token belongs to; None with auth off."""
-    if auth is None:
-        return None
-    return auth.authenticate(bearer_token(context.invocation_metadata()))
-
-
-def request_scope(request: object) -> tuple[str | None, bool]:
-    """(namespace, admin) a gRPC request needs; None: the call names no namespace.
-
-    A Delete of a whole namespace and a Stats of the whole daemon are admin calls.
-    """
-    if isinstance(request, pb.DeleteRequest):
-        return request.namespace, request.all_keys
-    if isinstance(request, pb.StatsRequest):
-        return (request.namespace or None), not request.namespace
-    namespace = getattr(request, "namespace", None)
-    return (namespace if isinstance(namespace, str) else None), False

@@ -9,7 +9,7 @@ codes). A subclass that names no code of its own shares its parent's.
 
 Codes are the gRPC status numbers (``CODE_NUMBERS``), written here once so
 that this module, and every transport and client that maps through it,
-needs no grpcio: the gRPC service, the shm handlers and socket, the bulk
+needs no grpcio: the gRPC service, the op layer, the shm socket, the bulk
 port and the clients all turn an error into a number with ``error_number``
 and a number into an error with ``error_for``.
 """

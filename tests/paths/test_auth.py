@@ -24,8 +24,8 @@ from kvd.paths.auth import (
     bearer_token,
     hash_token,
     new_token,
-    request_scope,
 )
+from kvd.paths.grpc.auth import request_scope
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
 from tests.support import DaemonProcess, wait_until

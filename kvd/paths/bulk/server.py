@@ -38,6 +38,11 @@ same order, so a client may pipeline many requests on one connection.
   request (a miss, a full pool, a conflicting put) are answered with a code
   and the connection stays open.
 
+Refusals are counted, and turned into their code, by the op layer's
+``refused`` (``kvd.paths.ops.calls``), as on the other transports; the
+codes are ``kvd.wire.errors``'. Bulk requests count no ``kvd_requests``
+of their own (a get's answer leaves from the writer, later).
+
 This module imports neither grpc nor the gRPC service.
 """
 
@@ -56,6 +61,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd.paths.bulk.admission import Admission, Slot
+from kvd.paths.ops.calls import refused
 from kvd.store.index import (
     TIER_NAMES,
     PutResult,
@@ -95,7 +101,7 @@ from kvd.wire.bulk import (
     split_tail,
 )
 from kvd.wire.checksum import Hasher
-from kvd.wire.errors import DataLoss, KvdError
+from kvd.wire.errors import DataLoss, KvdError, error_number
 from kvd.wire.send import Sender
 
 if TYPE_CHECKING:
@@ -311,10 +317,8 @@ class _Connection:
                     text = ""
                 self.principal = auth.authenticate(text)
             except KvdError as exc:
-                self.server.metrics.refused(exc.code_name, "bulk_hello", str(exc))
-                answer = encode_response(
-                    OP_HELLO, request.request_id, error_code(exc), message=str(exc)
-                )
+                code = refused(self.server.metrics, "bulk_hello", exc)
+                answer = encode_response(OP_HELLO, request.request_id, code, message=str(exc))
                 await self._answer(answer)
                 return False
         await self._answer(encode_response(OP_HELLO, request.request_id))
@@ -342,10 +346,8 @@ class _Connection:
                     ns, key, request.length, meta, parent or None, checksum
                 )
         except KvdError as exc:
-            self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
-            await self._answer(
-                encode_response(OP_PUT, request.request_id, error_code(exc), message=str(exc))
-            )
+            code = refused(self.server.metrics, "bulk_put", exc)
+            await self._answer(encode_response(OP_PUT, request.request_id, code, message=str(exc)))
             await self._discard(request.length)
             return None
         if isinstance(ticket, PutResult):
@@ -359,8 +361,7 @@ class _Connection:
                 try:
                     await self._receive_upload(ticket, hasher)
                 except KvdError as exc:  # no room for what arrived: drop the rest
-                    self.server.metrics.refused(exc.code_name, "bulk_put", str(exc))
-                    code = error_code(exc)
+                    code = refused(self.server.metrics, "bulk_put", exc)
                     await self._answer(
                         encode_response(OP_PUT, request.request_id, code, message=str(exc))
                     )
@@ -377,7 +378,7 @@ class _Connection:
                 if isinstance(exc, DataLoss):
                     self.server.metrics.rejected.labels("checksum").inc()
                 return encode_response(
-                    OP_PUT, request.request_id, error_code(exc), message=str(exc)
+                    OP_PUT, request.request_id, error_number(exc), message=str(exc)
                 )
         finally:
             self.store.abort_put(ticket)
@@ -424,8 +425,8 @@ class _Connection:
                 "bulk_get", TIER_NAMES[reader.tier] if reader else "miss", start
             )
         except KvdError as exc:
-            self.server.metrics.refused(exc.code_name, "bulk_get", str(exc))
-            await self._answer(encode_response(OP_GET, rid, error_code(exc), message=str(exc)))
+            code = refused(self.server.metrics, "bulk_get", exc)
+            await self._answer(encode_response(OP_GET, rid, code, message=str(exc)))
             return
         if reader is None:
             self.server.metrics.misses.labels("bulk_get").inc()

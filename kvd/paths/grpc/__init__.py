@@ -1,1 +1,1 @@
-"""The KVStore gRPC service."""
+"""The KVStore gRPC service, and the gRPC faces of auth and of the error codes."""

@@ -1,5 +1,6 @@
 """The KVStore gRPC service: request validation, byte movement between
-gRPC messages and pool pages, and the mapping of typed errors to codes.
+gRPC messages and pool pages, and the region RPCs' conversion between
+protobuf and the op layer's plain values (``kvd.paths.ops``).
 
 Each handler runs on the daemon's one event loop and calls the store
 directly. Limits enforced here: message sizes (by the gRPC server options),
@@ -8,14 +9,28 @@ would push the total over ``max_inflight_bytes`` is refused with
 RESOURCE_EXHAUSTED at once rather than queued. A Put stream counts and
 takes pool pages for its chunks as they arrive, never for the size its
 header declares, and has ``grpc_put_timeout_ms`` to arrive in full.
+
+Every handler runs inside the op layer's ``Tally`` (timing, counts, the
+refusal metric); what is gRPC's alone is here: a typed error that leaves a
+handler aborts the call with its code (``kvd.paths.grpc.status``).
+
+``PutFromRegion``/``GetIntoRegion`` are ``RegionOps``' batch put and get
+(the shm socket serves the same ops without gRPC); ``AttachRegion`` by file
+name is refused: regions are sealed memfds passed on the shm socket
+(``kvd.paths.shm.regions``). Region calls over gRPC carry no peer
+credentials; they are bound to the token's principal (and the region's
+secret token) only. ``DescribePaths`` tells clients which fast paths this
+daemon offers, and who serves the shm socket (uid, pid, pid namespace) so
+that a client can check its peer before it sends a token there;
+``kvd.daemon.fast_paths`` starts and stops what serves them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -25,11 +40,15 @@ from kvd import __version__
 from kvd.cluster import scope
 from kvd.cluster.router import PoolRouter
 from kvd.l1.pool import ViewWriter, chunked
-from kvd.paths.auth import Authenticator, bearer_token, check_grpc, request_scope
+from kvd.paths.auth import Authenticator, bearer_token
+from kvd.paths.grpc.auth import check_grpc, grpc_principal, request_scope
 from kvd.paths.grpc.status import status_code
 from kvd.paths.metrics import Metrics
-from kvd.paths.shm.handlers import RegionHandlers
-from kvd.store.index import TIER_NAMES, PutResult
+from kvd.paths.ops.calls import InflightBytes, ServiceLimits, Tally
+from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
+from kvd.paths.ops.region_ops import RegionOps
+from kvd.paths.shm.regions import AttachRefused, Caller, RegionRegistry
+from kvd.store.index import TIER_L1, TIER_L2, TIER_NAMES, PutResult
 from kvd.store.store import Store
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import Hasher, checksum
@@ -38,9 +57,9 @@ from kvd.wire.errors import (
     DeadlineExceeded,
     InvalidArgument,
     KvdError,
-    ResourceExhausted,
     error_number,
 )
+from kvd.wire.shm import pid_namespace
 
 # 1 MiB messages: server-streamed 1 MiB chunks carry ~0.9 GB/s here, against
 # ~0.56 GB/s for one 4 MiB message and ~0.1 GB/s for 64 KiB ones.
@@ -52,73 +71,41 @@ _BATCH_OVERHEAD_BYTES = 64 * 1024
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
 
 
-@dataclass(frozen=True)
-class ServiceLimits:
-    max_message_bytes: int
-    max_inflight_bytes: int
-    max_batch_items: int
-    put_timeout_s: float = 30.0  # grpc_put_timeout_ms
-
-
-class InflightBytes:
-    """Counts value bytes held by requests in progress; full is refused, not queued."""
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit_bytes = limit_bytes
-        self.bytes = 0
-        self.requests = 0
-
-    def acquire(self, nbytes: int) -> None:
-        if self.bytes + nbytes > self.limit_bytes and self.bytes > 0:
-            raise ResourceExhausted(
-                f"{self.bytes} bytes in flight, {nbytes} more would pass "
-                f"max_inflight_bytes={self.limit_bytes}"
-            )
-        self.bytes += nbytes
-
-    def release(self, nbytes: int) -> None:
-        self.bytes -= nbytes
-        assert self.bytes >= 0
-
+BULK_PROTOCOL_VERSION = 1
+_PID_NS = pid_namespace()
+# The store's tier numbers are the proto's (kvd.store.index); 0: none given.
+_PB_TIERS = {0: pb.TIER_UNSPECIFIED, TIER_L1: pb.TIER_L1, TIER_L2: pb.TIER_L2}
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
-def _unary(op: str) -> Callable[[Handler], Handler]:
-    """Times and counts a unary (or client-streaming) handler; maps errors to codes."""
+def _unary(op: str, pooled: bool = True) -> Callable[[Handler], Handler]:
+    """Serves a unary (or client-streaming) handler inside a ``Tally``; a
+    typed error aborts the call with its code. ``pooled``: the call runs in
+    its pool scope (its deadline, whether a peer sent it)."""
 
     def wrap(fn: Handler) -> Handler:
         @wraps(fn)
         async def handler(self: KVStoreService, request: Any, context: Any) -> Any:
-            start = time.perf_counter()
-            code = "OK"
-            self.inflight.requests += 1
-            pool_scope = self._enter_pool(context)
+            pool_scope = self._enter_pool(context) if pooled else None
             try:
-                if isinstance(request, Message):  # Put checks once its header arrived
-                    namespace, admin = request_scope(request)
-                    check_grpc(self.auth, context, namespace, admin=admin)
-                return await fn(self, request, context)
+                with Tally(self.metrics, op, self.inflight):
+                    if isinstance(request, Message):  # Put checks once its header arrived
+                        namespace, admin = request_scope(request)
+                        check_grpc(self.auth, context, namespace, admin=admin)
+                    return await fn(self, request, context)
             except KvdError as exc:
-                code = exc.code_name
-                self.metrics.refused(code, op, str(exc))
                 await context.abort(status_code(exc), str(exc))
-            except BaseException:
-                code = "CANCELLED"
-                raise
             finally:
                 if pool_scope is not None:
                     scope.leave(pool_scope)
-                self.inflight.requests -= 1
-                self.metrics.requests.labels(op, code).inc()
-                self.metrics.latency.labels(op).observe(time.perf_counter() - start)
 
         return handler  # type: ignore[return-value]
 
     return wrap
 
 
-class KVStoreService(RegionHandlers):
+class KVStoreService:
     def __init__(
         self,
         store: Store,
@@ -131,7 +118,13 @@ class KVStoreService(RegionHandlers):
         self.metrics = metrics
         self.auth = auth
         self.inflight = InflightBytes(limits.max_inflight_bytes)
+        self.region_ops = RegionOps(store, limits, metrics, self.inflight, auth)
         self.pool: PoolRouter | None = None  # set when the daemon is part of a pool
+
+    @property
+    def regions(self) -> RegionRegistry | None:
+        """The shared-memory regions; None without a shared-memory path."""
+        return self.region_ops.regions
 
     def _enter_pool(self, context: Any) -> Any:
         """The pool scope of this call (its deadline, whether a peer sent it), or None."""
@@ -203,62 +196,50 @@ class KVStoreService(RegionHandlers):
 
     # ---- Get -------------------------------------------------------------------
     async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetResponse]:
-        start = time.perf_counter()
-        code = "OK"
-        self.inflight.requests += 1
         held = 0
         pool_scope = self._enter_pool(context)
         try:
-            check_grpc(self.auth, context, request.namespace)
-            fetch_start = time.perf_counter()
-            reader = await self.store.fetch(request.namespace, request.key)
-            self.metrics.fetched("get", TIER_NAMES[reader.tier] if reader else "miss", fetch_start)
-            if reader is None:
-                self.metrics.misses.labels("get").inc()
-                yield pb.GetResponse(header=pb.GetHeader(found=False))
-                return
-            try:
-                self.inflight.acquire(reader.size)
-                held = reader.size
-                self.metrics.hits.labels("get", TIER_NAMES[reader.tier]).inc()
-                header = pb.GetHeader(
-                    found=True,
-                    size=reader.size,
-                    checksum=reader.checksum,
-                    meta=reader.meta,
-                    tier=pb.Tier.Name(reader.tier),
-                )
-                pieces = chunked(reader.views, CHUNK_BYTES)
-                if not pieces:
-                    yield pb.GetResponse(header=header)
-                for i, piece in enumerate(pieces):
-                    data = bytes(piece[0]) if len(piece) == 1 else b"".join(piece)
-                    yield pb.GetResponse(header=header if i == 0 else None, data=data)
-                self.metrics.bytes.labels("get", "out").inc(reader.size)
-            finally:
-                reader.close()
+            with Tally(self.metrics, "get", self.inflight):
+                check_grpc(self.auth, context, request.namespace)
+                fetch_start = time.perf_counter()
+                reader = await self.store.fetch(request.namespace, request.key)
+                tier = TIER_NAMES[reader.tier] if reader else "miss"
+                self.metrics.fetched("get", tier, fetch_start)
+                if reader is None:
+                    self.metrics.misses.labels("get").inc()
+                    yield pb.GetResponse(header=pb.GetHeader(found=False))
+                    return
+                try:
+                    self.inflight.acquire(reader.size)
+                    held = reader.size
+                    self.metrics.hits.labels("get", TIER_NAMES[reader.tier]).inc()
+                    header = pb.GetHeader(
+                        found=True,
+                        size=reader.size,
+                        checksum=reader.checksum,
+                        meta=reader.meta,
+                        tier=pb.Tier.Name(reader.tier),
+                    )
+                    pieces = chunked(reader.views, CHUNK_BYTES)
+                    if not pieces:
+                        yield pb.GetResponse(header=header)
+                    for i, piece in enumerate(pieces):
+                        data = bytes(piece[0]) if len(piece) == 1 else b"".join(piece)
+                        yield pb.GetResponse(header=header if i == 0 else None, data=data)
+                    self.metrics.bytes.labels("get", "out").inc(reader.size)
+                finally:
+                    reader.close()
         except KvdError as exc:
-            code = exc.code_name
-            self.metrics.refused(code, "get", str(exc))
             await context.abort(status_code(exc), str(exc))
-        except BaseException:
-            code = "CANCELLED"
-            raise
         finally:
             if pool_scope is not None:
                 scope.leave(pool_scope)
             if held:
                 self.inflight.release(held)
-            self.inflight.requests -= 1
-            self.metrics.requests.labels("get", code).inc()
-            self.metrics.latency.labels("get").observe(time.perf_counter() - start)
 
     # ---- batches ---------------------------------------------------------------
     def _check_batch(self, count: int) -> None:
-        if count > self.limits.max_batch_items:
-            raise InvalidArgument(
-                f"{count} items in one batch, max_batch_items={self.limits.max_batch_items}"
-            )
+        self.region_ops.check_batch(count)
 
     @_unary("batch_put")
     async def BatchPut(self, request: pb.BatchPutRequest, context: Any) -> pb.BatchPutResponse:
@@ -387,6 +368,111 @@ class KVStoreService(RegionHandlers):
             if not request.namespace or ns.name == request.namespace
         ]
         return pb.StatsResponse(values=values, namespaces=namespaces, version=__version__)
+
+    # ---- regions ---------------------------------------------------------------------
+    def _grpc_caller(self, context: Any) -> Caller:
+        """A gRPC caller has no peer credentials: its token's principal only."""
+        return Caller(None, principal=grpc_principal(self.auth, context))
+
+    @_unary("attach_region", pooled=False)
+    async def AttachRegion(
+        self, request: pb.AttachRegionRequest, context: Any
+    ) -> pb.AttachRegionResponse:
+        raise AttachRefused(
+            "regions are attached on the shm socket, as a sealed memfd passed with "
+            "SCM_RIGHTS; the daemon does not open region files by name"
+        )
+
+    @_unary("detach_region", pooled=False)
+    async def DetachRegion(
+        self, request: pb.DetachRegionRequest, context: Any
+    ) -> pb.DetachRegionResponse:
+        caller = self._grpc_caller(context)
+        self.region_ops.detach_region(request.region_id, request.token, caller)
+        return pb.DetachRegionResponse()
+
+    @_unary("describe_paths", pooled=False)
+    async def DescribePaths(
+        self, request: pb.DescribePathsRequest, context: Any
+    ) -> pb.DescribePathsResponse:
+        ops = self.region_ops
+        regions = ops.regions
+        if regions is None or not ops.shm_socket:
+            return pb.DescribePathsResponse(bulk_port=ops.bulk_port)
+        return pb.DescribePathsResponse(
+            shm_dir=os.path.dirname(ops.shm_socket),
+            max_region_bytes=regions.limits.max_region_bytes,
+            max_regions_per_client=regions.limits.max_regions_per_client,
+            bulk_port=ops.bulk_port,
+            regions_attached=regions.count,
+            bulk_version=BULK_PROTOCOL_VERSION if ops.bulk_port else 0,
+            shm_socket=ops.shm_socket,
+            daemon_uid=os.geteuid(),
+            daemon_pid=os.getpid(),
+            daemon_pid_ns=_PID_NS,
+            daemon_clock_ns=time.monotonic_ns(),
+        )
+
+    @_unary("shm_put", pooled=False)
+    async def PutFromRegion(
+        self, request: pb.PutFromRegionRequest, context: Any
+    ) -> pb.RegionBatchResponse:
+        batch = RegionBatch(
+            request.region_id,
+            request.token,
+            request.namespace,
+            _region_items(request.items),
+            request.deadline_ns,
+            chained=request.chained,
+            durable=request.durable,
+        )
+        results = await self.region_ops.put_from_region(batch, self._grpc_caller(context))
+        return _region_response(results)
+
+    @_unary("shm_get", pooled=False)
+    async def GetIntoRegion(
+        self, request: pb.GetIntoRegionRequest, context: Any
+    ) -> pb.RegionBatchResponse:
+        batch = RegionBatch(
+            request.region_id,
+            request.token,
+            request.namespace,
+            _region_items(request.items),
+            request.deadline_ns,
+        )
+        results = await self.region_ops.get_into_region(batch, self._grpc_caller(context))
+        return _region_response(results)
+
+
+def _region_items(items: Sequence[pb.RegionItem]) -> list[RegionItem]:
+    return [
+        RegionItem(
+            item.key,
+            item.offset,
+            item.length,
+            item.checksum if item.HasField("checksum") else None,
+            item.meta,
+            item.parent,
+        )
+        for item in items
+    ]
+
+
+def _region_response(results: list[ItemResult]) -> pb.RegionBatchResponse:
+    return pb.RegionBatchResponse(
+        results=[
+            pb.RegionItemResult(
+                code=r.code,
+                message=r.message,
+                size=r.size,
+                checksum=r.checksum,
+                meta=r.meta,
+                tier=_PB_TIERS[r.tier],
+                existed=r.existed,
+            )
+            for r in results
+        ]
+    )
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -1,1 +1,2 @@
-"""The same-node shared-memory path: regions, their handlers and the shm socket."""
+"""The same-node shared-memory path: regions, their copies and the shm socket
+(its ops are ``kvd.paths.ops.region_ops``)."""

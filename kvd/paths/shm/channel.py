@@ -8,9 +8,11 @@ Regions are attached here too: a REGION_ATTACH frame passes the region's
 sealed memfd with SCM_RIGHTS (``kvd.paths.shm.regions`` says what the daemon checks), on
 a connection of its own, since only the first frame of a connection is read
 with room for a descriptor (asyncio's streams read with plain ``recv``,
-which drops them). Detaching is a gRPC call. The per-item work is the gRPC
-handlers' own (``RegionHandlers.get_into_region`` and ``put_from_region``),
-so both ways give the same answers, limits and metrics.
+which drops them). Detaching is a gRPC call. This module only parses frames
+into plain values (``kvd.paths.ops.items``), calls the op layer's
+``RegionOps.get_into_region`` and ``put_from_region`` (the gRPC region calls'
+own) inside its ``Tally``, and encodes the answer: both ways give the same
+answers, limits and metrics. No protobuf here.
 
 Who may get here: the socket's directory is the daemon's alone (created with
 mode ``kvd.paths.socket_dirs.DIR_MODE`` set by ``chmod``, whatever the umask; an existing one
@@ -49,14 +51,14 @@ import contextlib
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from kvd.paths.ops.calls import Tally, refused
+from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
 from kvd.paths.shm.regions import Caller
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
 from kvd.util.aio import readable
-from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.bulk import (
     FLAG_CHECKSUM,
     FLAG_DURABLE,
@@ -69,9 +71,8 @@ from kvd.wire.bulk import (
     Request,
     decode_request,
     encode_response,
-    error_code,
 )
-from kvd.wire.errors import InvalidArgument, KvdError
+from kvd.wire.errors import InvalidArgument, KvdError, error_number
 from kvd.wire.shm import (
     ATTACHED,
     DEADLINE,
@@ -86,7 +87,7 @@ from kvd.wire.shm import (
 if TYPE_CHECKING:
     from kvd.paths.auth import Principal
     from kvd.paths.bulk.server import BulkLimits
-    from kvd.paths.shm.handlers import RegionHandlers
+    from kvd.paths.ops.region_ops import RegionOps
 
 log = logging.getLogger("kvd.paths.shm.regions")
 T = TypeVar("T")
@@ -117,17 +118,17 @@ class _Peer:
 
 
 class ShmChannel:
-    """Serves region attaches and region ops on a Unix socket for ``RegionHandlers``."""
+    """Serves region attaches and region ops on a Unix socket for ``RegionOps``."""
 
     def __init__(
         self,
-        service: RegionHandlers,
+        ops: RegionOps,
         path: str,
         limits: BulkLimits,
         mode: int = 0o660,
         group_id: int = -1,
     ) -> None:
-        self.service = service
+        self.ops = ops
         self.path = path
         self.limits = limits
         self.mode = mode
@@ -243,7 +244,7 @@ class ShmChannel:
                 return
             principal, answer = self._hello(request, rest)
             await loop.sock_sendall(conn, answer)
-            if principal is None and self.service.auth is not None:
+            if principal is None and self.ops.auth is not None:
                 return
             reader, writer = await asyncio.open_unix_connection(sock=conn)
             peer = self._peers[task] = _Peer(writer, loop.time())
@@ -267,7 +268,7 @@ class ShmChannel:
         fds: list[int] = []
         try:
             header = await _recv_with_fds(loop, conn, REQUEST.size, fds)
-            max_value_bytes = self.service.store.limits.max_value_bytes
+            max_value_bytes = self.ops.store.limits.max_value_bytes
             request = decode_request(header, max_value_bytes, CHANNEL_OPS | FIRST_OPS)
             if request.op not in FIRST_OPS:
                 raise ProtocolError("HELLO (or REGION_ATTACH) must come first")
@@ -284,30 +285,25 @@ class ShmChannel:
     def _attach(self, request: Request, rest: bytes, fds: list[int], uid: int, pid: int) -> bytes:
         """Attach the one memfd of a REGION_ATTACH frame; the answer's meta is
         the region id and token (``ATTACHED``)."""
-        start = time.perf_counter()
         try:
-            try:
-                if len(fds) != 1:
-                    raise InvalidArgument(
-                        f"a region attach carries one descriptor (SCM_RIGHTS), not {len(fds)}"
+            with Tally(self.ops.metrics, "attach_region"):
+                try:
+                    if len(fds) != 1:
+                        raise InvalidArgument(
+                            f"a region attach carries one descriptor (SCM_RIGHTS), not {len(fds)}"
+                        )
+                    principal = None
+                    auth = self.ops.auth
+                    if auth is not None:
+                        token = rest[request.tail_bytes - request.meta_len :]
+                        principal = auth.authenticate(token.decode(errors="replace"))
+                    region = self.ops.attach_region(
+                        fds.pop(), request.length, Caller(uid, pid, principal)
                     )
-                principal = None
-                auth = self.service.auth
-                if auth is not None:
-                    token = rest[request.tail_bytes - request.meta_len :]
-                    principal = auth.authenticate(token.decode(errors="replace"))
-                region = self.service.attach_region(
-                    fds.pop(), request.length, Caller(uid, pid, principal)
-                )
-            finally:
-                _close_all(fds)
+                finally:
+                    _close_all(fds)
         except KvdError as exc:
-            self.service.metrics.refused(exc.code_name, "attach_region", str(exc))
-            self._count_op("attach_region", exc.code_name, start)
-            return encode_response(
-                OP_REGION_ATTACH, request.request_id, error_code(exc), message=str(exc)
-            )
-        self._count_op("attach_region", "OK", start)
+            return _refusal(request, exc)
         return encode_response(
             OP_REGION_ATTACH,
             request.request_id,
@@ -319,7 +315,7 @@ class ShmChannel:
         """Region ops of a connection whose HELLO was answered."""
         writer = peer.writer
         loop = asyncio.get_running_loop()
-        max_value_bytes = self.service.store.limits.max_value_bytes
+        max_value_bytes = self.ops.store.limits.max_value_bytes
         answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue(PIPELINE_FRAMES)
         answering = asyncio.create_task(self._answer(answers, peer))
         running: set[asyncio.Task[bytes]] = set()
@@ -368,13 +364,13 @@ class ShmChannel:
     ) -> asyncio.Task[bytes]:
         """Start one op. It counts as in flight from now on, so an op that
         sees others hands its copy to a thread and a batch copies in parallel."""
-        service = self.service
-        service.inflight.requests += 1
+        inflight = self.ops.inflight
+        inflight.requests += 1
         peer.unanswered += 1
         op = asyncio.create_task(self._op(request, rest, caller))
 
         def done(_: asyncio.Task[bytes]) -> None:  # also when cancelled before it ran
-            service.inflight.requests -= 1
+            inflight.requests -= 1
 
         op.add_done_callback(done)
         return op
@@ -395,94 +391,57 @@ class ShmChannel:
             raise
 
     def _hello(self, request: Request, token: bytes) -> tuple[Principal | None, bytes]:
-        auth = self.service.auth
+        auth = self.ops.auth
         if auth is None:
             return None, encode_response(OP_HELLO, request.request_id)
         try:
             principal = auth.authenticate(token.decode(errors="replace"))
         except KvdError as exc:
-            self.service.metrics.refused(exc.code_name, "shm_hello", str(exc))
-            return None, encode_response(
-                OP_HELLO, request.request_id, error_code(exc), message=str(exc)
-            )
+            code = refused(self.ops.metrics, "shm_hello", exc)
+            return None, encode_response(OP_HELLO, request.request_id, code, message=str(exc))
         return principal, encode_response(OP_HELLO, request.request_id)
 
     async def _op(self, request: Request, rest: bytes, caller: Caller) -> bytes:
-        start = time.perf_counter()
         try:
-            ref = self._ref(request, rest, caller)
-            if request.op == OP_REGION_GET:
-                got = await self.service.get_into_region(
-                    pb.GetIntoRegionRequest(
-                        region_id=ref.region_id,
-                        token=ref.token,
-                        namespace=ref.ns,
-                        items=[ref.item],
-                        deadline_ns=ref.deadline_ns,
-                    ),
-                    caller,
-                )
-                result = got.results[0]
-            else:
-                result = await self._put(request, ref, caller)
+            with Tally(self.ops.metrics, _OPS[request.op]):
+                batch = self._batch(request, rest, caller)
+                if request.op == OP_REGION_GET:
+                    results = await self.ops.get_into_region(batch, caller)
+                else:
+                    results = await self.ops.put_from_region(batch, caller)
         except KvdError as exc:
-            return self._refused(request, exc, start)
-        except BaseException:
-            self._count(request, "CANCELLED", start)
-            raise
-        return self._answered(request, result, start)
+            return _refusal(request, exc)
+        return _answer_of(request, results[0])
 
     def _op_now(self, request: Request, rest: bytes, caller: Caller) -> bytes | None:
         """The answer of an op that needs no waiting (``get_now``, ``put_now``),
         else None: the op then runs as a task. Without a task and the writer's
         turn a lone get's round trip on a 2-CPU VM fell from ~280 to ~200 µs."""
-        start = time.perf_counter()
+        tally = Tally(self.ops.metrics, _OPS[request.op])
         try:
-            ref = self._ref(request, rest, caller)
-            if request.op == OP_REGION_GET:
-                result = self.service.get_now(
-                    ref.region_id, ref.token, ref.ns, ref.item, caller, ref.deadline_ns
-                )
-            else:
-                durable = bool(request.flags & FLAG_DURABLE)
-                result = self.service.put_now(
-                    ref.region_id, ref.token, ref.ns, ref.item, durable, caller, ref.deadline_ns
-                )
+            with tally:
+                batch = self._batch(request, rest, caller)
+                item = batch.items[0]
+                if request.op == OP_REGION_GET:
+                    result = self.ops.get_now(
+                        batch.region_id, batch.token, batch.namespace, item, caller,
+                        batch.deadline_ns,
+                    )  # fmt: skip
+                else:
+                    result = self.ops.put_now(
+                        batch.region_id, batch.token, batch.namespace, item, batch.durable,
+                        caller, batch.deadline_ns,
+                    )  # fmt: skip
+                if result is None:
+                    tally.drop()  # the op's task counts it
         except KvdError as exc:
-            return self._refused(request, exc, start)
+            return _refusal(request, exc)
         if result is None:
             return None
-        return self._answered(request, result, start)
+        return _answer_of(request, result)
 
-    def _count(self, request: Request, code: str, start: float) -> None:
-        self._count_op(_OPS[request.op], code, start)
-
-    def _count_op(self, op: str, code: str, start: float) -> None:
-        metrics = self.service.metrics
-        metrics.requests.labels(op, code).inc()
-        metrics.latency.labels(op).observe(time.perf_counter() - start)
-
-    def _refused(self, request: Request, exc: KvdError, start: float) -> bytes:
-        self.service.metrics.refused(exc.code_name, _OPS[request.op], str(exc))
-        self._count(request, exc.code_name, start)
-        return encode_response(request.op, request.request_id, error_code(exc), message=str(exc))
-
-    def _answered(self, request: Request, result: pb.RegionItemResult, start: float) -> bytes:
-        self._count(request, "OK", start)
-        flags = (FLAG_EXISTED if result.existed else 0) | (result.tier << TIER_SHIFT)
-        return encode_response(
-            request.op,
-            request.request_id,
-            result.code,
-            flags=flags,
-            meta=result.meta,
-            message=result.message,
-            length=result.size,
-            checksum=result.checksum,
-        )
-
-    def _ref(self, request: Request, rest: bytes, caller: Caller) -> _Ref:
-        """The op's region reference and item, once its namespace is authorized."""
+    def _batch(self, request: Request, rest: bytes, caller: Caller) -> RegionBatch:
+        """The op's region, namespace and one item, once its namespace is authorized."""
         region_id, offset, token = REGION_REF.unpack_from(rest)
         pos = REGION_REF.size
         deadline_ns = 0
@@ -497,39 +456,36 @@ class ShmChannel:
             ns = fields[0].decode()
         except UnicodeDecodeError:
             raise InvalidArgument("namespace is not UTF-8") from None
-        auth = self.service.auth
+        auth = self.ops.auth
         if auth is not None:
             assert caller.principal is not None, "HELLO authenticated the connection"
             auth.authorize(caller.principal, ns, admin=False)
-        item = pb.RegionItem(key=fields[1], offset=offset, length=request.length)
         if request.op == OP_REGION_PUT:
-            item.parent, item.meta = fields[2], fields[3]
-            if request.flags & FLAG_CHECKSUM:
-                item.checksum = request.checksum
-        return _Ref(region_id, token, ns, item, deadline_ns)
-
-    async def _put(self, request: Request, ref: _Ref, caller: Caller) -> pb.RegionItemResult:
-        put = await self.service.put_from_region(
-            pb.PutFromRegionRequest(
-                region_id=ref.region_id,
-                token=ref.token,
-                namespace=ref.ns,
-                durable=bool(request.flags & FLAG_DURABLE),
-                items=[ref.item],
-                deadline_ns=ref.deadline_ns,
-            ),
-            caller,
-        )
-        return put.results[0]
+            checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
+            item = RegionItem(fields[1], offset, request.length, checksum, fields[3], fields[2])
+        else:
+            item = RegionItem(fields[1], offset, request.length)
+        durable = bool(request.flags & FLAG_DURABLE)
+        return RegionBatch(region_id, token, ns, (item,), deadline_ns, durable=durable)
 
 
-@dataclass(frozen=True)
-class _Ref:
-    region_id: int
-    token: bytes
-    ns: str
-    item: pb.RegionItem
-    deadline_ns: int  # 0: the client gave none
+def _refusal(request: Request, exc: KvdError) -> bytes:
+    """The answer of an op refused with ``exc`` (its ``Tally`` counted it)."""
+    return encode_response(request.op, request.request_id, error_number(exc), message=str(exc))
+
+
+def _answer_of(request: Request, result: ItemResult) -> bytes:
+    flags = (FLAG_EXISTED if result.existed else 0) | (result.tier << TIER_SHIFT)
+    return encode_response(
+        request.op,
+        request.request_id,
+        result.code,
+        flags=flags,
+        meta=result.meta,
+        message=result.message,
+        length=result.size,
+        checksum=result.checksum,
+    )
 
 
 def _ref_bytes(request: Request) -> int:

@@ -1,6 +1,7 @@
-"""The copies of region ops (``kvd.paths.shm.handlers``): a job per item between a
-region's span and the pool's pages, run on the loop or on copy threads, and
-the per-item results and deadline checks of a batch."""
+"""The copies of region ops (``kvd.paths.ops.region_ops``): a job per item
+between a region's span and the pool's pages, run on the loop or on copy
+threads, and the deadline check of a batch. Bytes only: no results, no
+protobuf, no grpc."""
 
 from __future__ import annotations
 
@@ -13,15 +14,6 @@ from typing import Any
 import numpy as np
 
 from kvd.paths.shm.regions import copy_from_pages, copy_to_pages, xxh3_of
-from kvd.store.index import PutResult
-from kvd.v1 import kvd_pb2 as pb
-from kvd.wire.errors import CODE_NUMBERS, DeadlineExceeded, KvdError, error_number
-
-CODES = CODE_NUMBERS
-
-
-def item_status(exc: KvdError) -> pb.RegionItemResult:
-    return pb.RegionItemResult(code=error_number(exc), message=str(exc))
 
 
 def is_late(deadline_ns: int) -> bool:
@@ -29,21 +21,6 @@ def is_late(deadline_ns: int) -> bool:
     CLOCK_MONOTONIC; 0: none) has passed: the client may be writing other
     bytes into the room it gave, or reading them from it, by now."""
     return deadline_ns != 0 and time.monotonic_ns() >= deadline_ns
-
-
-def late_result(what: str) -> pb.RegionItemResult:
-    return item_status(DeadlineExceeded(f"{what} past the client's deadline"))
-
-
-def existed_result(result: PutResult, item: pb.RegionItem) -> pb.RegionItemResult:
-    """The answer of a put whose key already holds these bytes."""
-    return pb.RegionItemResult(existed=True, checksum=result.checksum, size=item.length)
-
-
-def batch_response(results: list[pb.RegionItemResult | None]) -> pb.RegionBatchResponse:
-    done = [result for result in results if result is not None]
-    assert len(done) == len(results), "an item without a result"
-    return pb.RegionBatchResponse(results=done)
 
 
 @dataclass(eq=False)

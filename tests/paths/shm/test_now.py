@@ -1,4 +1,4 @@
-"""The shm socket's answer-at-once ops (``RegionHandlers.get_now`` and
+"""The shm socket's answer-at-once ops (``RegionOps.get_now`` and
 ``put_now``) against the batch calls they stand in for, in process: the same
 result and bytes for every item they answer; None (the batch call's turn)
 for a miss, a value without room, a copy that belongs on a thread, a durable
@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvd.client.shm import SEALS
@@ -30,28 +29,28 @@ from kvd.paths.bulk.server import (
     BulkLimits,
     encode_request,
 )
-from kvd.paths.grpc.service import KVStoreService, ServiceLimits
 from kvd.paths.metrics import Metrics
+from kvd.paths.ops.calls import InflightBytes, ServiceLimits
+from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
+from kvd.paths.ops.region_ops import IDLE_INLINE_COPY_BYTES, RegionOps
 from kvd.paths.shm.channel import ShmChannel
-from kvd.paths.shm.handlers import IDLE_INLINE_COPY_BYTES
 from kvd.paths.shm.regions import Caller, Region, RegionLimits, RegionRegistry
-from kvd.store.index import StoreLimits
+from kvd.store.index import TIER_L1, StoreLimits
 from kvd.store.store import Store
-from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import checksum
+from kvd.wire.errors import CODE_NUMBERS as CODES
 from kvd.wire.errors import KvdError
 from kvd.wire.shm import PIPELINE_FRAMES, REGION_REF
 from tests.sockets import most_between_turns, recv_exact
 
 NS = "now"
 REGION_BYTES = 16 << 20
-CODES = {code.name: int(code.value[0]) for code in grpc.StatusCode}
 CALLER = Caller(os.geteuid(), os.getpid())
 
 
 @dataclass
 class Rig:
-    service: KVStoreService
+    ops: RegionOps
     region: Region
     map: mmap.mmap
 
@@ -62,9 +61,9 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     limits = ServiceLimits(
         max_message_bytes=4 << 20, max_inflight_bytes=64 << 20, max_batch_items=64
     )
-    service = KVStoreService(store, limits, Metrics())
+    ops = RegionOps(store, limits, Metrics(), InflightBytes(limits.max_inflight_bytes))
     registry = RegionRegistry(RegionLimits())
-    service.enable_fast_paths(registry, 0)
+    ops.enable_fast_paths(registry, 0)
     fd = os.memfd_create("r", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, REGION_BYTES)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
@@ -72,39 +71,37 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     fcntl.flock(lock_fd, fcntl.LOCK_SH)
     mapping = mmap.mmap(fd, REGION_BYTES)
     try:
-        yield Rig(service, registry.attach(os.dup(fd), REGION_BYTES, CALLER), mapping)
+        yield Rig(ops, registry.attach(os.dup(fd), REGION_BYTES, CALLER), mapping)
     finally:
-        service.close_fast_paths()
+        ops.close_fast_paths()
         mapping.close()
         os.close(fd)
         os.close(lock_fd)
 
 
 async def _put(rig: Rig, key: bytes, value: bytes) -> None:
-    await rig.service.store.put(NS, key, value, checksum=checksum(value), hasher=checksum)
+    await rig.ops.store.put(NS, key, value, checksum=checksum(value), hasher=checksum)
 
 
-def _now(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult | int | None:
+def _now(rig: Rig, item: RegionItem) -> ItemResult | int | None:
     """get_now's result, or the code of the error it raised."""
     try:
-        return rig.service.get_now(rig.region.region_id, rig.region.token, NS, item, CALLER)
+        return rig.ops.get_now(rig.region.region_id, rig.region.token, NS, item, CALLER)
     except KvdError as exc:
         return CODES[exc.code_name]
 
 
-async def _batch(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult | int:
-    request = pb.GetIntoRegionRequest(
-        region_id=rig.region.region_id, token=rig.region.token, namespace=NS, items=[item]
-    )
+async def _batch(rig: Rig, item: RegionItem) -> ItemResult | int:
+    batch = RegionBatch(rig.region.region_id, rig.region.token, NS, [item])
     try:
-        return (await rig.service.get_into_region(request, CALLER)).results[0]
+        return (await rig.ops.get_into_region(batch, CALLER))[0]
     except KvdError as exc:
         return CODES[exc.code_name]
 
 
 def _settled(rig: Rig) -> None:
-    store = rig.service.store
-    assert rig.service.inflight.bytes == 0
+    store = rig.ops.store
+    assert rig.ops.inflight.bytes == 0
     assert all(
         entry.readers == 0 for ns in store._namespaces.values() for entry in ns.entries.values()
     )
@@ -120,7 +117,7 @@ async def test_what_it_answers_is_what_the_batch_get_answers(rig: Rig) -> None:
         (b"page", 4096, 1 << 20),  # more room than needed
         (b"big", 1 << 20, 3 << 20),
     ]:
-        item = pb.RegionItem(key=key, offset=offset, length=length)
+        item = RegionItem(key=key, offset=offset, length=length)
         now = _now(rig, item)
         assert now is not None, key
         got_now = rig.map[offset : offset + len(values[key])] if not isinstance(now, int) else b""
@@ -128,12 +125,12 @@ async def test_what_it_answers_is_what_the_batch_get_answers(rig: Rig) -> None:
         batch = await _batch(rig, item)
         assert now == batch
         if not isinstance(now, int):
-            assert now.code == 0 and now.tier == pb.TIER_L1
+            assert now.code == 0 and now.tier == TIER_L1
             assert got_now == values[key] == rig.map[offset : offset + len(values[key])]
             answered += 1
         _settled(rig)
     assert answered == 3
-    hits = rig.service.metrics.hits.labels("shm_get", "l1")._value.get()
+    hits = rig.ops.metrics.hits.labels("shm_get", "l1")._value.get()
     assert hits == 6  # three items, each got twice
 
 
@@ -142,55 +139,53 @@ async def test_gets_that_would_wait_are_left_to_the_batch_get(rig: Rig) -> None:
     huge = os.urandom(IDLE_INLINE_COPY_BYTES + PAGE_BYTES)  # copied on threads
     await _put(rig, b"huge", huge)
     for item in [
-        pb.RegionItem(key=b"absent", offset=0, length=100),  # a miss may be on L2
-        pb.RegionItem(key=b"small", offset=0, length=99),  # no room: the batch get says so
-        pb.RegionItem(key=b"huge", offset=0, length=len(huge)),
-        pb.RegionItem(key=b"small", offset=REGION_BYTES - 50, length=100),  # outside the region
+        RegionItem(key=b"absent", offset=0, length=100),  # a miss may be on L2
+        RegionItem(key=b"small", offset=0, length=99),  # no room: the batch get says so
+        RegionItem(key=b"huge", offset=0, length=len(huge)),
+        RegionItem(key=b"small", offset=REGION_BYTES - 50, length=100),  # outside the region
     ]:
         assert _now(rig, item) is None
         _settled(rig)
-    batch = await _batch(rig, pb.RegionItem(key=b"huge", offset=0, length=len(huge)))
+    batch = await _batch(rig, RegionItem(key=b"huge", offset=0, length=len(huge)))
     assert not isinstance(batch, int) and batch.code == 0
     assert rig.map[: len(huge)] == huge
-    no_room = await _batch(rig, pb.RegionItem(key=b"small", offset=0, length=99))
+    no_room = await _batch(rig, RegionItem(key=b"small", offset=0, length=99))
     assert not isinstance(no_room, int) and no_room.code == CODES["RESOURCE_EXHAUSTED"]
-    outside = await _batch(rig, pb.RegionItem(key=b"small", offset=REGION_BYTES - 50, length=100))
+    outside = await _batch(rig, RegionItem(key=b"small", offset=REGION_BYTES - 50, length=100))
     assert not isinstance(outside, int) and outside.code == CODES["INVALID_ARGUMENT"]
 
 
 async def test_changed_pool_bytes_are_data_loss_and_a_wrong_token_not_found(rig: Rig) -> None:
     value = os.urandom(100_000)
     await _put(rig, b"k", value)
-    entry = rig.service.store._l1(NS, b"k")
+    entry = rig.ops.store._l1(NS, b"k")
     assert entry is not None
-    view = rig.service.store.pool.views(entry.runs, entry.size)[0]
+    view = rig.ops.store.pool.views(entry.runs, entry.size)[0]
     view[7] ^= 0xFF
-    result = _now(rig, pb.RegionItem(key=b"k", offset=0, length=len(value)))
+    result = _now(rig, RegionItem(key=b"k", offset=0, length=len(value)))
     assert not isinstance(result, int) and result is not None
     assert result.code == CODES["DATA_LOSS"]
     _settled(rig)
-    item = pb.RegionItem(key=b"k", offset=0, length=len(value))
+    item = RegionItem(key=b"k", offset=0, length=len(value))
     with pytest.raises(KvdError) as raised:
-        rig.service.get_now(rig.region.region_id, b"x" * 16, NS, item, CALLER)
+        rig.ops.get_now(rig.region.region_id, b"x" * 16, NS, item, CALLER)
     assert raised.value.code_name == "NOT_FOUND"
 
 
-def _put_now(rig: Rig, item: pb.RegionItem, durable: bool = False) -> pb.RegionItemResult | None:
-    return rig.service.put_now(rig.region.region_id, rig.region.token, NS, item, durable, CALLER)
+def _put_now(rig: Rig, item: RegionItem, durable: bool = False) -> ItemResult | None:
+    return rig.ops.put_now(rig.region.region_id, rig.region.token, NS, item, durable, CALLER)
 
 
-async def _batch_put(rig: Rig, item: pb.RegionItem) -> pb.RegionItemResult:
-    request = pb.PutFromRegionRequest(
-        region_id=rig.region.region_id, token=rig.region.token, namespace=NS, items=[item]
-    )
-    return (await rig.service.put_from_region(request, CALLER)).results[0]
+async def _batch_put(rig: Rig, item: RegionItem) -> ItemResult:
+    batch = RegionBatch(rig.region.region_id, rig.region.token, NS, [item])
+    return (await rig.ops.put_from_region(batch, CALLER))[0]
 
 
 async def test_put_now_stores_and_answers_as_the_batch_put_does(rig: Rig) -> None:
     value = os.urandom(300_000)
     rig.map[: len(value)] = value
-    now = _put_now(rig, pb.RegionItem(key=b"a", offset=0, length=len(value), parent=b"p"))
-    batch = await _batch_put(rig, pb.RegionItem(key=b"b", offset=0, length=len(value)))
+    now = _put_now(rig, RegionItem(key=b"a", offset=0, length=len(value), parent=b"p"))
+    batch = await _batch_put(rig, RegionItem(key=b"b", offset=0, length=len(value)))
     assert now == batch and now is not None
     assert (now.code, now.size, now.checksum, now.existed) == (
         0,
@@ -199,32 +194,32 @@ async def test_put_now_stores_and_answers_as_the_batch_put_does(rig: Rig) -> Non
         False,
     )
     _settled(rig)
-    got = await rig.service.store.fetch(NS, b"a")
+    got = await rig.ops.store.fetch(NS, b"a")
     assert got is not None and b"".join(got.views) == value
     got.close()
-    again = _put_now(rig, pb.RegionItem(key=b"a", offset=0, length=len(value)))
+    again = _put_now(rig, RegionItem(key=b"a", offset=0, length=len(value)))
     assert again is not None and again.existed and again.code == 0
     rig.map[:1] = b"\0" if value[:1] != b"\0" else b"\1"
-    sent = pb.RegionItem(key=b"a", offset=0, length=len(value), checksum=checksum(value))
+    sent = RegionItem(key=b"a", offset=0, length=len(value), checksum=checksum(value))
     assert _put_now(rig, sent) == await _batch_put(rig, sent)  # bytes not what the put said
-    conflict = _put_now(rig, pb.RegionItem(key=b"a", offset=0, length=len(value)))
+    conflict = _put_now(rig, RegionItem(key=b"a", offset=0, length=len(value)))
     assert conflict is not None and conflict.code == CODES["ALREADY_EXISTS"]
-    wrong = pb.RegionItem(key=b"c", offset=0, length=len(value), checksum=checksum(value))
+    wrong = RegionItem(key=b"c", offset=0, length=len(value), checksum=checksum(value))
     bad = _put_now(rig, wrong)
     assert bad is not None and bad.code == CODES["DATA_LOSS"]
-    assert rig.service.store.l1_size(NS, b"c") is None  # nothing visible
-    moved = rig.service.metrics.bytes.labels("shm_put", "in")._value.get()
+    assert rig.ops.store.l1_size(NS, b"c") is None  # nothing visible
+    moved = rig.ops.metrics.bytes.labels("shm_put", "in")._value.get()
     assert moved == 3 * len(value)  # a, b, and a again (received, then found stored)
     _settled(rig)
 
 
 async def test_puts_that_would_wait_are_left_to_the_batch_put(rig: Rig) -> None:
-    store = rig.service.store
+    store = rig.ops.store
     free = store.pool.free_bytes
     for item, durable in [
-        (pb.RegionItem(key=b"d", offset=0, length=100), True),  # waits for L2
-        (pb.RegionItem(key=b"h", offset=0, length=IDLE_INLINE_COPY_BYTES + 1), False),
-        (pb.RegionItem(key=b"o", offset=REGION_BYTES - 50, length=100), False),
+        (RegionItem(key=b"d", offset=0, length=100), True),  # waits for L2
+        (RegionItem(key=b"h", offset=0, length=IDLE_INLINE_COPY_BYTES + 1), False),
+        (RegionItem(key=b"o", offset=REGION_BYTES - 50, length=100), False),
     ]:
         assert _put_now(rig, item, durable) is None
     assert store.pool.free_bytes == free
@@ -235,7 +230,7 @@ async def test_puts_that_would_wait_are_left_to_the_batch_put(rig: Rig) -> None:
         reader = store.open(NS, b"pin%d" % i)
         assert reader is not None
         readers.append(reader)
-    item = pb.RegionItem(key=b"late", offset=0, length=5 << 20)
+    item = RegionItem(key=b"late", offset=0, length=5 << 20)
     assert _put_now(rig, item) is None
     full = await _batch_put(rig, item)
     assert full.code == CODES["RESOURCE_EXHAUSTED"]
@@ -251,9 +246,9 @@ async def test_a_burst_of_buffered_gets_lets_other_work_run(rig: Rig, tmp_path: 
     from the socket buffer; every PIPELINE_FRAMES of them the connection lets
     the event loop run other work (here a probe that counts answers)."""
     await _put(rig, b"k", b"v" * 100)
-    channel = ShmChannel(rig.service, str(tmp_path / "s.sock"), BulkLimits())
+    channel = ShmChannel(rig.ops, str(tmp_path / "s.sock"), BulkLimits())
     await channel.start()
-    answered = rig.service.metrics.requests.labels("shm_get", "OK")
+    answered = rig.ops.metrics.requests.labels("shm_get", "OK")
 
     def client() -> None:
         with socket.socket(socket.AF_UNIX) as sock:

@@ -23,7 +23,7 @@ import pytest
 from kvd.client.clients import Client, InvalidArgument, ResourceExhausted
 from kvd.client.shm import SEALS
 from kvd.client.shm_socket import RegionOps
-from kvd.paths.shm.handlers import SPLIT_COPY_BYTES
+from kvd.paths.ops.region_ops import SPLIT_COPY_BYTES
 from kvd.paths.shm.regions import PIECE_BYTES, POPULATE_BYTES_MAX, _populate, copy_slices
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import KvdError

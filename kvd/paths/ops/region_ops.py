@@ -1,8 +1,7 @@
-"""gRPC handlers of the same-node shared-memory path, mixed into KVStoreService.
-
-``AttachRegion``/``DetachRegion`` manage regions (``kvd.paths.shm.regions``);
-``PutFromRegion``/``GetIntoRegion`` move a batch of values between a region
-and the pool with one RPC. Per item: pin (a ticket or a reader) on the event
+"""The shared-memory region ops, under both transports that serve them (the
+gRPC ``PutFromRegion``/``GetIntoRegion`` and the shm socket): a batch of
+values moved between a region and the pool, in plain values
+(``kvd.paths.ops.items``). Per item: pin (a ticket or a reader) on the event
 loop, copy on a worker thread, publish or check the checksum back on the loop.
 Items fail alone (a per-item status); only a bad region fails the whole call.
 A get of a value only on L2 reads it straight into the region when
@@ -12,25 +11,19 @@ copied, the batch's L2 reads in one ``L2Tier.read_many`` call
 (``_fetch_batched``: an engine restores a chain with one batch get).
 Direct reads are off by default: on the development VM direct reads into
 4 KiB shared-memory pages ran at 1.0-1.1 GB/s, reads through L1's huge
-pages at 1.2-1.5 GB/s. The same handlers serve the shm socket (``kvd.paths.shm.channel``)
-through ``get_into_region``, ``get_now`` and ``put_from_region``.
+pages at 1.2-1.5 GB/s. The shm socket answers a lone op with ``get_now`` or
+``put_now`` when it needs no waiting.
 
 Batches under ``INLINE_COPY_BYTES`` copy on the event loop thread: handing a
 64 KiB copy (~6 µs) to a thread costs ~50 µs of wake-ups. So do batches up
 to ``IDLE_INLINE_COPY_BYTES`` when no other request is in flight, or on a
 machine without cores to spare (``kvd.util.cpus``). Larger batches go to
 ``COPY_THREADS`` workers, one group of items per worker; a value of
-``SPLIT_COPY_BYTES`` or more is copied by several workers in slices.
+``SPLIT_COPY_BYTES`` or more is copied by several workers in slices
+(``kvd.paths.shm.jobs``).
 
-``AttachRegion`` by file name is refused: regions are sealed memfds passed
-on the shm socket (``kvd.paths.shm.regions``). Region calls over gRPC carry no peer
-credentials; they are bound to the token's principal (and the region's
-secret token) only.
-
-``DescribePaths`` tells clients which fast paths this daemon offers, and
-who serves the shm socket (uid, pid, pid namespace) so that a client can
-check its peer before it sends a token there;
-``kvd.daemon.fast_paths`` starts and stops what serves them.
+Callers are authorized before they get here (a gRPC token, a shm socket
+HELLO); a region is named by id and token and checked against the caller.
 """
 
 from __future__ import annotations
@@ -38,45 +31,31 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
 
 from kvd.l2.format import BLOCK_BYTES
-from kvd.paths.auth import Authenticator, check_grpc, grpc_principal, request_scope
-from kvd.paths.grpc.status import status_code
+from kvd.paths.auth import Authenticator
 from kvd.paths.metrics import Metrics
-from kvd.paths.shm.jobs import (
-    CODES,
-    CopyJob,
-    all_done,
-    batch_response,
+from kvd.paths.ops.calls import InflightBytes, ServiceLimits
+from kvd.paths.ops.items import (
+    RESOURCE_EXHAUSTED,
+    ItemResult,
+    RegionBatch,
+    RegionItem,
+    all_results,
     existed_result,
-    grouped,
-    hash_job,
-    is_late,
     item_status,
     late_result,
-    run_jobs,
+    miss,
 )
-from kvd.paths.shm.regions import (
-    AttachRefused,
-    Caller,
-    Region,
-    RegionRegistry,
-    copy_slices,
-    copy_span,
-)
-from kvd.store.index import TIER_NAMES, PutResult, PutTicket, Reader
+from kvd.paths.shm.jobs import CopyJob, all_done, grouped, hash_job, is_late, run_jobs
+from kvd.paths.shm.regions import Caller, Region, RegionRegistry, copy_slices, copy_span
+from kvd.store.index import TIER_L1, TIER_L2, TIER_NAMES, PutResult, PutTicket, Reader
 from kvd.store.store import Store
 from kvd.util.aio import settle
 from kvd.util.cpus import OFFLOAD, WORKER_THREADS
-from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import DataLoss, DeadlineExceeded, InvalidArgument, KvdError, Unavailable
-from kvd.wire.shm import pid_namespace
-
-if TYPE_CHECKING:
-    from kvd.paths.grpc.service import InflightBytes, ServiceLimits
 
 INLINE_COPY_BYTES = 256 << 10
 # When no other request is in flight, batches up to this size copy on the
@@ -93,58 +72,29 @@ COPY_THREADS = WORKER_THREADS
 # still in cache: one thread copying and hashing it moves ~5 GB/s on a server
 # core, so alone it is the batch's bottleneck.
 SPLIT_COPY_BYTES = 16 << 20
-BULK_PROTOCOL_VERSION = 1
 
 
-_PID_NS = pid_namespace()
+class RegionOps:
+    """The region ops of one daemon, and the state they share with its transports."""
 
-Handler = Callable[[Any, Any, Any], Awaitable[Any]]
-
-
-def _rpc(op: str) -> Callable[[Handler], Handler]:
-    """Counts and times a handler; maps typed errors to status codes."""
-
-    def wrap(fn: Handler) -> Handler:
-        async def handler(self: RegionHandlers, request: Any, context: Any) -> Any:
-            start = time.perf_counter()
-            code = "OK"
-            self.inflight.requests += 1
-            try:
-                namespace, admin = request_scope(request)
-                check_grpc(self.auth, context, namespace, admin=admin)
-                return await fn(self, request, context)
-            except KvdError as exc:
-                code = exc.code_name
-                self.metrics.refused(code, op, str(exc))
-                await context.abort(status_code(exc), str(exc))
-            except BaseException:
-                code = "CANCELLED"
-                raise
-            finally:
-                self.inflight.requests -= 1
-                self.metrics.requests.labels(op, code).inc()
-                self.metrics.latency.labels(op).observe(time.perf_counter() - start)
-
-        handler.__name__ = fn.__name__
-        handler.__doc__ = fn.__doc__
-        return handler
-
-    return wrap
-
-
-class RegionHandlers:
-    """The region RPCs; KVStoreService inherits them and provides the attributes below."""
-
-    store: Store
-    metrics: Metrics
-    inflight: InflightBytes
-    limits: ServiceLimits
-    auth: Authenticator | None = None
-    regions: RegionRegistry | None = None
-    bulk_port: int = 0
-    shm_socket: str = ""
-    l2_direct_min_bytes: int = 0  # the shm_l2_direct_min_bytes setting; 0: off
-    _copy_pool: ThreadPoolExecutor | None = None
+    def __init__(
+        self,
+        store: Store,
+        limits: ServiceLimits,
+        metrics: Metrics,
+        inflight: InflightBytes,
+        auth: Authenticator | None = None,
+    ) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self.inflight = inflight
+        self.auth = auth  # the transports' (they authorize before calling)
+        self.regions: RegionRegistry | None = None
+        self.bulk_port = 0
+        self.shm_socket = ""
+        self.l2_direct_min_bytes = 0  # the shm_l2_direct_min_bytes setting; 0: off
+        self._copy_pool: ThreadPoolExecutor | None = None
 
     def enable_fast_paths(self, regions: RegionRegistry | None, bulk_port: int) -> None:
         """Called by the daemon at start, once the shm directory and bulk port exist."""
@@ -161,17 +111,16 @@ class RegionHandlers:
             self._copy_pool.shutdown(wait=True)
             self._copy_pool = None
 
-    def _grpc_caller(self, context: Any) -> Caller:
-        """A gRPC caller has no peer credentials: its token's principal only."""
-        return Caller(None, principal=grpc_principal(self.auth, context))
-
     def attach_region(self, fd: int, size: int, caller: Caller) -> Region:
         """Attach the memfd ``fd`` a shm socket peer passed (owned from now on)."""
         if self.regions is None:
             os.close(fd)
-        return self._registry().attach(fd, size, caller)
+        return self.registry().attach(fd, size, caller)
 
-    def _registry(self) -> RegionRegistry:
+    def detach_region(self, region_id: int, token: bytes, caller: Caller) -> None:
+        self.registry().detach(region_id, token, caller)
+
+    def registry(self) -> RegionRegistry:
         if self.regions is None:
             raise Unavailable("this daemon has no shared-memory path (shm_dir unusable)")
         return self.regions
@@ -215,109 +164,64 @@ class RegionHandlers:
             for group in grouped(jobs, COPY_THREADS)
         )
 
-    # ---- regions -------------------------------------------------------------------
-    @_rpc("attach_region")
-    async def AttachRegion(
-        self, request: pb.AttachRegionRequest, context: Any
-    ) -> pb.AttachRegionResponse:
-        raise AttachRefused(
-            "regions are attached on the shm socket, as a sealed memfd passed with "
-            "SCM_RIGHTS; the daemon does not open region files by name"
-        )
-
-    @_rpc("detach_region")
-    async def DetachRegion(
-        self, request: pb.DetachRegionRequest, context: Any
-    ) -> pb.DetachRegionResponse:
-        self._registry().detach(request.region_id, request.token, self._grpc_caller(context))
-        return pb.DetachRegionResponse()
-
-    @_rpc("describe_paths")
-    async def DescribePaths(
-        self, request: pb.DescribePathsRequest, context: Any
-    ) -> pb.DescribePathsResponse:
-        regions = self.regions
-        if regions is None or not self.shm_socket:
-            return pb.DescribePathsResponse(bulk_port=self.bulk_port)
-        return pb.DescribePathsResponse(
-            shm_dir=os.path.dirname(self.shm_socket),
-            max_region_bytes=regions.limits.max_region_bytes,
-            max_regions_per_client=regions.limits.max_regions_per_client,
-            bulk_port=self.bulk_port,
-            regions_attached=regions.count,
-            bulk_version=BULK_PROTOCOL_VERSION if self.bulk_port else 0,
-            shm_socket=self.shm_socket,
-            daemon_uid=os.geteuid(),
-            daemon_pid=os.getpid(),
-            daemon_pid_ns=_PID_NS,
-            daemon_clock_ns=time.monotonic_ns(),
-        )
-
-    def _check_batch(self, count: int) -> None:
+    def check_batch(self, count: int) -> None:
         if count > self.limits.max_batch_items:
             raise InvalidArgument(
                 f"{count} items in one batch, max_batch_items={self.limits.max_batch_items}"
             )
 
     # ---- put -----------------------------------------------------------------------
-    @_rpc("shm_put")
-    async def PutFromRegion(
-        self, request: pb.PutFromRegionRequest, context: Any
-    ) -> pb.RegionBatchResponse:
-        return await self.put_from_region(request, self._grpc_caller(context))
-
-    async def put_from_region(
-        self, request: pb.PutFromRegionRequest, caller: Caller
-    ) -> pb.RegionBatchResponse:
+    async def put_from_region(self, batch: RegionBatch, caller: Caller) -> list[ItemResult]:
         """The batch put itself, once the caller is authorized (gRPC or the shm socket)."""
-        self._check_batch(len(request.items))
-        registry = self._registry()
-        region = registry.checked(request.region_id, request.token, caller)
-        if is_late(request.deadline_ns):
+        self.check_batch(len(batch.items))
+        registry = self.registry()
+        region = registry.checked(batch.region_id, batch.token, caller)
+        if is_late(batch.deadline_ns):
             raise DeadlineExceeded("a region put that arrived past the client's deadline")
-        results: list[pb.RegionItemResult | None] = [None] * len(request.items)
+        results: list[ItemResult | None] = [None] * len(batch.items)
         tickets: list[PutTicket] = []
         jobs: list[CopyJob] = []
         registry.enter(region)
         try:
             previous: bytes | None = None
-            for i, item in enumerate(request.items):
-                parent = item.parent or (previous if request.chained else None)
+            for i, item in enumerate(batch.items):
+                parent = item.parent or (previous if batch.chained else None)
                 previous = item.key
                 try:
-                    begun = await self._begin_put(region, request.namespace, item, parent, i)
+                    begun = await self._begin_put(region, batch.namespace, item, parent, i)
                 except KvdError as exc:
                     results[i] = item_status(exc)
                     continue
-                if isinstance(begun, pb.RegionItemResult):
+                if isinstance(begun, ItemResult):
                     results[i] = begun
                     continue
                 tickets.append(begun[0])
                 jobs.append(begun[1])
             await self._copy(jobs, to_pages=True)
-            if is_late(request.deadline_ns):
+            if is_late(batch.deadline_ns):
                 # The client stopped waiting while the bytes were copied, and
                 # may have put others there since: nothing copied is stored.
                 self._refuse_late("shm_put", jobs, results)
             else:
                 for job, ticket in zip(jobs, tickets, strict=True):
-                    results[job.index] = await self._publish(ticket, job, request.durable)
+                    results[job.index] = await self._publish(ticket, job, batch.durable)
         finally:
             for ticket in tickets:
                 self.store.abort_put(ticket)
             for job in jobs:
                 self.inflight.release(job.held_bytes)
             registry.leave(region)
-        return batch_response(results)
+        return all_results(results)
 
     async def _begin_put(
-        self, region: Region, ns: str, item: pb.RegionItem, parent: bytes | None, index: int
-    ) -> pb.RegionItemResult | tuple[PutTicket, CopyJob]:
+        self, region: Region, ns: str, item: RegionItem, parent: bytes | None, index: int
+    ) -> ItemResult | tuple[PutTicket, CopyJob]:
         span = region.span(item.offset, item.length)
-        checksum = item.checksum if item.HasField("checksum") else None
-        ticket = await self.store.begin_put(ns, item.key, item.length, item.meta, parent, checksum)
+        ticket = await self.store.begin_put(
+            ns, item.key, item.length, item.meta, parent, item.checksum
+        )
         if isinstance(ticket, PutResult):
-            return existed_result(ticket, item)
+            return existed_result(ticket.checksum, item)
         try:
             self.inflight.acquire(item.length)
         except KvdError:
@@ -325,54 +229,49 @@ class RegionHandlers:
             raise
         return ticket, CopyJob(index, span, ticket.views, item.length)
 
-    async def _publish(self, ticket: PutTicket, job: CopyJob, durable: bool) -> pb.RegionItemResult:
+    async def _publish(self, ticket: PutTicket, job: CopyJob, durable: bool) -> ItemResult:
         try:
             result = await self.store.publish(ticket, job.checksum, durable)
         except KvdError as exc:
             return item_status(exc)
         return self._stored(ticket, result)
 
-    def _refuse_late(
-        self, op: str, jobs: list[CopyJob], results: list[pb.RegionItemResult | None]
-    ) -> None:
+    def _refuse_late(self, op: str, jobs: list[CopyJob], results: list[ItemResult | None]) -> None:
         what = "a copy out of the region that ended" if op == "shm_put" else "a copy to start"
         for job in jobs:
             results[job.index] = late_result(what)
         self.metrics.refused("DEADLINE_EXCEEDED", op, f"{len(jobs)} copies past the deadline")
 
-    def _stored(self, ticket: PutTicket, result: PutResult) -> pb.RegionItemResult:
+    def _stored(self, ticket: PutTicket, result: PutResult) -> ItemResult:
         self.metrics.bytes.labels("shm_put", "in").inc(ticket.size)
-        return pb.RegionItemResult(
-            size=ticket.size, checksum=result.checksum, existed=result.existed
-        )
+        return ItemResult(size=ticket.size, checksum=result.checksum, existed=result.existed)
 
     def put_now(
         self,
         region_id: int,
         token: bytes,
         ns: str,
-        item: pb.RegionItem,
+        item: RegionItem,
         durable: bool,
         caller: Caller,
         deadline_ns: int = 0,
-    ) -> pb.RegionItemResult | None:
+    ) -> ItemResult | None:
         """A one-item ``put_from_region`` that needs no waiting, or None when it
         would (a durable put, a copy for threads, room only after write-back)
         or the item is bad: the batch put then answers. Like ``get_now``."""
         if durable or not self._copies_on_loop(item.length, self.inflight.requests):
             return None
-        region = self._registry().checked(region_id, token, caller)
+        region = self.registry().checked(region_id, token, caller)
         if not region.holds(item.offset, item.length) or is_late(deadline_ns):
             return None  # the batch put words the error
-        checksum = item.checksum if item.HasField("checksum") else None
         try:
             ticket = self.store.begin_put_now(
-                ns, item.key, item.length, item.meta, item.parent or None, checksum
+                ns, item.key, item.length, item.meta, item.parent or None, item.checksum
             )
         except KvdError as exc:
             return item_status(exc)
         if ticket is None or isinstance(ticket, PutResult):
-            return None if ticket is None else existed_result(ticket, item)
+            return None if ticket is None else existed_result(ticket.checksum, item)
         try:
             self.inflight.acquire(item.length)
         except KvdError as exc:
@@ -382,7 +281,7 @@ class RegionHandlers:
         try:
             run_jobs([job], to_pages=True)
             if is_late(deadline_ns):
-                results: list[pb.RegionItemResult | None] = [None]
+                results: list[ItemResult | None] = [None]
                 self._refuse_late("shm_put", [job], results)
                 assert results[0] is not None
                 return results[0]
@@ -396,41 +295,33 @@ class RegionHandlers:
             self.inflight.release(item.length)
 
     # ---- get -----------------------------------------------------------------------
-    @_rpc("shm_get")
-    async def GetIntoRegion(
-        self, request: pb.GetIntoRegionRequest, context: Any
-    ) -> pb.RegionBatchResponse:
-        return await self.get_into_region(request, self._grpc_caller(context))
-
-    async def get_into_region(
-        self, request: pb.GetIntoRegionRequest, caller: Caller
-    ) -> pb.RegionBatchResponse:
+    async def get_into_region(self, batch: RegionBatch, caller: Caller) -> list[ItemResult]:
         """The batch get itself, once the caller is authorized (gRPC or the shm socket)."""
-        self._check_batch(len(request.items))
-        registry = self._registry()
-        region = registry.checked(request.region_id, request.token, caller)
-        if is_late(request.deadline_ns):
+        self.check_batch(len(batch.items))
+        registry = self.registry()
+        region = registry.checked(batch.region_id, batch.token, caller)
+        if is_late(batch.deadline_ns):
             raise DeadlineExceeded("a region get that arrived past the client's deadline")
-        results: list[pb.RegionItemResult | None] = [None] * len(request.items)
+        results: list[ItemResult | None] = [None] * len(batch.items)
         readers: list[Reader] = []
         jobs: list[CopyJob] = []
         registry.enter(region)
         try:
-            batched = await self._fetch_batched(region, request.namespace, request.items)
+            batched = await self._fetch_batched(region, batch.namespace, batch.items)
             readers += [r for r in batched.values() if r is not None]
-            for i, item in enumerate(request.items):
-                if is_late(request.deadline_ns):
+            for i, item in enumerate(batch.items):
+                if is_late(batch.deadline_ns):
                     results[i] = late_result("a get that would start")
                     continue
                 try:
                     if i in batched:
                         reader = batched[i]
                     else:
-                        direct = await self._l2_direct(region, request.namespace, item)
+                        direct = await self._l2_direct(region, batch.namespace, item)
                         if direct is not None:
                             results[i] = direct
                             continue
-                        reader = await self._open(region, request.namespace, item)
+                        reader = await self._open(region, batch.namespace, item)
                         if reader is not None:
                             readers.append(reader)
                 except KvdError as exc:
@@ -438,10 +329,10 @@ class RegionHandlers:
                     continue
                 if reader is None:
                     self.metrics.misses.labels("shm_get").inc()
-                    results[i] = pb.RegionItemResult(code=CODES["NOT_FOUND"], message="miss")
+                    results[i] = miss()
                     continue
                 results[i] = self._admit(i, item, reader, region, jobs)
-            if is_late(request.deadline_ns):
+            if is_late(batch.deadline_ns):
                 self._refuse_late("shm_get", jobs, results)  # none of them copied
             else:
                 await self._copy(jobs, to_pages=False)
@@ -452,17 +343,17 @@ class RegionHandlers:
             for job in jobs:
                 self.inflight.release(job.held_bytes)
             registry.leave(region)
-        return batch_response(results)
+        return all_results(results)
 
     def get_now(
         self,
         region_id: int,
         token: bytes,
         ns: str,
-        item: pb.RegionItem,
+        item: RegionItem,
         caller: Caller,
         deadline_ns: int = 0,
-    ) -> pb.RegionItemResult | None:
+    ) -> ItemResult | None:
         """A one-item ``get_into_region`` that needs no waiting, or None when it
         would (a value not in L1, a copy for threads) or the item is bad.
         Nothing runs between the check and the copy, so the value found is
@@ -471,7 +362,7 @@ class RegionHandlers:
         others = self.inflight.requests  # this get is not counted
         if size is None or size > item.length or not self._copies_on_loop(size, others):
             return None
-        region = self._registry().checked(region_id, token, caller)
+        region = self.registry().checked(region_id, token, caller)
         if not region.holds(item.offset, item.length) or is_late(deadline_ns):
             return None  # the batch get words the error
         start = time.perf_counter()
@@ -480,7 +371,7 @@ class RegionHandlers:
         self.metrics.fetched("shm_get", "l1", start)
         jobs: list[CopyJob] = []
         try:
-            results: list[pb.RegionItemResult | None] = [self._admit(0, item, reader, region, jobs)]
+            results: list[ItemResult | None] = [self._admit(0, item, reader, region, jobs)]
             run_jobs(jobs, to_pages=False)
             self._check_copies(jobs, results)
         finally:
@@ -491,12 +382,12 @@ class RegionHandlers:
         return results[0]
 
     def _admit(
-        self, index: int, item: pb.RegionItem, reader: Reader, region: Region, jobs: list[CopyJob]
-    ) -> pb.RegionItemResult:
+        self, index: int, item: RegionItem, reader: Reader, region: Region, jobs: list[CopyJob]
+    ) -> ItemResult:
         """The result of a get whose value is pinned, and its copy job when it fits."""
         if reader.size > item.length:
-            return pb.RegionItemResult(
-                code=CODES["RESOURCE_EXHAUSTED"],
+            return ItemResult(
+                code=RESOURCE_EXHAUSTED,
                 message=f"value of {reader.size} bytes, room for {item.length}",
                 size=reader.size,
             )
@@ -507,11 +398,11 @@ class RegionHandlers:
         jobs.append(
             CopyJob(index, region.span(item.offset, reader.size), reader.views, reader.size)
         )
-        return pb.RegionItemResult(
-            size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=pb.TIER_L1
+        return ItemResult(
+            size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=TIER_L1
         )
 
-    def _check_copies(self, jobs: list[CopyJob], results: list[pb.RegionItemResult | None]) -> None:
+    def _check_copies(self, jobs: list[CopyJob], results: list[ItemResult | None]) -> None:
         """Turn a copied get whose bytes do not match the checksum into DATA_LOSS."""
         for job in jobs:
             result = results[job.index]
@@ -524,9 +415,7 @@ class RegionHandlers:
             self.metrics.hits.labels("shm_get", "l1").inc()
             self.metrics.bytes.labels("shm_get", "out").inc(job.held_bytes)
 
-    async def _l2_direct(
-        self, region: Region, ns: str, item: pb.RegionItem
-    ) -> pb.RegionItemResult | None:
+    async def _l2_direct(self, region: Region, ns: str, item: RegionItem) -> ItemResult | None:
         """Read a value that is only on L2 straight into the region, or None
         when it is not such a value or cannot land there directly: it must
         be whole O_DIRECT blocks (a size of 4 KiB multiples, at a 4 KiB
@@ -550,15 +439,15 @@ class RegionHandlers:
         self.metrics.fetched("shm_get", "l2" if read else "miss", start)
         if not read:
             self.metrics.misses.labels("shm_get").inc()
-            return pb.RegionItemResult(code=CODES["NOT_FOUND"], message="miss")
+            return miss()
         self.metrics.hits.labels("shm_get", "l2").inc()
         self.metrics.bytes.labels("shm_get", "out").inc(record.size)
-        return pb.RegionItemResult(
-            size=record.size, checksum=record.checksum, meta=record.meta, tier=pb.TIER_L2
+        return ItemResult(
+            size=record.size, checksum=record.checksum, meta=record.meta, tier=TIER_L2
         )
 
     async def _fetch_batched(
-        self, region: Region, ns: str, items: Sequence[pb.RegionItem]
+        self, region: Region, ns: str, items: Sequence[RegionItem]
     ) -> dict[int, Reader | None]:
         """The values of a batch that are only on L2, read into L1 in one
         ``read_many`` call (``Store.fetch_many``), by item index. Left out:
@@ -578,7 +467,7 @@ class RegionHandlers:
             self.metrics.fetched("shm_get", "l2" if reader else "miss", start)
         return {indices[j]: reader for j, reader in found.items()}
 
-    async def _open(self, region: Region, ns: str, item: pb.RegionItem) -> Reader | None:
+    async def _open(self, region: Region, ns: str, item: RegionItem) -> Reader | None:
         region.span(item.offset, item.length)  # the room must lie inside the region
         start = time.perf_counter()
         reader = await self.store.fetch(ns, item.key)
