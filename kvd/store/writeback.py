@@ -65,6 +65,25 @@ REWRITE_RATIO = 0.5
 REWRITE_CREDIT_SEGMENTS = 1
 
 
+class DurableNoRoom(ResourceExhausted):
+    """A durable put found L2 full: no reclaimable segment, or ENOSPC/EDQUOT
+    (``errno``, 0 for the former). RESOURCE_EXHAUSTED, as the registry in
+    ``kvd.wire.errors`` maps its parent."""
+
+    def __init__(self, message: str, errno_code: int = 0) -> None:
+        super().__init__(message)
+        self.errno = errno_code
+
+
+class DurableWriteFailed(Unavailable):
+    """A durable put's L2 write or sync failed with ``errno`` (EIO, ...);
+    UNAVAILABLE, as the registry maps its parent."""
+
+    def __init__(self, message: str, errno_code: int) -> None:
+        super().__init__(message)
+        self.errno = errno_code
+
+
 class WriteBack:
     def __init__(
         self,
@@ -238,7 +257,9 @@ class WriteBack:
         entry.dirty = False
 
     async def make_durable(self, entry: Entry | None) -> None:
-        """Append (unless already on L2) and sync; errors map to kvd error codes."""
+        """Append (unless already on L2) and sync. Failures are ``DurableNoRoom``
+        or ``DurableWriteFailed``, keeping the errno; their codes come from the
+        error registry, where every transport maps errors."""
         try:
             # Clean without a record: its record was reclaimed and not rewritten.
             if entry is not None and (entry.dirty or entry.l2 is None):
@@ -246,12 +267,13 @@ class WriteBack:
             await self.l2.sync()
             crashpoints.hit("after_sync")
         except L2Full as exc:
-            raise ResourceExhausted(f"durable put: {exc}") from exc
+            raise DurableNoRoom(f"durable put: {exc}") from exc
         except IoError as exc:
             self._failed(exc)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ResourceExhausted(f"durable put: L2 is full ({exc})") from exc
-            raise Unavailable(f"durable put: L2 write failed ({exc})") from exc
+            code = exc.errno or errno.EIO
+            if code in (errno.ENOSPC, errno.EDQUOT):
+                raise DurableNoRoom(f"durable put: L2 is full ({exc})", code) from exc
+            raise DurableWriteFailed(f"durable put: L2 write failed ({exc})", code) from exc
 
     async def flush(self, deadline_s: float) -> int:
         """Write what is queued, until ``deadline_s`` (graceful shutdown); the rest left."""
