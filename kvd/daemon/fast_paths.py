@@ -46,11 +46,7 @@ class FastPaths:
     async def start(cls, config: Config, service: KVStoreService, metrics: Metrics) -> FastPaths:
         ops = service.region_ops
         regions: RegionRegistry | None = RegionRegistry(
-            RegionLimits(
-                max_regions_per_client=config.max_regions_per_client,
-                max_regions=config.max_regions,
-                max_region_bytes=config.max_region_bytes,
-            ),
+            RegionLimits.from_config(config),
         )
         paths = cls(ops, regions)
         limits = BulkLimits.from_config(config)

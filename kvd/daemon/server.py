@@ -148,12 +148,7 @@ class Daemon:
         self.tls = ServerTls.from_config(config)
         self.service = KVStoreService(
             self.store,
-            ServiceLimits(
-                max_message_bytes=config.max_message_bytes,
-                max_inflight_bytes=config.max_inflight_bytes,
-                max_batch_items=config.max_batch_items,
-                put_timeout_s=config.grpc_put_timeout_ms / 1000,
-            ),
+            ServiceLimits.from_config(config),
             self.metrics,
             self.auth,
         )

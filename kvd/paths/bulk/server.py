@@ -163,13 +163,15 @@ def _buffered(sock: socket.socket) -> int:
 
 @dataclass(frozen=True)
 class BulkLimits:
-    max_connections: int = 256
-    inflight_bytes: int = 64 << 20
-    frame_timeout_s: float = 30.0
-    idle_timeout_s: float = 600.0
-    max_connections_per_peer: int = 64
-    max_unauthenticated: int = 32
-    hello_timeout_s: float = 2.0
+    """The bulk port's limits; their defaults are the settings' (``from_config``)."""
+
+    max_connections: int
+    inflight_bytes: int
+    frame_timeout_s: float
+    idle_timeout_s: float
+    max_connections_per_peer: int
+    max_unauthenticated: int
+    hello_timeout_s: float
 
     @classmethod
     def from_config(cls, config: Config) -> BulkLimits:

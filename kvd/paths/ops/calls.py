@@ -13,17 +13,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from time import perf_counter
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from kvd.paths.metrics import Metrics
 from kvd.wire.errors import KvdError, ResourceExhausted, error_number
 
+if TYPE_CHECKING:
+    from kvd.config.settings import Config
+
 
 @dataclass(frozen=True)
 class ServiceLimits:
+    """The service's limits; their defaults are the settings' (``from_config``)."""
+
     max_message_bytes: int
     max_inflight_bytes: int
     max_batch_items: int
-    put_timeout_s: float = 30.0  # grpc_put_timeout_ms
+    put_timeout_s: float  # grpc_put_timeout_ms
+
+    @classmethod
+    def from_config(cls, config: Config) -> ServiceLimits:
+        return cls(
+            max_message_bytes=config.max_message_bytes,
+            max_inflight_bytes=config.max_inflight_bytes,
+            max_batch_items=config.max_batch_items,
+            put_timeout_s=config.grpc_put_timeout_ms / 1000,
+        )
 
 
 class InflightBytes:

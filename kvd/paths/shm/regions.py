@@ -71,6 +71,7 @@ from kvd.wire.errors import (
 )
 
 if TYPE_CHECKING:
+    from kvd.config.settings import Config
     from kvd.paths.auth import Principal
 
 log = logging.getLogger("kvd.paths.shm.regions")
@@ -110,9 +111,19 @@ class Caller:
 
 @dataclass(frozen=True)
 class RegionLimits:
-    max_regions_per_client: int = 16
-    max_regions: int = 256
-    max_region_bytes: int = 4 << 30
+    """Region limits; their defaults are the settings' (``from_config``)."""
+
+    max_regions_per_client: int
+    max_regions: int
+    max_region_bytes: int
+
+    @classmethod
+    def from_config(cls, config: Config) -> RegionLimits:
+        return cls(
+            max_regions_per_client=config.max_regions_per_client,
+            max_regions=config.max_regions,
+            max_region_bytes=config.max_region_bytes,
+        )
 
 
 @dataclass(eq=False)

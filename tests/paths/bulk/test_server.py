@@ -16,6 +16,7 @@ import gc
 import os
 import socket
 import warnings
+from dataclasses import replace
 
 from kvd.config.settings import Config
 from kvd.l1.pool import Pool
@@ -43,7 +44,7 @@ async def test_a_burst_of_buffered_gets_lets_other_work_run() -> None:
     store = Store(Pool(16 << 20), StoreLimits.from_config(Config()))
     await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
     metrics = Metrics()
-    server = BulkServer(store, BulkLimits(), metrics)
+    server = BulkServer(store, BulkLimits.from_config(Config()), metrics)
     port = await server.start("127.0.0.1", 0)
     sent = metrics.bytes.labels("bulk_get", "out")
 
@@ -71,7 +72,7 @@ async def test_closing_with_a_full_answer_queue_leaves_nothing_pinned() -> None:
     big = os.urandom(6 << 20)
     await store.put("ns", b"big", big, checksum=checksum(big), hasher=checksum)
     await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
-    server = BulkServer(store, BulkLimits(), Metrics())
+    server = BulkServer(store, BulkLimits.from_config(Config()), Metrics())
     port = await server.start("127.0.0.1", 0)
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
@@ -105,7 +106,7 @@ async def _stop_at_each_turn(hello: bool) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         for turns in range(40):
-            server = BulkServer(store, BulkLimits(), Metrics())
+            server = BulkServer(store, BulkLimits.from_config(Config()), Metrics())
             port = await server.start("127.0.0.1", 0)
             await asyncio.sleep(0)  # the server waits for a connection
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -143,7 +144,7 @@ class _OutOfDescriptors(socket.socket):
 
 async def test_the_port_outlives_accepts_that_fail() -> None:
     store = Store(Pool(1 << 20), StoreLimits.from_config(Config()))
-    server = BulkServer(store, BulkLimits(), Metrics())
+    server = BulkServer(store, BulkLimits.from_config(Config()), Metrics())
     port = await server.start("127.0.0.1", 0)
     assert server._accept_task is not None and server._listener is not None
     server._accept_task.cancel()
@@ -162,7 +163,7 @@ async def test_the_port_outlives_accepts_that_fail() -> None:
 
 
 async def test_connections_left_behind_by_a_stall_do_not_crowd_out_new_ones() -> None:
-    limits = BulkLimits(max_connections=8)
+    limits = replace(BulkLimits.from_config(Config()), max_connections=8)
     server = BulkServer(Store(Pool(1 << 20), StoreLimits.from_config(Config())), limits, Metrics())
     port = await server.start("127.0.0.1", 0)
     try:

@@ -13,7 +13,7 @@ import mmap
 import os
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -58,11 +58,14 @@ class Rig:
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     store = Store(Pool((40 << 20) // PAGE_BYTES * PAGE_BYTES), StoreLimits.from_config(Config()))
-    limits = ServiceLimits(
-        max_message_bytes=4 << 20, max_inflight_bytes=64 << 20, max_batch_items=64
+    limits = replace(
+        ServiceLimits.from_config(Config()),
+        max_message_bytes=4 << 20,
+        max_inflight_bytes=64 << 20,
+        max_batch_items=64,
     )
     ops = RegionOps(store, limits, Metrics(), InflightBytes(limits.max_inflight_bytes))
-    registry = RegionRegistry(RegionLimits())
+    registry = RegionRegistry(RegionLimits.from_config(Config()))
     ops.enable_fast_paths(registry, 0)
     fd = os.memfd_create("r", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, REGION_BYTES)
@@ -246,7 +249,7 @@ async def test_a_burst_of_buffered_gets_lets_other_work_run(rig: Rig, tmp_path: 
     from the socket buffer; every PIPELINE_FRAMES of them the connection lets
     the event loop run other work (here a probe that counts answers)."""
     await _put(rig, b"k", b"v" * 100)
-    channel = ShmChannel(rig.ops, str(tmp_path / "s.sock"), BulkLimits())
+    channel = ShmChannel(rig.ops, str(tmp_path / "s.sock"), BulkLimits.from_config(Config()))
     await channel.start()
     answered = rig.ops.metrics.requests.labels("shm_get", "OK")
 
