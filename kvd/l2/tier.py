@@ -46,7 +46,7 @@ from kvd.l2.format import (
     header_bytes_at,
 )
 from kvd.l2.reads import RecordReads
-from kvd.l2.records import (  # re-exported: kvd.l2.tier names them too
+from kvd.l2.records import (
     ChecksumMismatch,
     Key,
     L2Counters,
@@ -56,16 +56,6 @@ from kvd.l2.records import (  # re-exported: kvd.l2.tier names them too
     SegmentState,
 )
 from kvd.util import crashpoints
-
-__all__ = [
-    "ChecksumMismatch",
-    "L2Counters",
-    "L2Full",
-    "L2Record",
-    "L2Tier",
-    "Segment",
-    "SegmentState",
-]
 
 log = logging.getLogger("kvd.l2")
 

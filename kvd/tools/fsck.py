@@ -57,7 +57,8 @@ from kvd.l2.format import (
     decode,
     header_bytes_at,
 )
-from kvd.l2.tier import ChecksumMismatch, L2Record, L2Tier, SegmentState
+from kvd.l2.records import ChecksumMismatch, L2Record, SegmentState
+from kvd.l2.tier import L2Tier
 
 EXIT_CLEAN = 0
 EXIT_PROBLEMS = 1

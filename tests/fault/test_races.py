@@ -37,7 +37,8 @@ from kvd.client.clients import AlreadyExists, Client
 from kvd.config.settings import Config
 from kvd.io.backend import IoBackend, IoOp, OpKind
 from kvd.l1.pool import PAGE_BYTES, Pool
-from kvd.l2.tier import L2Tier, SegmentState
+from kvd.l2.records import SegmentState
+from kvd.l2.tier import L2Tier
 from kvd.paths.bulk import server as bulk
 from kvd.store import placement
 from kvd.store.index import TIER_L1, TIER_L2, PutResult, PutTicket, StoreLimits

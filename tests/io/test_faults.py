@@ -15,7 +15,8 @@ import pytest
 from kvd.io.backend import IoBackend, IoError, IoOp, OpKind
 from kvd.io.fault_spec import FaultSpecError, parse
 from kvd.io.faults import FaultyBackend, describe, wrap
-from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier
+from kvd.l2.records import ChecksumMismatch, L2Full
+from kvd.l2.tier import L2Tier
 from tests.l2 import BACKENDS, Aligned, Env, KiB, backend, get, payload, put, raw_read
 
 SEGMENT_BYTES = 512 * KiB

@@ -20,7 +20,8 @@ import pytest
 from kvd.io.backend import IoBackend, native_available, open_backend
 from kvd.l2.devices import DeviceSet
 from kvd.l2.format import BLOCK_BYTES, align_up
-from kvd.l2.tier import L2Record, L2Tier
+from kvd.l2.records import L2Record
+from kvd.l2.tier import L2Tier
 from kvd.wire.checksum import checksum
 
 NATIVE_OK, NATIVE_REASON = native_available()

@@ -15,7 +15,8 @@ import pytest
 from kvd.io.backend import IoBackend, IoOp, OpKind, RecordDone, RecordRead
 from kvd.l2 import tier as tier_module
 from kvd.l2.format import RECORD_ALIGN_BYTES
-from kvd.l2.tier import ChecksumMismatch, L2Full, L2Tier, SegmentState
+from kvd.l2.records import ChecksumMismatch, L2Full, SegmentState
+from kvd.l2.tier import L2Tier
 from tests.l2 import (
     BACKENDS,
     Aligned,

@@ -15,7 +15,8 @@ from kvd import cli
 from kvd.config.settings import SETTINGS_BY_NAME
 from kvd.io.backend import open_backend
 from kvd.l2.devices import DeviceSet, lock_paths
-from kvd.l2.tier import L2Record, L2Tier
+from kvd.l2.records import L2Record
+from kvd.l2.tier import L2Tier
 from kvd.tools import fsck
 from tests.l2 import KiB, get, payload, put, raw_read, raw_write
 
