@@ -295,3 +295,13 @@ def test_release_needs_the_lease_namespace() -> None:
     lease = store.lookup("ns", [b"a"], lease_ms=60_000).lease_id
     assert not store.release(lease, "other")
     assert store.release(lease, "ns")
+
+
+def test_store_limits_have_no_defaults_but_the_settings() -> None:
+    config = Config()
+    limits = StoreLimits.from_config(config)
+    assert limits.max_value_bytes == config.max_value_bytes == 64 << 20
+    assert limits.max_lookup_keys == config.max_lookup_keys
+    assert limits.uploads_max_bytes == config.dram_bytes // 2  # the setting's 0
+    with pytest.raises(TypeError):
+        StoreLimits()  # type: ignore[call-arg]
