@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.l1.pool import Run
-from kvd.l2 import L2Record
+from kvd.l2.records import L2Record
 from kvd.wire.errors import InvalidArgument
 from kvd.wire.limits import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
 
