@@ -24,6 +24,21 @@ DAEMON_PACKAGES = (
     "kvd.config",
     "kvd.tools",
 )
+# The daemon's layers, top first (docs/architecture.md): a module imports
+# from its own layer or those below it, never from one above. The package's
+# own face, ``kvd`` (its version), is below them all.
+LAYERS = (
+    ("kvd.cli", "kvd.__main__", "kvd.tools"),
+    ("kvd.daemon",),
+    ("kvd.paths", "kvd.cluster"),
+    ("kvd.store",),
+    ("kvd.l1", "kvd.l2", "kvd.io"),
+    ("kvd.config",),
+    ("kvd.wire", "kvd.util", "kvd.v1"),
+)
+# Beside the layers: the engine's side. Of the daemon's layers only the top
+# one (the command, the bench, the demo: clients of a daemon) may import it.
+ENGINE_SIDE = ("kvd.client", "kvd.connectors")
 # kvd.client speaks the wire and nothing else.
 CLIENT_MAY_IMPORT = ("kvd.client", "kvd.wire", "kvd.util", "kvd.v1")
 FRESH_IMPORT_TIMEOUT_S = 60
@@ -172,6 +187,35 @@ def test_the_cycle_check_catches_a_cycle() -> None:
     assert _cycles(graph) == [["a", "b", "c", "a"]]
 
 
+def _layer(module: str) -> int | None:
+    if module == "kvd":
+        return len(LAYERS)
+    for rank, packages in enumerate(LAYERS):
+        if _under(module, packages):
+            return rank
+    return None
+
+
+def test_every_daemon_module_has_a_layer() -> None:
+    unplaced = [m for m in _modules() if _layer(m) is None and not _under(m, ENGINE_SIDE)]
+    assert not unplaced, f"modules in no layer of LAYERS: {unplaced}"
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = []
+    for module, targets in _graph().items():
+        rank = _layer(module)
+        if rank is None:
+            continue  # the engine side: the next test
+        for target in sorted(targets):
+            target_rank = _layer(target)
+            if target_rank is None and rank != 0:
+                upward.append(f"{module} -> {target} (the engine side)")
+            elif target_rank is not None and target_rank < rank:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
 def test_client_and_connectors_import_no_daemon_module() -> None:
     offenders = []
     for module, targets in _graph().items():
@@ -201,15 +245,14 @@ def _loaded_by(probe: str) -> list[str]:
 
 
 def test_checking_settings_loads_no_io_layer() -> None:
-    # io_faults and pool_members are checked with their grammars only. (The
-    # settings do load kvd.store.eviction.policy: its table names the
-    # eviction_policy choices, and the policies are pure data structures.)
+    # io_faults and pool_members are checked with their grammars only, which
+    # live in kvd.config; the eviction_policy choices are a tuple there.
     loaded = _loaded_by(
         "from kvd.config.settings import Config\n"
         "Config(io_faults='write:eio:nth=1', pool_members='static:127.0.0.1:7070')"
     )
     heavy = ("kvd.io.backend", "kvd.io.faults", "kvd.io._uring", "kvd.l1", "kvd.l2", "kvd.paths")
-    heavy += ("kvd.store.store", "kvd.store.index", "kvd.daemon")
+    heavy += ("kvd.store", "kvd.daemon", "kvd.cluster")
     assert not [m for m in loaded if _under(m, heavy)], loaded
 
 

@@ -1,7 +1,9 @@
 """The pool across nodes: every node's daemon answers lookups and gets for
 the whole pool (docs/pool.md).
 
-- ``spec``: the ``pool_members`` grammar (``static:`` and ``etcd://``).
+The ``pool_members`` grammar (``static:`` and ``etcd://``) is a setting's
+syntax, so it lives with the settings: ``kvd.config.pool_members``.
+
 - ``rendezvous``: which member owns a key (highest-random-weight hashing).
 - ``membership``: the current member list and the checks on it.
 - ``etcd``: membership from etcd (a lease-held registration and a watch).

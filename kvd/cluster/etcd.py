@@ -22,7 +22,7 @@ from typing import Any
 import aetcd
 
 from kvd.cluster.membership import Membership, parse_member
-from kvd.cluster.spec import PoolSpec
+from kvd.config.pool_members import PoolSpec
 
 log = logging.getLogger("kvd.cluster.etcd")
 

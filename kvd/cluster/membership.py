@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from kvd.cluster.rendezvous import Placement
-from kvd.cluster.spec import normalize
+from kvd.config.pool_members import normalize
 
 log = logging.getLogger("kvd.cluster")
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from kvd.cluster.membership import Membership
 from kvd.cluster.peers import Peers
 from kvd.cluster.router import PoolRouter
-from kvd.cluster.spec import parse_spec
 from kvd.config.addresses import parse_address
+from kvd.config.pool_members import parse_spec
 from kvd.config.settings import Config, ConfigError
 from kvd.store.store import Store
 

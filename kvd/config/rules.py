@@ -1,5 +1,5 @@
 """Rules the settings table checks single values against: addresses, paths,
-socket groups, fault specs (``kvd.io.fault_spec``: the grammar without the
+socket groups, fault specs (``kvd.config.io_faults``: the grammar without the
 injector), pool specs, and the start-up warning on L2's size. The rules that
 tie several settings together take a whole ``Config`` and live with it
 (``kvd.config.settings``). Imports no daemon layer.
@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 
-from kvd.cluster.spec import parse_spec
 from kvd.config.addresses import parse_address
+from kvd.config.io_faults import parse as parse_fault_spec
+from kvd.config.pool_members import parse_spec
 from kvd.config.sizes import format_size
-from kvd.io.fault_spec import parse as parse_fault_spec
 
 # sun_path in struct sockaddr_un is 108 bytes on Linux, one of them the NUL.
 UNIX_SOCKET_PATH_MAX_BYTES = 107

@@ -6,7 +6,7 @@ when the ``io_faults`` setting is not empty, so a test can break a real
 daemon's disk in a chosen, repeatable way. Nothing here is random: the same
 spec and the same sequence of ops give the same faults.
 
-The spec's grammar and parser live in ``kvd.io.fault_spec`` (the setting's
+The spec's grammar and parser live in ``kvd.config.io_faults`` (the setting's
 check uses them without loading a backend). Spec grammar (whitespace around
 tokens is ignored)::
 
@@ -42,8 +42,8 @@ from __future__ import annotations
 import errno
 from collections.abc import Sequence
 
+from kvd.config.io_faults import BLOCK_BYTES, Rule, parse
 from kvd.io.backend import IoBackend, IoError, IoOp, OpKind
-from kvd.io.fault_spec import BLOCK_BYTES, Rule, parse
 
 # The ops of each kind a rule names.
 _KINDS = {

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvd.cluster.membership import Membership, parse_member
-from kvd.cluster.spec import parse_spec
+from kvd.config.pool_members import parse_spec
 from kvd.config.settings import ConfigError, load_config
 
 

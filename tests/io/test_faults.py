@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvd.config.io_faults import FaultSpecError, parse
 from kvd.io.backend import IoBackend, IoError, IoOp, OpKind
-from kvd.io.fault_spec import FaultSpecError, parse
 from kvd.io.faults import FaultyBackend, describe, wrap
 from kvd.l2.records import ChecksumMismatch, L2Full
 from kvd.l2.tier import L2Tier

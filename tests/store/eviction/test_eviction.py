@@ -308,6 +308,12 @@ def test_default_policy_is_density_and_the_config_default() -> None:
     assert Config().eviction_policy == DEFAULT_POLICY
 
 
+def test_the_settings_offer_exactly_the_policies_of_the_table() -> None:
+    from kvd.config.settings import EVICTION_POLICIES
+
+    assert EVICTION_POLICIES == POLICIES
+
+
 def test_hazard_without_lookups_evicts_exactly_as_lru() -> None:
     rng = random.Random(7)
     lru, hazard = LruPolicy[int](), HazardPolicy[int]()

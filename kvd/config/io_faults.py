@@ -1,5 +1,6 @@
 """The ``io_faults`` spec: its grammar and parser, apart from the injector
-(``kvd.io.faults``) so that checking the setting loads no I/O backend.
+(``kvd.io.faults``) and with the settings, so that checking the setting
+loads no I/O backend.
 
 Spec grammar (whitespace around tokens is ignored)::
 
