@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import random
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
 import pytest
 
@@ -16,50 +12,7 @@ from kvd.store.index import PutResult, PutTicket, StoreLimits
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import AlreadyExists, DataLoss, InvalidArgument, ResourceExhausted
-
-T = TypeVar("T")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def store_limits(**limits: int) -> StoreLimits:
-    """The settings' defaults (the only ones), with ``limits`` changed."""
-    return dataclasses.replace(StoreLimits.from_config(Config()), **limits)
-
-
-def make_store(pages: int = 16, **limits: int) -> tuple[Store, Clock]:
-    clock = Clock()
-    return Store(Pool(pages * PAGE_BYTES), store_limits(**limits), clock=clock), clock
-
-
-_loop = asyncio.new_event_loop()
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return _loop.run_until_complete(coro)
-
-
-def put(
-    store: Store, key: bytes, value: bytes, ns: str = "ns", parent: bytes | None = None
-) -> PutResult:
-    coro = store.put(ns, key, value, parent=parent, checksum=checksum(value), hasher=checksum)
-    return _loop.run_until_complete(coro)
-
-
-def read(store: Store, key: bytes, ns: str = "ns") -> bytes | None:
-    reader = run(store.fetch(ns, key))
-    if reader is None:
-        return None
-    try:
-        return b"".join(reader.views)
-    finally:
-        reader.close()
+from tests.store.support import make_store, put, read, run, store_limits
 
 
 def test_put_get_round_trip_and_miss() -> None:
@@ -100,9 +53,7 @@ def test_concurrent_puts_of_one_key_first_finisher_wins() -> None:
 def test_checksum_mismatch_is_data_loss_and_leaves_nothing() -> None:
     store, _ = make_store()
     with pytest.raises(DataLoss):
-        _loop.run_until_complete(
-            store.put("ns", b"k", b"abc", checksum=checksum(b"abd"), hasher=checksum)
-        )
+        run(store.put("ns", b"k", b"abc", checksum=checksum(b"abd"), hasher=checksum))
     assert read(store, b"k") is None
     assert store.pool.used_bytes == 0
 

@@ -13,7 +13,7 @@ from kvd.store.index import PutTicket
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import ResourceExhausted
-from tests.store.test_store import make_store, put, read, run
+from tests.store.support import make_store, put, read, run
 
 
 def _upload(store: Store, key: bytes, size: int) -> PutTicket:

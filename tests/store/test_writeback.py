@@ -15,7 +15,7 @@ from kvd.store.writeback import DurableNoRoom, DurableWriteFailed
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import KvdError, error_number
 from tests.l2 import MiB, backend, open_devices
-from tests.store.test_store import store_limits
+from tests.store.support import store_limits
 
 
 @pytest.mark.parametrize(

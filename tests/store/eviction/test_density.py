@@ -11,7 +11,7 @@ from kvd.store.eviction.density import _AGE_EDGES, DensityPolicy, reference_clas
 from kvd.store.eviction.lru import LruPolicy
 from kvd.store.eviction.policy import make_policy
 from kvd.store.eviction.s3fifo import S3FifoPolicy
-from tests.store.eviction.test_eviction import drain, insert_chain, never
+from tests.store.eviction.support import drain, insert_chain, never
 
 
 def test_density_without_lookups_evicts_exactly_as_lru() -> None:

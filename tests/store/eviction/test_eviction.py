@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,22 +17,7 @@ from kvd.store.eviction.policy import (
     make_policy,
 )
 from kvd.store.eviction.pred import PredPolicy
-
-
-def never(_key: object) -> bool:
-    return False
-
-
-def drain(policy: EvictionPolicy[Any], skip: Callable[[Any], bool] = never) -> list[Any]:
-    """Evict until victim() says None; the order of victims."""
-    order: list[Any] = []
-    for _ in range(10_000):
-        key = policy.victim(skip)
-        if key is None:
-            return order
-        policy.remove(key)
-        order.append(key)
-    raise AssertionError("victim() never returned None")
+from tests.store.eviction.support import drain, insert_chain, never
 
 
 def test_policies_listed_and_made() -> None:
@@ -54,14 +38,6 @@ def test_lru_order_among_unrelated_blocks() -> None:
     policy.touch("a")
     policy.touch("c")
     assert drain(policy) == ["b", "d", "a", "c"]
-
-
-def insert_chain(policy: Any, chain: list[Any]) -> None:
-    """Insert a chain head first, each block with its parent, as the store does."""
-    parent = None
-    for key in chain:
-        policy.insert(key, parent)
-        parent = key
 
 
 @pytest.mark.parametrize("name", POLICIES)
