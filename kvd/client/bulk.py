@@ -34,7 +34,6 @@ from kvd.wire.bulk import (
     CODE_OK,
     CODE_RESOURCE_EXHAUSTED,
     FLAG_EXISTED,
-    NAME_BY_CODE,
     OP_GET,
     OP_HELLO,
     OP_PUT,
@@ -45,12 +44,12 @@ from kvd.wire.bulk import (
 )
 from kvd.wire.checksum import Hasher, checksum
 from kvd.wire.errors import (
-    BY_CODE_NAME,
     DataLoss,
     DeadlineExceeded,
     InvalidArgument,
     KvdError,
     Unavailable,
+    error_for,
 )
 from kvd.wire.send import send_all
 
@@ -93,8 +92,7 @@ class BulkUnavailable(Unavailable):
 
 
 def _error(code: int, message: str) -> KvdError:
-    name = NAME_BY_CODE.get(code, "UNKNOWN")
-    return BY_CODE_NAME.get(name, KvdError)(f"{name}: {message}")
+    return error_for(code, message)
 
 
 class Connection:
