@@ -24,7 +24,7 @@ from kvd.client.clients import (
     chain_keys,
 )
 from kvd.v1 import kvd_pb2 as pb
-from tests.support import DaemonFactory, DaemonProcess
+from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 
 def value_for(key: bytes, size: int) -> bytes:
@@ -272,6 +272,13 @@ def test_first_call_to_a_stalled_daemon_costs_one_deadline_and_fast_paths_come_b
         os.kill(daemon.proc.pid, 18)
 
 
+def _got(client: Client, key: bytes) -> bytes | None:
+    try:
+        return client.get("rs", key)
+    except Unavailable:  # DeadlineExceeded too
+        return None
+
+
 def test_a_daemon_restarted_while_a_client_called_it_is_reached_again_within_seconds(
     daemon_factory: DaemonFactory, tmp_path: Path
 ) -> None:
@@ -281,13 +288,17 @@ def test_a_daemon_restarted_while_a_client_called_it_is_reached_again_within_sec
         port = probe.getsockname()[1]
     args = ("--listen", f"127.0.0.1:{port}", "--bulk-listen", "")
     first = daemon_factory(*args, workdir=tmp_path / "d")
+    with Client(first.target, timeout_s=10) as writer:
+        writer.put("rs", b"k", b"v", durable=True)  # synced to L2 before the kill
     with Client(first.target, timeout_s=0.5) as client:
-        client.put("rs", b"k", b"v", durable=True)
+        # The channel connected first: a loaded machine may take longer than
+        # the 0.5 s deadline for that, which is not what this test is about.
+        assert wait_until(lambda: _got(client, b"k") == b"v")
         first.kill()
         for _ in range(16):  # 5 s of calls while it is gone: the channel backs off
             with pytest.raises(Unavailable):
                 client.get("rs", b"k")
             time.sleep(0.3)
         daemon_factory(*args, workdir=tmp_path / "d")
-        time.sleep(1.5)  # one capped backoff and a connection
-        assert client.get("rs", b"k") == b"v"
+        # One capped backoff and a connection: within seconds, not never.
+        assert wait_until(lambda: _got(client, b"k") == b"v", timeout_s=5)
