@@ -6,30 +6,10 @@ when the ``io_faults`` setting is not empty, so a test can break a real
 daemon's disk in a chosen, repeatable way. Nothing here is random: the same
 spec and the same sequence of ops give the same faults.
 
-The spec's grammar and parser live in ``kvd.config.io_faults`` (the setting's
-check uses them without loading a backend). Spec grammar (whitespace around
-tokens is ignored)::
-
-    spec    = "" | rule { "," rule }
-    rule    = op ":" fault { ":" param }
-    op      = "read" | "write" | "fsync"
-    fault   = "eio"        the op is not done; it fails with EIO
-            | "enospc"     the op is not done; it fails with ENOSPC
-            | "short"      read/write only: only the first half of the bytes
-                           (rounded down to 4 KiB) move; the result says so
-            | "misdirect"  read/write only: the op moves all its bytes at
-                           offset + shift instead, and reports full success
-    param   = "nth=" N          fire on the Nth op of this kind (1-based), once
-            | "every=" N        fire on ops N, 2N, 3N, ... of this kind
-            | "after_bytes=" S  read/write only: fire on every op that would
-                                take the bytes moved by this kind past S
-            | "shift=" S        misdirect only: bytes to move the op by
-                                (a multiple of 4 KiB; default 64KiB)
-
-Each rule has exactly one of nth / every / after_bytes. N is a positive
-integer, S a size as ``kvd.config.sizes`` reads it (``512KiB``). Example::
-
-    write:eio:nth=5,read:short:every=3,write:misdirect:nth=2,fsync:eio:nth=1
+The spec's grammar (``op:fault:param``, e.g.
+``write:eio:nth=5,read:short:every=3``) and its parser live in
+``kvd.config.io_faults``: the setting's check uses them without loading a
+backend.
 
 Every rule counts the ops of its kind on its own (an op is one entry of a
 ``submit_many`` batch, or one read/write/fsync call); when several rules
