@@ -2,7 +2,7 @@
 region registry and the task that frees regions of clients that exited, the
 shm socket (``kvd.paths.shm.channel``) and the bulk TCP server (``kvd.paths.bulk.server``),
 with their gauges. The ops they serve are the gRPC service's ``RegionOps``
-(``kvd.paths.ops.region_ops``).
+(``kvd.paths.ops.region_ops``) and ``ValueOps`` (``kvd.paths.ops.values``).
 
 Regions are attached on the shm socket only (their memfds travel with
 SCM_RIGHTS), so a daemon without its shm socket has no shared-memory path;
@@ -67,7 +67,7 @@ class FastPaths:
             regions = paths.regions = None
         if config.bulk_listen:
             host, port = parse_address(config.bulk_listen)
-            paths.bulk = BulkServer(ops.store, limits, metrics, ops.auth)
+            paths.bulk = BulkServer(ops.values, limits, ops.auth)
             bound = await paths.bulk.start(host, port)
             paths.bulk_address = f"{host}:{bound}"
         ops.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)

@@ -246,7 +246,7 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.pool_node = await start_pool(cfg, self.store, self.port)
         if self.pool_node is not None:
-            self.service.pool = self.pool_node.router
+            self.service.values.pool = self.pool_node.router
             self.metrics.add_collector(
                 SnapshotCollector(self.pool_node.stats, POOL_GAUGES, POOL_COUNTERS)
             )

@@ -15,7 +15,7 @@ same order, so a client may pipeline many requests on one connection.
   it sent, not what it declared.
 - Admission (``kvd.paths.bulk.admission``): caps per peer address and on
   connections without HELLO, which have ``bulk_hello_timeout_ms`` to send it.
-- GET: the reader pins the value (``store.fetch``) and queues it; the writer
+- GET: the reader pins the value (``ValueOps.fetch``) and queues it; the writer
   sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
   what the socket did not take), or from a send thread while another
   connection is sending on a machine with cores to spare
@@ -38,6 +38,8 @@ same order, so a client may pipeline many requests on one connection.
   request (a miss, a full pool, a conflicting put) are answered with a code
   and the connection stays open.
 
+The store reads and writes, and their counts (fetch time by tier, hits,
+misses, bytes), are the op layer's ``ValueOps`` (``kvd.paths.ops.values``).
 Refusals are counted, and turned into their code, by the op layer's
 ``refused`` (``kvd.paths.ops.calls``), as on the other transports; the
 codes are ``kvd.wire.errors``'. Bulk requests count no ``kvd_requests``
@@ -56,18 +58,12 @@ import logging
 import socket
 import struct
 import termios
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd.paths.bulk.admission import Admission, Slot
 from kvd.paths.ops.calls import refused
-from kvd.store.index import (
-    TIER_NAMES,
-    PutResult,
-    PutTicket,
-    Reader,
-)
+from kvd.store.index import PutResult, PutTicket, Reader
 from kvd.util.aio import readable, settle
 from kvd.wire.bulk import (
     CODE_BY_NAME,
@@ -107,8 +103,7 @@ from kvd.wire.send import Sender
 if TYPE_CHECKING:
     from kvd.config.settings import Config
     from kvd.paths.auth import Authenticator, Principal
-    from kvd.paths.metrics import Metrics
-    from kvd.store.store import Store
+    from kvd.paths.ops.values import ValueOps
 
 __all__ = [  # the codec's names (kvd.wire.bulk) stay importable from here
     "CODE_BY_NAME", "CODE_INTERNAL", "CODE_NOT_FOUND", "CODE_OK", "CODE_RESOURCE_EXHAUSTED",
@@ -193,7 +188,7 @@ class _Connection:
         self.slot: Slot | None = None
         self.task: asyncio.Task[None] | None = None
         self.server = server
-        self.store = server.store
+        self.values = server.values
         self.sock = sock
         self.peer = peer
         self.loop = asyncio.get_running_loop()
@@ -298,7 +293,7 @@ class _Connection:
             return None
         async with asyncio.timeout(self.server.limits.frame_timeout_s):
             await recv_into_exact(self.loop, self.sock, view[first:], None)
-            request = decode_request(self.header, self.store.limits.max_value_bytes)
+            request = decode_request(self.header, self.values.store.limits.max_value_bytes)
             tail = bytearray(request.tail_bytes)
             await recv_into_exact(self.loop, self.sock, memoryview(tail), None)
             if request.op == OP_HELLO:
@@ -337,14 +332,15 @@ class _Connection:
         dropped (refused: the client learns it without waiting for its send)."""
         ns, key, parent, meta = split_tail(request, tail)
         checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
+        values = self.values
         try:
             self._authorize(ns)
             if _buffered(self.sock) >= request.length:  # all arrived: pages at once, no extra turn
-                ticket = await self.store.begin_put(
+                ticket = await values.begin_put(
                     ns, key, request.length, meta, parent or None, checksum
                 )
             else:
-                ticket = self.store.begin_upload(
+                ticket = values.begin_upload(
                     ns, key, request.length, meta, parent or None, checksum
                 )
         except KvdError as exc:
@@ -373,18 +369,17 @@ class _Connection:
                 for view in ticket.views:
                     await recv_into_exact(self.loop, self.sock, view, hasher)
             try:
-                result = await self.store.publish(
-                    ticket, hasher.value(), bool(request.flags & FLAG_DURABLE)
+                result = await values.publish(
+                    "bulk_put", ticket, hasher.value(), bool(request.flags & FLAG_DURABLE)
                 )
             except KvdError as exc:
                 if isinstance(exc, DataLoss):
-                    self.server.metrics.rejected.labels("checksum").inc()
+                    values.metrics.rejected.labels("checksum").inc()
                 return encode_response(
                     OP_PUT, request.request_id, error_number(exc), message=str(exc)
                 )
         finally:
-            self.store.abort_put(ticket)
-        self.server.metrics.bytes.labels("bulk_put", "in").inc(request.length)
+            values.abort(ticket)
         flags = FLAG_EXISTED if result.existed else 0
         return encode_response(OP_PUT, request.request_id, flags=flags, checksum=result.checksum)
 
@@ -403,7 +398,7 @@ class _Connection:
                     )
                 continue
             left = ticket.size - ticket.covered_bytes
-            views = await self.store.grow_put(ticket, min(arrived, left))
+            views = await self.values.grow(ticket, min(arrived, left))
             for view in views:
                 await recv_into_exact(self.loop, self.sock, view, hasher)
 
@@ -421,17 +416,12 @@ class _Connection:
         rid = request.request_id
         try:
             self._authorize(ns)
-            start = time.perf_counter()
-            reader = await self.store.fetch(ns, key)
-            self.server.metrics.fetched(
-                "bulk_get", TIER_NAMES[reader.tier] if reader else "miss", start
-            )
+            reader = await self.values.fetch("bulk_get", ns, key)
         except KvdError as exc:
             code = refused(self.server.metrics, "bulk_get", exc)
             await self._answer(encode_response(OP_GET, rid, code, message=str(exc)))
             return
-        if reader is None:
-            self.server.metrics.misses.labels("bulk_get").inc()
+        if reader is None:  # counted as a miss
             await self._answer(encode_response(OP_GET, rid, CODE_NOT_FOUND))
             return
         try:
@@ -499,9 +489,7 @@ class _Connection:
         finally:
             if reader is not None:
                 reader.close()
-                metrics = self.server.metrics
-                metrics.hits.labels("bulk_get", "l1").inc()
-                metrics.bytes.labels("bulk_get", "out").inc(reader.size)
+                self.values.served("bulk_get", "l1", reader.size)
 
 
 def _refuse(sock: socket.socket, reason: str) -> None:
@@ -518,15 +506,11 @@ class BulkServer:
     """The listener and its connections."""
 
     def __init__(
-        self,
-        store: Store,
-        limits: BulkLimits,
-        metrics: Metrics,
-        auth: Authenticator | None = None,
+        self, values: ValueOps, limits: BulkLimits, auth: Authenticator | None = None
     ) -> None:
-        self.store = store
+        self.values = values
         self.limits = limits
-        self.metrics = metrics
+        self.metrics = values.metrics
         self.auth = auth
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None

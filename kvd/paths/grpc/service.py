@@ -2,8 +2,9 @@
 gRPC messages and pool pages, and the region RPCs' conversion between
 protobuf and the op layer's plain values (``kvd.paths.ops``).
 
-Each handler runs on the daemon's one event loop and calls the store
-directly. Limits enforced here: message sizes (by the gRPC server options),
+Each handler runs on the daemon's one event loop, converts its request
+into plain values and calls the op layer: ``ValueOps`` for values and the
+index, ``RegionOps`` for regions. Limits enforced here: message sizes (by the gRPC server options),
 batch sizes, and in-flight value bytes (``InflightBytes``): a request that
 would push the total over ``max_inflight_bytes`` is refused with
 RESOURCE_EXHAUSTED at once rather than queued. A Put stream counts and
@@ -38,27 +39,28 @@ from google.protobuf.message import Message
 
 from kvd import __version__
 from kvd.cluster import scope
-from kvd.cluster.router import PoolRouter
 from kvd.l1.pool import ViewWriter, chunked
 from kvd.paths.auth import Authenticator, bearer_token
 from kvd.paths.grpc.auth import check_grpc, grpc_principal, request_scope
 from kvd.paths.grpc.status import status_code
 from kvd.paths.metrics import Metrics
-from kvd.paths.ops.calls import InflightBytes, ServiceLimits, Tally
-from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
+from kvd.paths.ops.calls import ServiceLimits, Tally
+from kvd.paths.ops.items import (
+    NOT_FOUND,
+    FetchedValue,
+    ItemResult,
+    PutItem,
+    RegionBatch,
+    RegionItem,
+)
 from kvd.paths.ops.region_ops import RegionOps
+from kvd.paths.ops.values import ValueOps
 from kvd.paths.shm.regions import AttachRefused, Caller, RegionRegistry
 from kvd.store.index import TIER_L1, TIER_L2, TIER_NAMES, PutResult
 from kvd.store.store import Store
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire.checksum import Hasher, checksum
-from kvd.wire.errors import (
-    CODE_NUMBERS,
-    DeadlineExceeded,
-    InvalidArgument,
-    KvdError,
-    error_number,
-)
+from kvd.wire.checksum import Hasher
+from kvd.wire.errors import DeadlineExceeded, InvalidArgument, KvdError
 from kvd.wire.shm import pid_namespace
 
 # 1 MiB messages: server-streamed 1 MiB chunks carry ~0.9 GB/s here, against
@@ -67,8 +69,6 @@ CHUNK_BYTES = 1 << 20
 
 # Room left in a BatchGet response for per-item framing and metadata.
 _BATCH_OVERHEAD_BYTES = 64 * 1024
-
-_RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
 
 
 BULK_PROTOCOL_VERSION = 1
@@ -117,9 +117,9 @@ class KVStoreService:
         self.limits = limits
         self.metrics = metrics
         self.auth = auth
-        self.inflight = InflightBytes(limits.max_inflight_bytes)
-        self.region_ops = RegionOps(store, limits, metrics, self.inflight, auth)
-        self.pool: PoolRouter | None = None  # set when the daemon is part of a pool
+        self.values = ValueOps(store, limits, metrics)
+        self.inflight = self.values.inflight
+        self.region_ops = RegionOps(self.values, auth)
 
     @property
     def regions(self) -> RegionRegistry | None:
@@ -128,7 +128,7 @@ class KVStoreService:
 
     def _enter_pool(self, context: Any) -> Any:
         """The pool scope of this call (its deadline, whether a peer sent it), or None."""
-        if self.pool is None:
+        if self.values.pool is None:  # set when the daemon is part of a pool
             return None
         return scope.enter(context.invocation_metadata(), context.time_remaining())
 
@@ -158,7 +158,8 @@ class KVStoreService:
         h = first.header
         check_grpc(self.auth, context, h.namespace)
         checksum_sent = h.checksum if h.HasField("checksum") else None
-        ticket = self.store.begin_upload(
+        values = self.values
+        ticket = values.begin_upload(
             h.namespace, h.key, h.size, h.meta, h.parent or None, checksum_sent
         )
         if isinstance(ticket, PutResult):
@@ -167,7 +168,7 @@ class KVStoreService:
         try:
             hasher = Hasher()
             if h.size == 0:
-                await self.store.grow_put(ticket, 0)  # an empty value's one page
+                await values.grow(ticket, 0)  # an empty value's one page
             async for message in _prepend(first, request_iterator):
                 if message is not first and message.HasField("header"):
                     raise InvalidArgument("a Put stream has one header")
@@ -178,20 +179,19 @@ class KVStoreService:
                     )
                 if not data:
                     continue
-                self.inflight.acquire(len(data))
+                values.inflight.acquire(len(data))
                 held += len(data)
-                ViewWriter(await self.store.grow_put(ticket, len(data))).write(data)
+                ViewWriter(await values.grow(ticket, len(data))).write(data)
                 hasher.update(data)
             if ticket.covered_bytes != h.size:
                 raise InvalidArgument(
                     f"Put chunks add up to {ticket.covered_bytes} bytes, the header declared "
                     f"{h.size}"
                 )
-            result = await self.store.publish(ticket, hasher.value(), h.durable)
+            result = await values.publish("put", ticket, hasher.value(), h.durable)
         finally:
-            self.store.abort_put(ticket)
-            self.inflight.release(held)
-        self.metrics.bytes.labels("put", "in").inc(h.size)
+            values.abort(ticket)
+            values.inflight.release(held)
         return pb.PutResponse(existed=result.existed, checksum=result.checksum)
 
     # ---- Get -------------------------------------------------------------------
@@ -201,18 +201,15 @@ class KVStoreService:
         try:
             with Tally(self.metrics, "get", self.inflight):
                 check_grpc(self.auth, context, request.namespace)
-                fetch_start = time.perf_counter()
-                reader = await self.store.fetch(request.namespace, request.key)
-                tier = TIER_NAMES[reader.tier] if reader else "miss"
-                self.metrics.fetched("get", tier, fetch_start)
+                values = self.values
+                reader = await values.fetch("get", request.namespace, request.key)
                 if reader is None:
-                    self.metrics.misses.labels("get").inc()
                     yield pb.GetResponse(header=pb.GetHeader(found=False))
                     return
                 try:
-                    self.inflight.acquire(reader.size)
+                    values.inflight.acquire(reader.size)
                     held = reader.size
-                    self.metrics.hits.labels("get", TIER_NAMES[reader.tier]).inc()
+                    values.hit("get", TIER_NAMES[reader.tier])
                     header = pb.GetHeader(
                         found=True,
                         size=reader.size,
@@ -226,7 +223,7 @@ class KVStoreService:
                     for i, piece in enumerate(pieces):
                         data = bytes(piece[0]) if len(piece) == 1 else b"".join(piece)
                         yield pb.GetResponse(header=header if i == 0 else None, data=data)
-                    self.metrics.bytes.labels("get", "out").inc(reader.size)
+                    values.sent("get", reader.size)
                 finally:
                     reader.close()
         except KvdError as exc:
@@ -238,93 +235,48 @@ class KVStoreService:
                 self.inflight.release(held)
 
     # ---- batches ---------------------------------------------------------------
-    def _check_batch(self, count: int) -> None:
-        self.region_ops.check_batch(count)
-
     @_unary("batch_put")
     async def BatchPut(self, request: pb.BatchPutRequest, context: Any) -> pb.BatchPutResponse:
-        self._check_batch(len(request.items))
-        statuses = []
-        previous: bytes | None = None
-        for item in request.items:
-            parent = item.parent or (previous if request.chained else None)
-            previous = item.key
-            try:
-                result = await self.store.put(
-                    request.namespace,
-                    item.key,
-                    item.value,
-                    item.meta,
-                    parent,
-                    item.checksum if item.HasField("checksum") else None,
-                    hasher=checksum,
-                    durable=request.durable,
+        items = [
+            PutItem(
+                item.key,
+                item.value,
+                item.meta,
+                item.parent,
+                item.checksum if item.HasField("checksum") else None,
+            )
+            for item in request.items
+        ]
+        results = await self.values.put_many(
+            "batch_put", request.namespace, items, request.chained, request.durable
+        )
+        return pb.BatchPutResponse(
+            statuses=[
+                pb.ItemStatus(
+                    code=r.code, message=r.message, existed=r.existed, checksum=r.checksum
                 )
-            except KvdError as exc:
-                statuses.append(pb.ItemStatus(code=error_number(exc), message=str(exc)))
-                continue
-            self.metrics.bytes.labels("batch_put", "in").inc(len(item.value))
-            statuses.append(pb.ItemStatus(existed=result.existed, checksum=result.checksum))
-        return pb.BatchPutResponse(statuses=statuses)
+                for r in results
+            ]
+        )
 
     @_unary("batch_get")
     async def BatchGet(self, request: pb.BatchGetRequest, context: Any) -> pb.BatchGetResponse:
-        self._check_batch(len(request.keys))
         budget = self.limits.max_message_bytes - _BATCH_OVERHEAD_BYTES
-        inline_max = request.inline_bytes_max or budget
-        if self.pool is not None:
-            await self.pool.fetch_many(request.namespace, list(request.keys))
-        items = []
-        for key in request.keys:
-            fetch_start = time.perf_counter()
-            reader = await self.store.fetch(request.namespace, key)
-            tier = TIER_NAMES[reader.tier] if reader else "miss"
-            self.metrics.fetched("batch_get", tier, fetch_start)
-            if reader is None:
-                self.metrics.misses.labels("batch_get").inc()
-                items.append(pb.GetItem(found=False))
-                continue
-            try:
-                if reader.size > min(budget, inline_max):
-                    items.append(pb.GetItem(found=True, code=_RESOURCE_EXHAUSTED))
-                    continue
-                budget -= reader.size
-                value = b"".join(reader.views)
-                self.metrics.hits.labels("batch_get", TIER_NAMES[reader.tier]).inc()
-                self.metrics.bytes.labels("batch_get", "out").inc(reader.size)
-                items.append(
-                    pb.GetItem(
-                        found=True,
-                        value=value,
-                        meta=reader.meta,
-                        checksum=reader.checksum,
-                        tier=pb.Tier.Name(reader.tier),
-                    )
-                )
-            finally:
-                reader.close()
-        return pb.BatchGetResponse(items=items)
+        fetched = await self.values.get_many(
+            "batch_get", request.namespace, request.keys, budget, request.inline_bytes_max or budget
+        )
+        return pb.BatchGetResponse(items=[_get_item(value) for value in fetched])
 
     # ---- index -----------------------------------------------------------------
     @_unary("exists")
     async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
-        if self.pool is not None:
-            found = await self.pool.exists(request.namespace, list(request.keys))
-            return pb.ExistsResponse(exists=found)
-        return pb.ExistsResponse(exists=self.store.exists(request.namespace, request.keys))
+        return pb.ExistsResponse(exists=await self.values.exists(request.namespace, request.keys))
 
     @_unary("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        if self.pool is not None:
-            keys = list(request.keys)
-            result = await self.pool.lookup(request.namespace, keys, request.lease_ms)
-        else:
-            result = self.store.lookup(request.namespace, request.keys, request.lease_ms)
-        if result.prefix_len:
-            self.metrics.hits.labels("lookup", "l1").inc(result.l1_hits)
-            self.metrics.hits.labels("lookup", "l2").inc(result.l2_hits)
-        if result.prefix_len < len(request.keys):
-            self.metrics.misses.labels("lookup").inc()
+        result = await self.values.lookup(
+            "lookup", request.namespace, request.keys, request.lease_ms
+        )
         return pb.LookupResponse(
             prefix_len=result.prefix_len,
             l1_hits=result.l1_hits,
@@ -335,27 +287,19 @@ class KVStoreService:
 
     @_unary("release")
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        released = self.store.release(request.lease_id, request.namespace)
+        released = self.values.release(request.lease_id, request.namespace)
         return pb.ReleaseResponse(released=released)
 
     @_unary("delete")
     async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
-        if request.all_keys:
-            if request.keys:
-                raise InvalidArgument("Delete takes keys or all_keys, not both")
-            deleted = await self.store.delete_namespace(request.namespace)
-            return pb.DeleteResponse(deleted=deleted)
-        return pb.DeleteResponse(deleted=await self.store.delete(request.namespace, request.keys))
+        deleted = await self.values.delete(request.namespace, request.keys, request.all_keys)
+        return pb.DeleteResponse(deleted=deleted)
 
     @_unary("stats")
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        self.store.active_leases  # noqa: B018 - expires stale leases before counting
-        values: dict[str, int] = {}
-        if self.auth is None or self.auth.is_admin(bearer_token(context.invocation_metadata())):
-            # Daemon-wide numbers sum over every tenant: admin only, with auth on.
-            values = self.store.stats()
-            values["inflight_bytes"] = self.inflight.bytes
-            values["inflight_requests"] = self.inflight.requests
+        # Daemon-wide numbers sum over every tenant: admin only, with auth on.
+        admin = self.auth is None or self.auth.is_admin(bearer_token(context.invocation_metadata()))
+        values, found = self.values.stats(admin, request.namespace)
         namespaces = [
             pb.NamespaceStats(
                 name=ns.name,
@@ -364,8 +308,7 @@ class KVStoreService:
                 hits=ns.hits,
                 misses=ns.misses,
             )
-            for ns in self.store.namespaces()
-            if not request.namespace or ns.name == request.namespace
+            for ns in found
         ]
         return pb.StatsResponse(values=values, namespaces=namespaces, version=__version__)
 
@@ -442,6 +385,20 @@ class KVStoreService:
         )
         results = await self.region_ops.get_into_region(batch, self._grpc_caller(context))
         return _region_response(results)
+
+
+def _get_item(value: FetchedValue) -> pb.GetItem:
+    if value.code == NOT_FOUND:
+        return pb.GetItem(found=False)
+    if value.code:
+        return pb.GetItem(found=True, code=value.code)
+    return pb.GetItem(
+        found=True,
+        value=value.value,
+        meta=value.meta,
+        checksum=value.checksum,
+        tier=_PB_TIERS[value.tier],
+    )
 
 
 def _region_items(items: Sequence[pb.RegionItem]) -> list[RegionItem]:

@@ -1,8 +1,10 @@
-"""A region op's values, as the transports hand them to ``RegionOps`` and
-take its answers back: an item (where in the region, which key), its result
-(a status number, the value's size, checksum, meta and tier), and a batch.
-Plain dataclasses with slots: the shm socket makes one item and one result
-per op on its µs path, where protobuf messages cost more."""
+"""The op layer's values, as the transports hand them to ``RegionOps`` and
+``ValueOps`` and take their answers back: a region item (where in the
+region, which key), its result (a status number, the value's size,
+checksum, meta and tier; a batch put's answer too), a region batch, and a
+whole value to put or fetched inline. Plain dataclasses with slots: the
+shm socket makes one item and one result per op on its µs path, where
+protobuf messages cost more."""
 
 from __future__ import annotations
 
@@ -52,6 +54,29 @@ class RegionBatch:
     deadline_ns: int = 0
     chained: bool = False
     durable: bool = False
+
+
+@dataclass(slots=True)
+class PutItem:
+    """A whole value of a batch put; ``parent`` empty: none (or the previous key when chained)."""
+
+    key: bytes
+    value: bytes
+    meta: bytes = b""
+    parent: bytes = b""
+    checksum: int | None = None  # the bytes must match it
+
+
+@dataclass(slots=True)
+class FetchedValue:
+    """A batch get's value copied out; ``code`` NOT_FOUND for a miss,
+    RESOURCE_EXHAUSTED for a value with no room in the answer."""
+
+    code: int = 0
+    value: bytes = b""
+    meta: bytes = b""
+    checksum: int = 0
+    tier: int = 0
 
 
 def item_status(exc: KvdError) -> ItemResult:

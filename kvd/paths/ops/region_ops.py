@@ -24,6 +24,8 @@ machine without cores to spare (``kvd.util.cpus``). Larger batches go to
 
 Callers are authorized before they get here (a gRPC token, a shm socket
 HELLO); a region is named by id and token and checked against the caller.
+The store reads and their counts (fetch time by tier, hits, misses, bytes)
+are ``ValueOps``' (``kvd.paths.ops.values``), shared with the other gets.
 """
 
 from __future__ import annotations
@@ -36,8 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvd.l2.format import BLOCK_BYTES
 from kvd.paths.auth import Authenticator
-from kvd.paths.metrics import Metrics
-from kvd.paths.ops.calls import InflightBytes, ServiceLimits
 from kvd.paths.ops.items import (
     RESOURCE_EXHAUSTED,
     ItemResult,
@@ -49,13 +49,13 @@ from kvd.paths.ops.items import (
     late_result,
     miss,
 )
+from kvd.paths.ops.values import ValueOps
 from kvd.paths.shm.jobs import CopyJob, all_done, grouped, hash_job, is_late, run_jobs
 from kvd.paths.shm.regions import Caller, Region, RegionRegistry, copy_slices, copy_span
-from kvd.store.index import TIER_L1, TIER_L2, TIER_NAMES, PutResult, PutTicket, Reader
-from kvd.store.store import Store
+from kvd.store.index import TIER_L1, TIER_L2, PutResult, PutTicket, Reader
 from kvd.util.aio import settle
 from kvd.util.cpus import OFFLOAD, WORKER_THREADS
-from kvd.wire.errors import DataLoss, DeadlineExceeded, InvalidArgument, KvdError, Unavailable
+from kvd.wire.errors import DataLoss, DeadlineExceeded, KvdError, Unavailable
 
 INLINE_COPY_BYTES = 256 << 10
 # When no other request is in flight, batches up to this size copy on the
@@ -77,18 +77,12 @@ SPLIT_COPY_BYTES = 16 << 20
 class RegionOps:
     """The region ops of one daemon, and the state they share with its transports."""
 
-    def __init__(
-        self,
-        store: Store,
-        limits: ServiceLimits,
-        metrics: Metrics,
-        inflight: InflightBytes,
-        auth: Authenticator | None = None,
-    ) -> None:
-        self.store = store
-        self.limits = limits
-        self.metrics = metrics
-        self.inflight = inflight
+    def __init__(self, values: ValueOps, auth: Authenticator | None = None) -> None:
+        self.values = values
+        self.store = values.store
+        self.limits = values.limits
+        self.metrics = values.metrics
+        self.inflight = values.inflight
         self.auth = auth  # the transports' (they authorize before calling)
         self.regions: RegionRegistry | None = None
         self.bulk_port = 0
@@ -165,10 +159,7 @@ class RegionOps:
         )
 
     def check_batch(self, count: int) -> None:
-        if count > self.limits.max_batch_items:
-            raise InvalidArgument(
-                f"{count} items in one batch, max_batch_items={self.limits.max_batch_items}"
-            )
+        self.values.check_batch(count)
 
     # ---- put -----------------------------------------------------------------------
     async def put_from_region(self, batch: RegionBatch, caller: Caller) -> list[ItemResult]:
@@ -243,7 +234,7 @@ class RegionOps:
         self.metrics.refused("DEADLINE_EXCEEDED", op, f"{len(jobs)} copies past the deadline")
 
     def _stored(self, ticket: PutTicket, result: PutResult) -> ItemResult:
-        self.metrics.bytes.labels("shm_put", "in").inc(ticket.size)
+        self.values.received("shm_put", ticket.size)
         return ItemResult(size=ticket.size, checksum=result.checksum, existed=result.existed)
 
     def put_now(
@@ -316,6 +307,8 @@ class RegionOps:
                 try:
                     if i in batched:
                         reader = batched[i]
+                        if reader is None:
+                            self.values.missed("shm_get")  # fetch_many counts none
                     else:
                         direct = await self._l2_direct(region, batch.namespace, item)
                         if direct is not None:
@@ -327,8 +320,7 @@ class RegionOps:
                 except KvdError as exc:
                     results[i] = item_status(exc)
                     continue
-                if reader is None:
-                    self.metrics.misses.labels("shm_get").inc()
+                if reader is None:  # counted as a miss
                     results[i] = miss()
                     continue
                 results[i] = self._admit(i, item, reader, region, jobs)
@@ -365,10 +357,8 @@ class RegionOps:
         region = self.registry().checked(region_id, token, caller)
         if not region.holds(item.offset, item.length) or is_late(deadline_ns):
             return None  # the batch get words the error
-        start = time.perf_counter()
-        reader = self.store.open(ns, item.key)
+        reader = self.values.open_now("shm_get", ns, item.key)
         assert reader is not None, "l1_size saw it and nothing ran since"
-        self.metrics.fetched("shm_get", "l1", start)
         jobs: list[CopyJob] = []
         try:
             results: list[ItemResult | None] = [self._admit(0, item, reader, region, jobs)]
@@ -412,8 +402,7 @@ class RegionOps:
                     DataLoss("value copied into the region does not match its checksum")
                 )
                 continue
-            self.metrics.hits.labels("shm_get", "l1").inc()
-            self.metrics.bytes.labels("shm_get", "out").inc(job.held_bytes)
+            self.values.served("shm_get", "l1", job.held_bytes)
 
     async def _l2_direct(self, region: Region, ns: str, item: RegionItem) -> ItemResult | None:
         """Read a value that is only on L2 straight into the region, or None
@@ -436,12 +425,12 @@ class RegionOps:
             read = await self.store.read_l2_into(record, span.data)
         finally:
             self.inflight.release(record.size)
-        self.metrics.fetched("shm_get", "l2" if read else "miss", start)
+        values = self.values
+        values.fetched("shm_get", "l2" if read else "miss", start)
         if not read:
-            self.metrics.misses.labels("shm_get").inc()
+            values.missed("shm_get")
             return miss()
-        self.metrics.hits.labels("shm_get", "l2").inc()
-        self.metrics.bytes.labels("shm_get", "out").inc(record.size)
+        values.served("shm_get", "l2", record.size)
         return ItemResult(
             size=record.size, checksum=record.checksum, meta=record.meta, tier=TIER_L2
         )
@@ -461,15 +450,9 @@ class RegionOps:
             if (not least or item.length < least or item.offset % BLOCK_BYTES)
             and region.holds(item.offset, item.length)
         ]  # fmt: skip
-        start = time.perf_counter()
-        found = await self.store.fetch_many(ns, [items[i].key for i in indices])
-        for reader in found.values():
-            self.metrics.fetched("shm_get", "l2" if reader else "miss", start)
+        found = await self.values.fetch_many("shm_get", ns, [items[i].key for i in indices])
         return {indices[j]: reader for j, reader in found.items()}
 
     async def _open(self, region: Region, ns: str, item: RegionItem) -> Reader | None:
         region.span(item.offset, item.length)  # the room must lie inside the region
-        start = time.perf_counter()
-        reader = await self.store.fetch(ns, item.key)
-        self.metrics.fetched("shm_get", TIER_NAMES[reader.tier] if reader else "miss", start)
-        return reader
+        return await self.values.fetch("shm_get", ns, item.key)

@@ -31,6 +31,8 @@ from kvd.paths.bulk.server import (
     encode_request,
 )
 from kvd.paths.metrics import Metrics
+from kvd.paths.ops.calls import ServiceLimits
+from kvd.paths.ops.values import ValueOps
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
@@ -40,11 +42,16 @@ REQUESTS = 2000
 VALUE = os.urandom(100)
 
 
+def values(store: Store, metrics: Metrics | None = None) -> ValueOps:
+    """The op layer a bulk server calls, over ``store``."""
+    return ValueOps(store, ServiceLimits.from_config(Config()), metrics or Metrics())
+
+
 async def test_a_burst_of_buffered_gets_lets_other_work_run() -> None:
     store = Store(Pool(16 << 20), StoreLimits.from_config(Config()))
     await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
     metrics = Metrics()
-    server = BulkServer(store, BulkLimits.from_config(Config()), metrics)
+    server = BulkServer(values(store, metrics), BulkLimits.from_config(Config()))
     port = await server.start("127.0.0.1", 0)
     sent = metrics.bytes.labels("bulk_get", "out")
 
@@ -72,7 +79,7 @@ async def test_closing_with_a_full_answer_queue_leaves_nothing_pinned() -> None:
     big = os.urandom(6 << 20)
     await store.put("ns", b"big", big, checksum=checksum(big), hasher=checksum)
     await store.put("ns", b"k", VALUE, checksum=checksum(VALUE), hasher=checksum)
-    server = BulkServer(store, BulkLimits.from_config(Config()), Metrics())
+    server = BulkServer(values(store), BulkLimits.from_config(Config()))
     port = await server.start("127.0.0.1", 0)
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
@@ -106,7 +113,7 @@ async def _stop_at_each_turn(hello: bool) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         for turns in range(40):
-            server = BulkServer(store, BulkLimits.from_config(Config()), Metrics())
+            server = BulkServer(values(store), BulkLimits.from_config(Config()))
             port = await server.start("127.0.0.1", 0)
             await asyncio.sleep(0)  # the server waits for a connection
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -144,7 +151,7 @@ class _OutOfDescriptors(socket.socket):
 
 async def test_the_port_outlives_accepts_that_fail() -> None:
     store = Store(Pool(1 << 20), StoreLimits.from_config(Config()))
-    server = BulkServer(store, BulkLimits.from_config(Config()), Metrics())
+    server = BulkServer(values(store), BulkLimits.from_config(Config()))
     port = await server.start("127.0.0.1", 0)
     assert server._accept_task is not None and server._listener is not None
     server._accept_task.cancel()
@@ -164,7 +171,7 @@ async def test_the_port_outlives_accepts_that_fail() -> None:
 
 async def test_connections_left_behind_by_a_stall_do_not_crowd_out_new_ones() -> None:
     limits = replace(BulkLimits.from_config(Config()), max_connections=8)
-    server = BulkServer(Store(Pool(1 << 20), StoreLimits.from_config(Config())), limits, Metrics())
+    server = BulkServer(values(Store(Pool(1 << 20), StoreLimits.from_config(Config()))), limits)
     port = await server.start("127.0.0.1", 0)
     try:
         # The loop is stuck (a stalled daemon): clients connect, give up, close.

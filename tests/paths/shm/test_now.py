@@ -30,9 +30,10 @@ from kvd.paths.bulk.server import (
     encode_request,
 )
 from kvd.paths.metrics import Metrics
-from kvd.paths.ops.calls import InflightBytes, ServiceLimits
+from kvd.paths.ops.calls import ServiceLimits
 from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
 from kvd.paths.ops.region_ops import IDLE_INLINE_COPY_BYTES, RegionOps
+from kvd.paths.ops.values import ValueOps
 from kvd.paths.shm.channel import ShmChannel
 from kvd.paths.shm.regions import Caller, Region, RegionLimits, RegionRegistry
 from kvd.store.index import TIER_L1, StoreLimits
@@ -64,7 +65,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         max_inflight_bytes=64 << 20,
         max_batch_items=64,
     )
-    ops = RegionOps(store, limits, Metrics(), InflightBytes(limits.max_inflight_bytes))
+    ops = RegionOps(ValueOps(store, limits, Metrics()))
     registry = RegionRegistry(RegionLimits.from_config(Config()))
     ops.enable_fast_paths(registry, 0)
     fd = os.memfd_create("r", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
