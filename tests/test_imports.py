@@ -263,3 +263,25 @@ def test_importing_the_client_loads_no_daemon_code() -> None:
     assert "kvd.client.clients" in loaded
     daemon = [m for m in loaded if _under(m, DAEMON_PACKAGES) or m == "kvd.io._uring"]
     assert not daemon, f"importing the client loaded daemon modules: {daemon}"
+
+
+def test_test_modules_import_no_test_module_or_conftest() -> None:
+    # What tests share lives in helper modules (tests/support.py, a folder's
+    # support.py); importing a test module would collect its tests twice
+    # and tie two modules' fixtures together.
+    tests = REPO / "tests"
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if not node.level else [f".{node.module or ''}"]
+                names += [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            leaves = {name.rpartition(".")[2] for name in names}
+            if any(leaf.startswith("test_") or leaf == "conftest" for leaf in leaves):
+                offenders.append(f"{module}: {ast.unparse(node)}")
+    assert not offenders, "test modules importing tests or conftest:\n" + "\n".join(offenders)

@@ -43,7 +43,7 @@ from kvd.paths.shm.channel import REGION_REF
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import KvdError
 from kvd.wire.grpc import KVStoreStub
-from tests.paths.shm.test_shm import RawRegion
+from tests.paths.shm.support import RawRegion
 from tests.support import DaemonProcess
 
 FUZZ_N = int(os.environ.get("KVD_TEST_FUZZ_N", "3000"))

@@ -28,24 +28,11 @@ from kvd.paths.auth import (
 from kvd.paths.grpc.auth import request_scope
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
+from tests.paths.support import TOKEN_A, TOKEN_ADMIN, TOKEN_LATER, token_file
 from tests.support import DaemonProcess, wait_until
 
-TOKEN_A = "token-for-team-a"
-TOKEN_ADMIN = "token-for-the-admin"
-TOKEN_LATER = "token-added-by-reload"
 NS_A = "team-a/llama"
 NS_B = "team-b/llama"
-
-
-def token_file(path: Path, *, extra: str = "") -> Path:
-    path.write_text(
-        f'admin_sha256 = ["{hash_token(TOKEN_ADMIN)}"]\n'
-        "[[tokens]]\n"
-        'name = "team-a"\n'
-        f'sha256 = "{hash_token(TOKEN_A)}"\n'
-        'namespaces = ["team-a/*", "shared"]\n' + extra
-    )
-    return path
 
 
 # ---- the table ------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvd.wire.grpc import KVStoreStub
 from kvd.wire.shm import REGION_REF, SOCKET_NAME, TIER_SHIFT
-from tests.paths.shm.test_shm import RawRegion
-from tests.paths.test_auth import TOKEN_A, token_file
+from tests.paths.shm.support import RawRegion
+from tests.paths.support import TOKEN_A, token_file
 from tests.sockets import closed_by_daemon, metric, recv_exact
 from tests.support import DaemonFactory, DaemonProcess, wait_until
 
