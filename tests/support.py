@@ -1,19 +1,36 @@
 """What test modules share besides fixtures: the repository root, the daemon
 process a test talks to (``kvd bench``'s own, so tests and the bench start
 daemons the same way) and a bounded wait. Test modules import this, never
-each other or conftest."""
+each other or conftest.
+
+``TEST_IO_BACKEND=threads`` (or ``uring``) runs every daemon the tests start
+on that I/O backend, unless a test picks one itself: the suite runs on
+both backends this way (not a ``KVD_*`` name: kvd refuses those it does not
+know, and a test daemon gets none of the caller's)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvd.tools.bench.daemon import SpawnedDaemon
 
 REPO = Path(__file__).resolve().parent.parent
 
-DaemonProcess = SpawnedDaemon
+IO_BACKEND = os.environ.get("TEST_IO_BACKEND", "")
+
+
+class DaemonProcess(SpawnedDaemon):
+    """A test's daemon: ``kvd bench``'s, on ``TEST_IO_BACKEND`` when set."""
+
+    def __init__(self, workdir: Path, args: list[str], *more: Any, **options: Any) -> None:
+        if IO_BACKEND and "--io-backend" not in args:
+            args = [*args, "--io-backend", IO_BACKEND]
+        super().__init__(workdir, args, *more, **options)
+
 
 DaemonFactory = Callable[..., DaemonProcess]
 

@@ -16,7 +16,7 @@ from kvd import __version__
 from kvd.cli import UsageError, build_parser, main, parse_key
 from kvd.client.clients import Client, Unavailable
 from kvd.config.settings import SETTINGS
-from kvd.tools.bench.daemon import SpawnedDaemon
+from tests.support import DaemonProcess
 
 REPO = Path(__file__).resolve().parent.parent
 SUBPROCESS_TIMEOUT_S = 60
@@ -113,7 +113,7 @@ def test_serve_with_no_ssd_runs_without_l2(tmp_path: Path) -> None:
     empty.write_text("")
     workdir = tmp_path / "d"
     workdir.mkdir()
-    daemon = SpawnedDaemon(workdir, ["--config", str(empty), "--no-ssd"], ssd="")
+    daemon = DaemonProcess(workdir, ["--config", str(empty), "--no-ssd"], ssd="")
     try:
         assert daemon.alive() and daemon.port, daemon.log[-5:]
         started = [line for line in daemon.log if "kvd started" in line]

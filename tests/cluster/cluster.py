@@ -6,7 +6,7 @@ import socket
 from contextlib import ExitStack
 from pathlib import Path
 
-from kvd.tools.bench.daemon import SpawnedDaemon
+from tests.support import DaemonProcess
 
 
 def free_ports(count: int) -> list[int]:
@@ -20,11 +20,11 @@ def free_ports(count: int) -> list[int]:
 
 def start_static_pool(
     root: Path, count: int, *extra: str, peer_timeout_ms: int = 200
-) -> list[SpawnedDaemon]:
+) -> list[DaemonProcess]:
     """``count`` daemons without L2, each naming all of them in pool_members."""
     ports = free_ports(count)
     members = "static:" + ",".join(f"127.0.0.1:{port}" for port in ports)
-    daemons: list[SpawnedDaemon] = []
+    daemons: list[DaemonProcess] = []
     try:
         for i, port in enumerate(ports):
             where = root / f"m{i}"
@@ -35,7 +35,7 @@ def start_static_pool(
                 "--pool-peer-timeout-ms", str(peer_timeout_ms),
                 *extra,
             ]  # fmt: skip
-            daemons.append(SpawnedDaemon(where, args, ssd=""))
+            daemons.append(DaemonProcess(where, args, ssd=""))
     except BaseException:
         for daemon in daemons:
             daemon.kill()

@@ -14,12 +14,11 @@ import grpc
 
 from kvd.client.clients import Client
 from kvd.cluster.rendezvous import Placement
-from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import SERVICE
 from tests.cluster.cluster import free_ports
 from tests.sockets import metric
-from tests.support import wait_until
+from tests.support import DaemonProcess, wait_until
 
 VALUE = b"x" * 4096
 
@@ -62,7 +61,7 @@ def test_wrong_answers_from_a_peer_are_misses(tmp_path: Path) -> None:
     port, peer_port = free_ports(2)
     members = f"static:127.0.0.1:{port},127.0.0.1:{peer_port}"
     server = bad_peer(peer_port)
-    daemon = SpawnedDaemon(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members", members],
+    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members", members],
                            ssd="")  # fmt: skip
     client = Client(daemon.target, timeout_s=5, bulk=False)
     try:

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvd.client.clients import Client
-from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.cluster.cluster import free_ports
 from tests.cluster.etcd_server import EtcdServer, etcd_binary
 from tests.sockets import metric
-from tests.support import wait_until
+from tests.support import DaemonProcess, wait_until
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -31,15 +30,15 @@ def value_of(key: bytes) -> bytes:
     return hashlib.sha256(key).digest() * 100
 
 
-def members_of(daemon: SpawnedDaemon) -> float:
+def members_of(daemon: DaemonProcess) -> float:
     return metric(daemon.metrics_port, "kvd_cluster_members")
 
 
-def stale(daemon: SpawnedDaemon) -> float:
+def stale(daemon: DaemonProcess) -> float:
     return metric(daemon.metrics_port, "kvd_cluster_membership_stale")
 
 
-def start_member(root: Path, etcd: EtcdServer, name: str) -> SpawnedDaemon:
+def start_member(root: Path, etcd: EtcdServer, name: str) -> DaemonProcess:
     (port,) = free_ports(1)
     where = root / name
     where.mkdir()
@@ -48,7 +47,7 @@ def start_member(root: Path, etcd: EtcdServer, name: str) -> SpawnedDaemon:
         "--pool-members", f"etcd://{etcd.endpoint}{PREFIX}",
         "--pool-etcd-ttl-ms", "2000",
     ]  # fmt: skip
-    return SpawnedDaemon(where, args, ssd="")
+    return DaemonProcess(where, args, ssd="")
 
 
 async def etcd_put(endpoint: str, key: str, value: bytes) -> None:
@@ -113,7 +112,7 @@ def test_members_join_leave_and_survive_etcd_going_away(tmp_path: Path, etcd: Et
 def test_daemon_starts_alone_when_etcd_is_not_there(tmp_path: Path) -> None:
     (port, nobody) = free_ports(2)
     args = ["--listen", f"127.0.0.1:{port}", "--pool-members", f"etcd://127.0.0.1:{nobody}/p"]
-    daemon = SpawnedDaemon(tmp_path, args, ssd="")
+    daemon = DaemonProcess(tmp_path, args, ssd="")
     client = Client(daemon.target, timeout_s=5)
     try:
         assert stale(daemon) == 1

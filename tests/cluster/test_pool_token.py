@@ -11,10 +11,9 @@ import pytest
 
 from kvd.client.clients import Client
 from kvd.cluster.rendezvous import Placement
-from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.cluster.cluster import free_ports
 from tests.sockets import metric
-from tests.support import wait_until
+from tests.support import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +43,7 @@ def test_a_wrong_pool_token_is_refused_and_costs_misses(tmp_path: Path) -> None:
             "--listen", f"127.0.0.1:{port}", "--pool-members", members,
             "--auth-tokens-file", str(tokens), "--pool-token-file", str(tmp_path / token_file),
         ]  # fmt: skip
-        daemons.append(SpawnedDaemon(where, args, ssd=""))
+        daemons.append(DaemonProcess(where, args, ssd=""))
     good, bad = daemons
     a = Client(good.target, token=ENGINE_TOKEN, timeout_s=5)
     b = Client(bad.target, token=ENGINE_TOKEN, timeout_s=5)

@@ -14,10 +14,9 @@ import pytest
 
 from kvd.client.clients import Client
 from kvd.cluster.rendezvous import Placement
-from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.cluster.cluster import start_static_pool
 from tests.sockets import metric
-from tests.support import wait_until
+from tests.support import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +34,7 @@ def chain(namespace: str, count: int) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SpawnedDaemon]]:
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
     daemons = start_static_pool(tmp_path_factory.mktemp("pool"), 3)
     yield daemons
     for daemon in daemons:
@@ -54,17 +53,17 @@ def close_clients() -> Iterator[None]:
         _open.pop().close()
 
 
-def client_of(daemon: SpawnedDaemon, **options: bool) -> Client:
+def client_of(daemon: DaemonProcess, **options: bool) -> Client:
     client = Client(daemon.target, timeout_s=CLIENT_TIMEOUT_S, **options)
     _open.append(client)
     return client
 
 
-def clients(pool: list[SpawnedDaemon]) -> list[Client]:
+def clients(pool: list[DaemonProcess]) -> list[Client]:
     return [client_of(daemon) for daemon in pool]
 
 
-def placement(pool: list[SpawnedDaemon]) -> Placement:
+def placement(pool: list[DaemonProcess]) -> Placement:
     return Placement([d.target for d in pool])
 
 
@@ -73,7 +72,7 @@ def store_chain(client: Client, namespace: str, keys: list[bytes]) -> None:
         client.put(namespace, key, value_of(key))
 
 
-def test_chain_stored_on_one_is_found_and_read_through_another(pool: list[SpawnedDaemon]) -> None:
+def test_chain_stored_on_one_is_found_and_read_through_another(pool: list[DaemonProcess]) -> None:
     a, b, c = clients(pool)
     keys = chain("found", 60)
     store_chain(a, "found", keys)
@@ -93,7 +92,7 @@ def test_chain_stored_on_one_is_found_and_read_through_another(pool: list[Spawne
     assert metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total") > 0
 
 
-def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[SpawnedDaemon]) -> None:
+def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[DaemonProcess]) -> None:
     a, b, _ = clients(pool)
     keys = chain("kept", 30)
     store_chain(a, "kept", keys)
@@ -108,7 +107,7 @@ def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[SpawnedDaemon]) ->
     assert metric(pool[1].metrics_port, "kvd_cluster_remote_gets_total") - before == len(remote)
 
 
-def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[SpawnedDaemon]) -> None:
+def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[DaemonProcess]) -> None:
     a, b, _ = clients(pool)
     keys = chain("batch", 50)
     store_chain(a, "batch", keys)
@@ -120,7 +119,7 @@ def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[SpawnedDaemo
     assert metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total") - before == lacking
 
 
-def test_a_key_nobody_holds_is_a_miss(pool: list[SpawnedDaemon]) -> None:
+def test_a_key_nobody_holds_is_a_miss(pool: list[DaemonProcess]) -> None:
     a, b, _ = clients(pool)
     keys = chain("absent", 20)
     assert b.lookup("absent", keys) == 0
@@ -128,7 +127,7 @@ def test_a_key_nobody_holds_is_a_miss(pool: list[SpawnedDaemon]) -> None:
     assert a.exists("absent", keys) == [False] * len(keys)
 
 
-def _owned_by(pool: list[SpawnedDaemon], namespace: str, keys: list[bytes], i: int) -> list[bytes]:
+def _owned_by(pool: list[DaemonProcess], namespace: str, keys: list[bytes], i: int) -> list[bytes]:
     owners = placement(pool).owners(namespace, keys)
     return [k for k, o in zip(keys, owners, strict=True) if o == pool[i].target]
 
@@ -145,7 +144,7 @@ def check_reads_miss_or_match(client: Client, namespace: str, keys: list[bytes])
     return missed
 
 
-def test_stopped_owner_costs_misses_within_the_deadline(pool: list[SpawnedDaemon]) -> None:
+def test_stopped_owner_costs_misses_within_the_deadline(pool: list[DaemonProcess]) -> None:
     a, b, _ = clients(pool)
     b_grpc = client_of(pool[1], bulk=False)
     keys = chain("stopped", 40)
@@ -169,7 +168,7 @@ def test_stopped_owner_costs_misses_within_the_deadline(pool: list[SpawnedDaemon
     assert wait_until(lambda: b_grpc.get("stopped", on_c[0]) == value_of(on_c[0]))
 
 
-def test_killed_owner_costs_misses_and_the_rest_serve(pool: list[SpawnedDaemon]) -> None:
+def test_killed_owner_costs_misses_and_the_rest_serve(pool: list[DaemonProcess]) -> None:
     a, b, _ = clients(pool)
     keys = chain("killed", 40)
     store_chain(a, "killed", keys)
@@ -187,7 +186,7 @@ def test_killed_owner_costs_misses_and_the_rest_serve(pool: list[SpawnedDaemon])
 
 
 def test_list_not_naming_the_daemon_serves_alone(tmp_path: Path) -> None:
-    daemon = SpawnedDaemon(
+    daemon = DaemonProcess(
         tmp_path, ["--pool-members", "static:127.0.0.1:1,127.0.0.1:2,127.0.0.1:1"], ssd=""
     )
     try:

@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 
 from kvd.client.clients import Client
-from kvd.tools.bench.daemon import SpawnedDaemon
+from tests.support import DaemonProcess
 
 
 def free_port() -> int:
@@ -29,7 +29,7 @@ class RestartableDaemon:
         self.port = free_port()
         self.bulk_port = free_port()
         self.dram, self.ssd = dram, ssd
-        self.daemon: SpawnedDaemon | None = None
+        self.daemon: DaemonProcess | None = None
 
     @property
     def url(self) -> str:
@@ -44,9 +44,9 @@ class RestartableDaemon:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, *args: str) -> SpawnedDaemon:
+    def start(self, *args: str) -> DaemonProcess:
         assert self.daemon is None or not self.daemon.alive()
-        self.daemon = SpawnedDaemon(
+        self.daemon = DaemonProcess(
             self.workdir,
             ["--listen", self.target, "--bulk-listen", f"127.0.0.1:{self.bulk_port}", *args],
             dram=self.dram,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvd.client.clients import Client, KvdError
-from kvd.tools.bench.daemon import SpawnedDaemon
+from tests.support import DaemonProcess
 
 LOOPS = int(os.environ.get("KVD_TEST_CRASH_LOOPS", "10"))
 SIZES = (4096, 70_000, 300_000)
@@ -59,8 +59,8 @@ class Oracle:
 SSD_BYTES = max(256 << 20, LOOPS * (48 << 20))
 
 
-def start(workdir: Path, *args: str) -> SpawnedDaemon:
-    return SpawnedDaemon(
+def start(workdir: Path, *args: str) -> DaemonProcess:
+    return DaemonProcess(
         workdir, ["--io-backend", "auto", *args], dram="16MiB", max_value="4MiB",
         ssd=str(SSD_BYTES), segment="8MiB",
     )  # fmt: skip
@@ -148,7 +148,7 @@ def test_crash_torture(tmp_path: Path, point: str) -> None:
 
 
 def run_storm(
-    daemon: SpawnedDaemon, oracle: Oracle, loop: int, point: str, rng: random.Random
+    daemon: DaemonProcess, oracle: Oracle, loop: int, point: str, rng: random.Random
 ) -> int:
     """Check the oracle, storm until the daemon dies; 1 if it died of SIGKILL."""
     with Client(daemon.target, timeout_s=30) as client:

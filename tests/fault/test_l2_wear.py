@@ -35,9 +35,9 @@ from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2.tier import L2Tier
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
-from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.wire.checksum import checksum
 from tests.l2 import backend, open_devices
+from tests.support import DaemonProcess
 
 pytestmark = pytest.mark.fault
 
@@ -68,7 +68,7 @@ def value_for(i: int, size: int = VALUE_BYTES) -> bytes:
     return (b"%08d" % i) * (size // 8)
 
 
-def metric(daemon: SpawnedDaemon, name: str) -> float:
+def metric(daemon: DaemonProcess, name: str) -> float:
     url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as answer:
         text = answer.read().decode()
@@ -96,7 +96,7 @@ def settled(client: Client, timeout_s: float) -> tuple[int, int, int] | None:
 
 
 def test_idle_daemon_with_l1_larger_than_l2_does_no_l2_io(tmp_path: Path) -> None:
-    daemon = SpawnedDaemon(tmp_path, [], dram=DRAM, max_value="4MiB", ssd=SSD, segment=SEGMENT)
+    daemon = DaemonProcess(tmp_path, [], dram=DRAM, max_value="4MiB", ssd=SSD, segment=SEGMENT)
     try:
         with Client(daemon.target, timeout_s=30) as client:
             for i in range(VALUES):
@@ -161,9 +161,9 @@ def l2_args(path: str, ssd_bytes: str) -> list[str]:
     return ["--ssd-path", path, "--ssd-bytes", ssd_bytes, "--ssd-segment-bytes", SEGMENT]
 
 
-def start_on(workdir: Path, path: str, ssd_bytes: str = SSD) -> SpawnedDaemon:
+def start_on(workdir: Path, path: str, ssd_bytes: str = SSD) -> DaemonProcess:
     workdir.mkdir(exist_ok=True)
-    return SpawnedDaemon(workdir, l2_args(path, ssd_bytes), dram="16MiB", max_value="4MiB", ssd="")
+    return DaemonProcess(workdir, l2_args(path, ssd_bytes), dram="16MiB", max_value="4MiB", ssd="")
 
 
 def refused(workdir: Path, path: str, ssd_bytes: str) -> str:

@@ -43,10 +43,10 @@ from kvd.paths.bulk import server as bulk
 from kvd.store import placement
 from kvd.store.index import TIER_L1, TIER_L2, PutResult, PutTicket, StoreLimits
 from kvd.store.store import Store
-from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import ResourceExhausted, Unavailable
 from tests.l2 import MiB, backend, open_devices
+from tests.support import DaemonProcess
 
 pytestmark = pytest.mark.fault
 
@@ -352,7 +352,7 @@ def test_two_clients_put_one_key_over_bulk(tmp_path: Path) -> None:
     key one wins, the other is told ALREADY_EXISTS; every get is the winner's."""
     keys = [b"race-%03d" % i for i in range(24)]
     size = 256 << 10
-    daemon = SpawnedDaemon(tmp_path, [])
+    daemon = DaemonProcess(tmp_path, [])
     outcome: dict[tuple[int, bytes], str] = {}
     barrier = threading.Barrier(2, timeout=WAIT_S)
 
@@ -387,7 +387,7 @@ def test_two_clients_put_one_key_over_bulk(tmp_path: Path) -> None:
 def test_bulk_get_of_a_value_still_arriving_is_a_miss(tmp_path: Path) -> None:
     """LMCache#207 over the wire: half a PUT's payload is on the daemon, a GET
     on another connection misses; the rest arrives and the value appears."""
-    daemon = SpawnedDaemon(tmp_path, [])
+    daemon = DaemonProcess(tmp_path, [])
     value = value_for(b"slow", 300_000)
 
     def connect() -> socket.socket:

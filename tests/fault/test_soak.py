@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvd.client.clients import Client, KvdError
-from kvd.tools.bench.daemon import SpawnedDaemon
+from tests.support import DaemonProcess
 
 pytestmark = pytest.mark.fault
 
@@ -117,7 +117,7 @@ class Load:
 
 @pytest.mark.timeout(SOAK_S + 300)
 def test_soak(tmp_path: Path) -> None:
-    daemon = SpawnedDaemon(
+    daemon = DaemonProcess(
         tmp_path, [], dram=f"{DRAM_BYTES}B", max_value="4MiB", ssd="256MiB", segment="16MiB"
     )
     try:

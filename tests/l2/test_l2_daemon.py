@@ -17,8 +17,7 @@ import pytest
 from kvd.client.clients import Client, ResourceExhausted, Unavailable
 from kvd.io.backend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
-from kvd.tools.bench.daemon import SpawnedDaemon
-from tests.support import wait_until
+from tests.support import DaemonProcess, wait_until
 
 MiB = 1 << 20
 BACKENDS = ["threads", "uring"]
@@ -31,11 +30,11 @@ def value_for(key: bytes, size: int) -> bytes:
 
 def start(
     workdir: Path, *args: str, paths: int = 1, backend: str = "threads", ssd: str = "64MiB"
-) -> SpawnedDaemon:
+) -> DaemonProcess:
     extra = []
     for i in range(1, paths):
         extra += ["--ssd-path", str(workdir / f"ssd-{i}.dat")]
-    return SpawnedDaemon(
+    return DaemonProcess(
         workdir, [*extra, "--io-backend", backend, *args], dram="16MiB", max_value="4MiB",
         ssd=ssd, segment="8MiB",
     )  # fmt: skip
@@ -157,7 +156,7 @@ def test_second_daemon_on_the_same_ssd_path_is_refused(tmp_path: Path) -> None:
         other = tmp_path / "other"
         other.mkdir()
         with pytest.raises(RuntimeError, match="in use"):
-            SpawnedDaemon(
+            DaemonProcess(
                 other, ["--ssd-path", str(tmp_path / "ssd-0.dat")],
                 ssd="64MiB", max_value="4MiB", segment="8MiB",
             )  # fmt: skip

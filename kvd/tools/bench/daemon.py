@@ -50,9 +50,8 @@ class SpawnedDaemon:
         if ssd:
             l2 = ["--ssd-path", str(workdir / "ssd-0.dat"), "--ssd-bytes", ssd,
                   "--ssd-segment-bytes", segment]  # fmt: skip
-        else:  # no L2: an empty list is only spelled in a config file
-            (workdir / "kvd-no-l2.toml").write_text("ssd_path = []\n")
-            l2 = ["--config", str(workdir / "kvd-no-l2.toml")]
+        else:
+            l2 = ["--no-ssd"]
         cmd = [
             sys.executable, "-m", "kvd", "serve",
             "--listen", "127.0.0.1:0",
