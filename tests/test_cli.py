@@ -107,14 +107,12 @@ def test_no_ssd_conflicts_with_ssd_path_and_an_empty_path_stays_refused(
 
 
 def test_serve_with_no_ssd_runs_without_l2(tmp_path: Path) -> None:
-    # The second --config (an empty file) replaces the one the helper writes
-    # for a daemon without L2, so only --no-ssd keeps L2 off here.
-    empty = tmp_path / "empty.toml"
-    empty.write_text("")
     workdir = tmp_path / "d"
     workdir.mkdir()
-    daemon = DaemonProcess(workdir, ["--config", str(empty), "--no-ssd"], ssd="")
+    # ssd="": the test daemon gets --no-ssd and no --ssd-path, nor a config.
+    daemon = DaemonProcess(workdir, [], ssd="")
     try:
+        assert "--no-ssd" in daemon.proc.args and "--ssd-path" not in daemon.proc.args
         assert daemon.alive() and daemon.port, daemon.log[-5:]
         started = [line for line in daemon.log if "kvd started" in line]
         assert started and 'ssd_paths="" ssd_bytes=0' in started[0], started
