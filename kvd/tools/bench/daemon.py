@@ -39,7 +39,8 @@ class SpawnedDaemon:
         ssd: str = "256MiB",
         segment: str = "64MiB",
     ) -> None:
-        """``ssd=""`` starts a daemon without L2."""
+        """``ssd=""`` starts a daemon without L2, or on the ``--ssd-path``
+        the caller's ``args`` give."""
         self.workdir = workdir
         self.socket = str(workdir / "kvd.sock")
         self.log: list[str] = []
@@ -50,6 +51,8 @@ class SpawnedDaemon:
         if ssd:
             l2 = ["--ssd-path", str(workdir / "ssd-0.dat"), "--ssd-bytes", ssd,
                   "--ssd-segment-bytes", segment]  # fmt: skip
+        elif "--ssd-path" in args:
+            l2 = []  # the caller's own L2
         else:
             l2 = ["--no-ssd"]
         cmd = [
