@@ -144,10 +144,6 @@ class Store:
         return self.uploads.held_bytes
 
     @property
-    def _namespaces(self) -> dict[str, Namespace]:
-        return self.entries.by_name
-
-    @property
     def _promotions(self) -> dict[tuple[str, bytes], asyncio.Future[None]]:
         return self.placement.promotions if self.placement is not None else {}
 

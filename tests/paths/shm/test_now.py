@@ -107,7 +107,7 @@ def _settled(rig: Rig) -> None:
     store = rig.ops.store
     assert rig.ops.inflight.bytes == 0
     assert all(
-        entry.readers == 0 for ns in store._namespaces.values() for entry in ns.entries.values()
+        entry.readers == 0 for ns in store.namespaces() for entry in ns.entries.values()
     )
 
 
