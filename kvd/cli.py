@@ -3,7 +3,7 @@
 ``kvd serve`` takes one flag per setting of the table in ``kvd.config.settings``
 (``--dram-bytes 4GiB``, ``--ssd-path P`` repeated, ...), plus ``--config
 FILE``. ``put``/``get``/``lookup``/``stats`` are for people poking at a
-running daemon; programs use ``kvd.client.clients``.
+running daemon; programs use ``kvd.client``.
 
 Exit status: 0 done; 1 a miss (``get``) or the daemon failed; 2 bad usage or
 configuration; 3 the daemon could not be reached or refused the call.
@@ -23,7 +23,7 @@ from kvd.config.settings import SETTINGS, ConfigError, Setting, config_from_envi
 from kvd.wire.limits import KEY_BYTES_MAX
 
 if TYPE_CHECKING:
-    from kvd.client.clients import Client
+    from kvd.client import Client
 
 EXIT_OK = 0
 EXIT_MISS = 1
@@ -233,7 +233,7 @@ def _split_namespace(args: argparse.Namespace, keys_exact: int | None) -> tuple[
 
 def _talk(args: argparse.Namespace, action: "Callable[[Client], int]") -> int:
     """Run ``action`` with a client of ``--target``; daemon errors exit 3."""
-    from kvd.client.clients import Client, KvdError
+    from kvd.client import Client, KvdError
 
     if not 0 < args.timeout_s <= TIMEOUT_S_MAX:
         raise UsageError(f"--timeout-s must be in (0, {TIMEOUT_S_MAX}]")
@@ -252,7 +252,7 @@ def _read_value(path: str) -> bytes:
         with open(path, "rb") as stream:
             data = stream.read(PUT_VALUE_MAX_BYTES + 1)
     if len(data) > PUT_VALUE_MAX_BYTES:
-        raise UsageError(f"value larger than {PUT_VALUE_MAX_BYTES} bytes; use kvd.client.clients")
+        raise UsageError(f"value larger than {PUT_VALUE_MAX_BYTES} bytes; use kvd.client")
     return data
 
 

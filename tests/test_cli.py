@@ -14,7 +14,7 @@ import pytest
 
 from kvd import __version__
 from kvd.cli import UsageError, build_parser, main, parse_key
-from kvd.client.clients import Client, Unavailable
+from kvd.client import Client, Unavailable
 from kvd.config.settings import SETTINGS
 from tests.support import DaemonProcess
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.connectors.common import (
     DEFAULT_LEASE_MS,
     DEFAULT_TIMEOUT_S,

@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.connectors.common import (
     DEFAULT_LEASE_MS,
     DEFAULT_TIMEOUT_S,

@@ -31,7 +31,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.connectors.common import (
     DEFAULT_TIMEOUT_S,
     Guard,

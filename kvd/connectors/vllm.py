@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.client.keys import chain_keys
 from kvd.connectors.common import (
     DEFAULT_LEASE_MS,

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.client.keys import chain_keys
 from kvd.connectors.common import encode_meta, namespace
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.calls import GetAssembler
-from kvd.client.clients import (
+from kvd.client import (
     AlreadyExists,
     AsyncClient,
     Client,
@@ -23,6 +22,7 @@ from kvd.client.clients import (
     Unavailable,
     chain_keys,
 )
+from kvd.client.calls import GetAssembler
 from kvd.v1 import kvd_pb2 as pb
 from tests.support import DaemonFactory, DaemonProcess, wait_until
 

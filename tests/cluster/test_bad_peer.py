@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import SERVICE

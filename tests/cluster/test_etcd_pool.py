@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from tests.cluster.cluster import free_ports
 from tests.cluster.etcd_server import EtcdServer, etcd_binary
 from tests.sockets import metric

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from tests.cluster.cluster import free_ports
 from tests.sockets import metric

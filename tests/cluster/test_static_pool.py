@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from tests.cluster.cluster import start_static_pool
 from tests.sockets import metric

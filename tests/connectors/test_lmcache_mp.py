@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.connectors.common import bytes_key
 from kvd.connectors.lease_locks import LockTable
 from tests.support import DaemonFactory, DaemonProcess, wait_until

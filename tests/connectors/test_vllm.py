@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.connectors.vllm import BlockTransfer, KvdConnector, KvdConnectorMetadata, block_keys
 from tests.support import DaemonProcess
 

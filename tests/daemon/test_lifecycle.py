@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvd.client.clients import Client, KvdError
+from kvd.client import Client, KvdError
 from tests.support import DaemonFactory, wait_until
 
 GRACE_MS = 4000

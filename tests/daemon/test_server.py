@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import checksum
 from kvd.wire.grpc import KVStoreStub

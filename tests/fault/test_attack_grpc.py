@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
 from tests.support import DaemonFactory, DaemonProcess, wait_until

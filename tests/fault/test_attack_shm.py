@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.paths.auth import hash_token
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import KvdError
@@ -249,7 +249,7 @@ def test_a_region_truncated_while_copies_run_cannot_fault_the_daemon(
 # ---- another tenant's regions ----------------------------------------------------------
 VICTIM = """
 import fcntl, mmap, os, sys, time
-from kvd.client.clients import Client
+from kvd.client import Client
 secret = {secret!r}
 shm_dir = {shm_dir!r}
 with Client({target!r}, token={token!r}) as client:
@@ -274,7 +274,7 @@ with Client({target!r}, token={token!r}) as client:
 ATTACKER = """
 import os, secrets, socket, struct
 import grpc
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.wire.grpc import KVStoreStub
 from kvd.wire.shm import REGION_REF
 from kvd.paths.bulk.server import OP_HELLO, OP_REGION_GET, OP_REGION_PUT, encode_request, RESPONSE
@@ -496,7 +496,7 @@ def test_the_group_setup_shares_the_shm_path_under_umask_022(
         TENANT_B,
         f"""
         import os
-        from kvd.client.clients import Client
+        from kvd.client import Client
         with Client({daemon.socket_target!r}) as client:
             print(sorted(client.paths))
             value = os.urandom(1 << 20)

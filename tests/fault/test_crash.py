@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import Client, KvdError
+from kvd.client import Client, KvdError
 from tests.support import DaemonProcess
 
 LOOPS = int(os.environ.get("KVD_TEST_CRASH_LOOPS", "10"))

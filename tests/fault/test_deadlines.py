@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from kvd.client.clients import Client, KvdError
+from kvd.client import Client, KvdError
 from kvd.connectors.sglang import KvdHiCacheStorage
 from kvd.connectors.vllm import KvdConnector
 from tests.support import DaemonFactory, DaemonProcess, wait_until

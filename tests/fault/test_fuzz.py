@@ -35,8 +35,8 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvd.client import Client
 from kvd.client.calls import GetAssembler
-from kvd.client.clients import Client
 from kvd.l2 import format as l2format
 from kvd.paths.bulk import server as bulk
 from kvd.paths.shm.channel import REGION_REF

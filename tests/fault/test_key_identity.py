@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.connectors.lmcache import kvd_address
 from kvd.connectors.sglang import page_hashes, storage_namespace
 from kvd.connectors.vllm import KvdConnector, block_keys

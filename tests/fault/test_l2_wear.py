@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.config.rules import l2_capacity_warning
 from kvd.config.settings import Config
 from kvd.l1.pool import PAGE_BYTES, Pool

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import DeadlineExceeded
 from kvd.wire.grpc import KVStoreStub

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import AlreadyExists, Client
+from kvd.client import AlreadyExists, Client
 from kvd.config.settings import Config
 from kvd.io.backend import IoBackend, IoOp, OpKind
 from kvd.l1.pool import PAGE_BYTES, Pool

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import Client, KvdError
+from kvd.client import Client, KvdError
 from tests.support import DaemonProcess
 
 pytestmark = pytest.mark.fault

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.clients import Client, ResourceExhausted, Unavailable
+from kvd.client import Client, ResourceExhausted, Unavailable
 from kvd.io.backend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
 from tests.support import DaemonProcess, wait_until

@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvd.client import Client, PermissionDenied, Unauthenticated
 from kvd.client.bulk import BulkClient
-from kvd.client.clients import Client, PermissionDenied, Unauthenticated
 from kvd.config.settings import ConfigError, load_config
 from kvd.paths.auth import (
     Authenticator,

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.paths.metrics import NamespaceCollector
 from kvd.util.logs import Throttle
 from kvd.v1 import kvd_pb2 as pb

@@ -14,7 +14,7 @@ for as long as they stayed (30 s without HELLO, 600 s after). Now:
   connect by one round trip, ~0.1 ms on loopback, so it is never the
   oldest);
 - a connection refused is answered RESOURCE_EXHAUSTED (best effort) and
-  closed; ``kvd.client.clients`` then makes that call over gRPC.
+  closed; ``kvd.client`` then makes that call over gRPC.
 
 Plain bookkeeping on the event loop: no sockets, no grpc, no metrics.
 """

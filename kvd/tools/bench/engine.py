@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.engine_proc import (
     EngineEnv,

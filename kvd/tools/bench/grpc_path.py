@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.tools.bench.echo import SERVICE, encode_size
 from kvd.v1 import kvd_pb2 as pb
 

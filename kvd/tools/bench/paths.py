@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.tools.bench.backends import fio_randread
 from kvd.tools.bench.procs import Case, ClientProcesses, expect_size, kvd_client, value_bytes
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.client.clients import Client
+from kvd.client import Client
 
 # Building 16 clients (a gRPC channel, DescribePaths, two regions each) on 2
 # busy cores takes a few seconds; a process that says nothing for this long

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.client.clients import Client
+from kvd.client import Client
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.replay.trace import Trace
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from kvd.client import AlreadyExists, Client, InvalidArgument
 from kvd.client.bulk import BulkClient, BulkPut
-from kvd.client.clients import AlreadyExists, Client, InvalidArgument
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from tests.sockets import closed_by_daemon, metric, recv_exact
 from tests.support import DaemonFactory, DaemonProcess, wait_until

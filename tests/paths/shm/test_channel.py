@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvd.client import Client
 from kvd.client.bulk import BulkClient
-from kvd.client.clients import Client
 from kvd.paths.bulk.server import (
     CODE_NOT_FOUND,
     CODE_OK,

@@ -106,9 +106,7 @@ async def _batch(rig: Rig, item: RegionItem) -> ItemResult | int:
 def _settled(rig: Rig) -> None:
     store = rig.ops.store
     assert rig.ops.inflight.bytes == 0
-    assert all(
-        entry.readers == 0 for ns in store.namespaces() for entry in ns.entries.values()
-    )
+    assert all(entry.readers == 0 for ns in store.namespaces() for entry in ns.entries.values())
 
 
 async def test_what_it_answers_is_what_the_batch_get_answers(rig: Rig) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvd.client.clients import Client, InvalidArgument, ResourceExhausted
+from kvd.client import Client, InvalidArgument, ResourceExhausted
 from kvd.paths.ops.region_ops import SPLIT_COPY_BYTES
 from kvd.paths.shm.regions import PIECE_BYTES, POPULATE_BYTES_MAX, _populate, copy_slices
 from kvd.v1 import kvd_pb2 as pb
@@ -233,7 +233,7 @@ def test_regions_of_a_killed_client_are_freed(
     script = textwrap.dedent(
         f"""
         import sys, time
-        from kvd.client.clients import Client
+        from kvd.client import Client
         client = Client({shm_daemon.socket_target!r})
         buffers = [client.buffer(1 << 20) for _ in range(3)]
         print("ready", flush=True)
@@ -274,7 +274,7 @@ def test_region_limit_is_per_process_on_a_shared_unix_socket(
     per-client limit counts regions per process (the attaching peer's pid)."""
     script = textwrap.dedent(
         f"""
-        from kvd.client.clients import Client, ResourceExhausted
+        from kvd.client import Client, ResourceExhausted
         client = Client({shm_daemon.socket_target!r})
         buffers = [client.buffer(1 << 16) for _ in range(3)]
         try:
