@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,9 +39,11 @@ class SpawnedDaemon:
         max_value: str = "32MiB",
         ssd: str = "256MiB",
         segment: str = "64MiB",
+        prefix: Sequence[str] = (),
     ) -> None:
         """``ssd=""`` starts a daemon without L2, or on the ``--ssd-path``
-        the caller's ``args`` give."""
+        the caller's ``args`` give. ``prefix``: a command the daemon runs
+        under, as ``ip netns exec NAME`` (it execs, so the pid is the daemon's)."""
         self.workdir = workdir
         self.socket = str(workdir / "kvd.sock")
         self.log: list[str] = []
@@ -56,7 +59,7 @@ class SpawnedDaemon:
         else:
             l2 = ["--no-ssd"]
         cmd = [
-            sys.executable, "-m", "kvd", "serve",
+            *prefix, sys.executable, "-m", "kvd", "serve",
             "--listen", "127.0.0.1:0",
             "--metrics-listen", "127.0.0.1:0",
             "--socket", self.socket,
