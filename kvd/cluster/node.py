@@ -13,6 +13,8 @@ import math
 from typing import TYPE_CHECKING
 
 from kvd.cluster.membership import Membership
+from kvd.cluster.peer_bulk import BulkPeers
+from kvd.cluster.peer_reads import PeerReads
 from kvd.cluster.peers import Peers
 from kvd.cluster.router import PoolRouter
 from kvd.config.addresses import parse_address
@@ -142,8 +144,10 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
     if spec is None:
         return None
     membership = Membership(advertise_address(config, port))
-    peers = Peers(_read_token(config.pool_token_file), config.max_message_bytes)
-    router = PoolRouter(store, membership, peers, config.pool_peer_timeout_ms / 1000)
+    token = _read_token(config.pool_token_file)
+    peers = Peers(token, config.max_message_bytes)
+    reads = PeerReads(store, peers, BulkPeers(token), config.pool_peer_transport)
+    router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000)
     router.start()
     etcd: EtcdMembers | None = None
     if spec.kind == "static":
@@ -160,6 +164,7 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
             "advertise": membership.advertise,
             "members": ",".join(membership.members),
             "peer_token": "on" if config.pool_token_file else "off",
+            "peer_transport": reads.describe(),
         },
     )
     return PoolNode(membership, router, etcd)

@@ -1,6 +1,7 @@
 """Calls from this daemon to the other members of the pool, over their gRPC
-``listen``: Exists for a lookup (one call per owner), Get for a value,
-BatchPut to hand a put to its owner.
+``listen``: Exists for a lookup (one call per owner), DescribePaths for
+their bulk TCP port (value reads go there: ``kvd.cluster.peer_reads``), Get
+for a value from a member without one, BatchPut to hand a put to its owner.
 
 Every call carries the hop header (kvd.cluster.scope) and, with
 ``pool_token_file``, the pool token as its bearer token, and is bounded by
@@ -29,8 +30,40 @@ log = logging.getLogger("kvd.cluster.peers")
 _MESSAGE_SLACK_BYTES = 1 << 20
 
 
+# The kinds of peer failure the metrics count (kvd_cluster_peer_call_errors' kind label).
+ERROR_KINDS = (
+    "timeout", "unreachable", "auth", "refused", "protocol", "short", "checksum", "version",
+)  # fmt: skip
+
+
 class PeerError(Exception):
-    """A peer did not answer in time, refused, or answered something unusable."""
+    """A peer did not answer in time, refused, or answered something unusable;
+    ``kind`` is one of ``ERROR_KINDS``."""
+
+    def __init__(self, message: str, kind: str = "protocol", status: str = "") -> None:
+        assert kind in ERROR_KINDS, kind
+        super().__init__(message)
+        self.kind = kind
+        self.status = status  # the gRPC status name of a refused call
+
+
+def _kind(code: grpc.StatusCode) -> str:
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return "unreachable"
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return "auth"
+    return "refused"
+
+
+@dataclass(frozen=True)
+class PeerPaths:
+    """What a member's DescribePaths says of its data paths: its bulk TCP
+    port (0: none) and the bulk protocol version spoken there."""
+
+    bulk_port: int
+    bulk_version: int
 
 
 @dataclass(frozen=True)
@@ -78,14 +111,33 @@ class Peers:
 
     async def _call(self, member: str, what: str, timeout_s: float, call: Any) -> Any:
         if timeout_s <= 0:
-            raise PeerError(f"{member}: no time left for {what}")
+            raise PeerError(f"{member}: no time left for {what}", "timeout")
         try:
             async with asyncio.timeout(timeout_s):
                 return await call
         except TimeoutError:
-            raise PeerError(f"{member}: {what} took more than {timeout_s * 1000:.0f} ms") from None
+            raise PeerError(
+                f"{member}: {what} took more than {timeout_s * 1000:.0f} ms", "timeout"
+            ) from None
         except grpc.aio.AioRpcError as exc:
-            raise PeerError(f"{member}: {what}: {exc.code().name} {exc.details()}") from None
+            code = exc.code()
+            raise PeerError(
+                f"{member}: {what}: {code.name} {exc.details()}", _kind(code), code.name
+            ) from None
+
+    async def describe(self, member: str, timeout_s: float) -> PeerPaths:
+        """The member's data paths; a member without DescribePaths (UNIMPLEMENTED)
+        has none but gRPC."""
+        stub = self._stub(member)
+        request = pb.DescribePathsRequest()
+        call = stub.DescribePaths(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
+        try:
+            reply = await self._call(member, "DescribePaths", timeout_s, call)
+        except PeerError as error:
+            if error.status == "UNIMPLEMENTED":
+                return PeerPaths(0, 0)
+            raise
+        return PeerPaths(reply.bulk_port, reply.bulk_version)
 
     async def exists(
         self, member: str, namespace: str, keys: list[bytes], timeout_s: float
@@ -95,7 +147,9 @@ class Peers:
         call = stub.Exists(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
         reply = await self._call(member, "Exists", timeout_s, call)
         if len(reply.exists) != len(keys):
-            raise PeerError(f"{member}: Exists answered {len(reply.exists)} of {len(keys)} keys")
+            raise PeerError(
+                f"{member}: Exists answered {len(reply.exists)} of {len(keys)} keys", "protocol"
+            )
         return list(reply.exists)
 
     async def get(
@@ -130,7 +184,7 @@ class Peers:
         status = reply.statuses[0] if reply.statuses else None
         if status is None or status.code not in (0, grpc.StatusCode.ALREADY_EXISTS.value[0]):
             detail = status.message if status is not None else "no status"
-            raise PeerError(f"{member}: BatchPut refused: {detail}")
+            raise PeerError(f"{member}: BatchPut refused: {detail}", "refused")
 
 
 async def _read_value(stream: Any) -> PeerValue | None:
@@ -140,16 +194,16 @@ async def _read_value(stream: Any) -> PeerValue | None:
     async for message in stream:
         if header is None:
             if not message.HasField("header"):
-                raise PeerError("Get answer without a header")
+                raise PeerError("Get answer without a header", "protocol")
             header = message.header
             if not header.found:
                 return None
         received += len(message.data)
         if received > header.size:
-            raise PeerError(f"Get sent more than the {header.size} bytes it declared")
+            raise PeerError(f"Get sent more than the {header.size} bytes it declared", "protocol")
         pieces.append(message.data)
     if header is None:
-        raise PeerError("Get answer was empty")
+        raise PeerError("Get answer was empty", "protocol")
     if received != header.size:
-        raise PeerError(f"Get sent {received} of {header.size} bytes")
+        raise PeerError(f"Get sent {received} of {header.size} bytes", "short")
     return PeerValue(b"".join(pieces), header.checksum, header.meta)

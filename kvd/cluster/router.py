@@ -8,9 +8,10 @@ put handed on to its owner.
   at once; the answer's prefix runs on through the keys found. Remote keys
   count as ``l2_hits`` (held, not in local memory) and are not leased.
 - **Get**: a local miss asks the key's owner (``Store.on_miss``); the value
-  is checked against the checksum the owner sent, then kept in local L1 (a
-  second get is local) and returned from there. Concurrent gets of one key
-  share one peer read.
+  is read into local L1 pages over the owner's bulk TCP port (or gRPC:
+  ``kvd.cluster.peer_reads``), checked against the checksum the owner sent
+  before it becomes visible (a second get is local), and returned from
+  there. Concurrent gets of one key share one peer read.
 - **Put**: lands here first and is answered from here (an engine's get after
   its own put stays on its node, and the put waits on no network); if
   another member owns the key the value is then handed to it in the
@@ -31,10 +32,10 @@ from dataclasses import dataclass, fields
 
 from kvd.cluster import scope
 from kvd.cluster.membership import Membership
+from kvd.cluster.peer_reads import HIT, MISS, PeerReads
 from kvd.cluster.peers import PeerError, Peers
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
-from kvd.wire.checksum import checksum
 from kvd.wire.errors import KvdError
 from kvd.wire.lookup import LookupResult
 
@@ -80,11 +81,17 @@ class PoolRouter:
     """Pool lookups, remote gets and put forwarding over ``membership``."""
 
     def __init__(
-        self, store: Store, membership: Membership, peers: Peers, peer_timeout_s: float
+        self,
+        store: Store,
+        membership: Membership,
+        peers: Peers,
+        reads: PeerReads,
+        peer_timeout_s: float,
     ) -> None:
         self.store = store
         self.membership = membership
         self.peers = peers
+        self.reads = reads
         self.peer_timeout_s = peer_timeout_s
         self.counters = PoolCounters()
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
@@ -112,6 +119,7 @@ class PoolRouter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.reads.close()
         await self.peers.close()
 
     def stats(self) -> dict[str, int]:
@@ -124,6 +132,7 @@ class PoolRouter:
         return values
 
     def _members_changed(self, members: tuple[str, ...]) -> None:
+        self.reads.retain(members)
         task = asyncio.get_running_loop().create_task(self.peers.retain(members))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -146,11 +155,15 @@ class PoolRouter:
 
     def _peer_failed(self, error: PeerError, member: str) -> None:
         self.counters.peer_errors += 1
+        self.reads.traffic.failed(member, error.kind)
         self._down_until[member] = time.monotonic() + PEER_DOWN_S
         logged = self._errors_logged.get(member, 0)
         if logged < ERRORS_LOGGED_MAX:
             self._errors_logged[member] = logged + 1
-            log.warning("peer call failed; answered as a miss", extra={"error": str(error)})
+            log.warning(
+                "peer call failed; answered as a miss",
+                extra={"peer": member, "kind": error.kind, "error": str(error)},
+            )
 
     # ---- lookup and exists ------------------------------------------------------
     async def lookup(self, namespace: str, keys: list[bytes], lease_ms: int) -> LookupResult:
@@ -283,30 +296,23 @@ class PoolRouter:
 
     async def _fetch_into_l1(self, owner: str, namespace: str, key: bytes, budget_s: float) -> bool:
         try:
-            value = await self.peers.get(owner, namespace, key, budget_s)
+            outcome = await self.reads.read(owner, namespace, key, budget_s)
         except PeerError as error:
-            self._peer_failed(error, owner)
-            return False
-        if value is None:
-            self.counters.remote_misses += 1
-            return False
-        if checksum(value.data) != value.checksum:
-            self.counters.checksum_mismatches += 1
-            log.error(
-                "peer value failed its checksum; answered as a miss",
-                extra={"peer": owner, "namespace": namespace, "size": len(value.data)},
-            )
-            return False
-        try:
-            with scope.as_hop():  # the owner has it: not handed back
-                await self.store.put(
-                    namespace, key, value.data, value.meta, None, value.checksum, hasher=checksum
+            if error.kind == "checksum":  # the peer answered: it is not down
+                self.counters.checksum_mismatches += 1
+                self.reads.traffic.failed(owner, error.kind)
+                log.error(
+                    "peer value failed its checksum; answered as a miss",
+                    extra={"peer": owner, "namespace": namespace, "error": str(error)},
                 )
-        except KvdError as error:  # L1 full, a conflicting local value: a miss
-            log.info("peer value not kept in L1", extra={"peer": owner, "error": str(error)})
+            else:
+                self._peer_failed(error, owner)
             return False
-        self.counters.remote_hits += 1
-        return True
+        if outcome == MISS:
+            self.counters.remote_misses += 1
+        elif outcome == HIT:
+            self.counters.remote_hits += 1
+        return outcome == HIT
 
     # ---- put -------------------------------------------------------------------
     def _put_done(self, entry: Entry) -> None:

@@ -351,6 +351,12 @@ class Config:
         min=1,
         max=60_000,
     )
+    pool_peer_transport: str = _setting(
+        "auto",
+        help="how values are read from their owner: nixl (one-sided reads into L1 pages), "
+        "bulk (the owner's bulk TCP port), grpc; auto: nixl where it starts, else bulk",
+        choices=("auto", "nixl", "bulk", "grpc"),
+    )
     pool_etcd_ttl_ms: int = _setting(
         10_000,
         help="lease of this daemon's etcd registration: a daemon gone leaves the pool within it "

@@ -43,7 +43,13 @@ from kvd.l1.pool import Pool
 from kvd.l2 import DeviceSet, L2Tier
 from kvd.paths.auth import Authenticator
 from kvd.paths.grpc.service import KVStoreService
-from kvd.paths.metrics import Metrics, NamespaceCollector, NamespaceRow, SnapshotCollector
+from kvd.paths.metrics import (
+    LabelledCollector,
+    Metrics,
+    NamespaceCollector,
+    NamespaceRow,
+    SnapshotCollector,
+)
 from kvd.paths.ops.calls import ServiceLimits
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
 from kvd.store.eviction.policy import make_policy
@@ -250,6 +256,7 @@ class Daemon:
             self.metrics.add_collector(
                 SnapshotCollector(self.pool_node.stats, POOL_GAUGES, POOL_COUNTERS)
             )
+            self.metrics.add_collector(LabelledCollector(self.pool_node.router.reads.traffic.rows))
         if cfg.metrics_listen:
             host, port = parse_address(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)

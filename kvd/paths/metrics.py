@@ -166,6 +166,28 @@ class SnapshotCollector(Collector):
         return iter(())
 
 
+# metric name -> (help, label names, [(label values, value)]): counters with labels.
+LabelledRows = Mapping[str, tuple[str, tuple[str, ...], Sequence[tuple[tuple[str, ...], float]]]]
+
+
+class LabelledCollector(Collector):
+    """Turns a ``() -> LabelledRows`` into labelled counter families (the
+    pool's per-peer traffic: the label sets are the pool's members)."""
+
+    def __init__(self, read: Callable[[], LabelledRows]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, (doc, labels, rows) in self._read().items():
+            family = CounterMetricFamily(name, doc, labels=list(labels))
+            for values, value in rows:
+                family.add_metric(list(values), value)
+            yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return iter(())
+
+
 # (name, bytes stored, entries, hits, misses) of one namespace.
 NamespaceRow = tuple[str, int, int, int, int]
 OTHER_NAMESPACE = "other"

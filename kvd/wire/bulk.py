@@ -32,6 +32,10 @@ OP_REGION_PUT = 5
 FLAG_DURABLE = 1  # request: acknowledge a put once it is on L2
 FLAG_CHECKSUM = 2  # request: the checksum field is set; verify the payload against it
 FLAG_EXISTED = 1  # response: the put's key already held these bytes
+# Request: sent by another member of the pool (kvd.cluster.peer_bulk); the
+# daemon answers it from what it holds and never asks a peer in turn. Bit 2
+# is the shm socket's DEADLINE (kvd.wire.shm).
+FLAG_HOP = 8
 
 TOKEN_BYTES_MAX = 4096
 MESSAGE_BYTES_MAX = 1024

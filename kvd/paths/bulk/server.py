@@ -32,6 +32,9 @@ same order, so a client may pipeline many requests on one connection.
   a connection whose token is unknown is answered UNAUTHENTICATED and
   closed, and each PUT/GET on a namespace the token does not name is
   answered PERMISSION_DENIED. The token is checked once per connection.
+- Pool peers: a GET with ``FLAG_HOP`` comes from another member
+  (``kvd.cluster.peer_bulk``) and is answered from this daemon alone
+  (``kvd.cluster.scope``), never sent on to a third.
 - Bad input (wrong magic or version, a field over its limit, a frame that
   does not complete within ``bulk_frame_timeout_ms``, EOF inside a frame)
   closes the connection with a logged reason. Expected failures of one
@@ -61,6 +64,7 @@ import termios
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvd.cluster import scope
 from kvd.paths.bulk.admission import Admission, Slot
 from kvd.paths.ops.calls import refused
 from kvd.store.index import PutResult, PutTicket, Reader
@@ -74,6 +78,7 @@ from kvd.wire.bulk import (
     FLAG_CHECKSUM,
     FLAG_DURABLE,
     FLAG_EXISTED,
+    FLAG_HOP,
     MESSAGE_BYTES_MAX,
     NAME_BY_CODE,
     OP_GET,
@@ -416,7 +421,11 @@ class _Connection:
         rid = request.request_id
         try:
             self._authorize(ns)
-            reader = await self.values.fetch("bulk_get", ns, key)
+            if request.flags & FLAG_HOP:  # a pool member's read: from here alone
+                with scope.as_hop():
+                    reader = await self.values.fetch("bulk_get", ns, key)
+            else:
+                reader = await self.values.fetch("bulk_get", ns, key)
         except KvdError as exc:
             code = refused(self.server.metrics, "bulk_get", exc)
             await self._answer(encode_response(OP_GET, rid, code, message=str(exc)))

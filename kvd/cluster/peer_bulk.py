@@ -1,0 +1,233 @@
+"""Connections to the members' bulk TCP ports (docs/bulk-protocol.md), for
+value reads between daemons of the pool: the peer side of
+``kvd.paths.bulk.server``, speaking the same frames (``kvd.wire.bulk``).
+
+A read is one GET frame with ``FLAG_HOP`` (the owner answers from what it
+holds, never asking a third member); its answer's header says the size,
+meta and checksum, then the value's bytes are received straight into the
+views the caller gives (``kvd.cluster.peer_reads``: the reserved pool pages
+of a put), hashed as they land.
+
+Connections are opened on first use (HELLO with the pool token), kept per
+member for the next read, and bounded: at most ``CONNECTIONS_MAX`` per
+member in use at once (a caller past it waits, within its own timeout), at
+most ``IDLE_MAX`` kept idle. A connection is put back only after a whole
+answer was read; one that failed, timed out or was cancelled mid-answer is
+closed, so a late byte can never be read as the next answer's.
+
+Every failure is a ``PeerError`` with its kind: a peer answering another
+protocol version is ``version`` (and logged by the caller), a connection
+that ends inside the value is ``short``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvd.cluster.peers import PeerError
+from kvd.wire.bulk import (
+    CODE_NOT_FOUND,
+    CODE_OK,
+    FLAG_HOP,
+    MESSAGE_BYTES_MAX,
+    OP_GET,
+    OP_HELLO,
+    RESPONSE,
+    RESPONSE_MAGIC,
+    VERSION,
+    encode_request,
+)
+from kvd.wire.checksum import Hasher
+from kvd.wire.errors import CODE_NAMES
+from kvd.wire.limits import META_BYTES_MAX
+
+# Reads in flight to one member at once, each on its own connection: the
+# router keeps up to 32 peer reads in flight per batch (FETCH_PARALLEL_MAX);
+# 8 connections of 4 MiB reads fill a 25 Gb/s link at ~1 ms per read, and
+# each costs the member one of its bulk_max_connections_per_peer (64).
+CONNECTIONS_MAX = 8
+# Idle connections kept per member for the next reads.
+IDLE_MAX = 8
+
+
+@dataclass(frozen=True)
+class BulkAnswer:
+    """A GET answer's header: the value's size, meta and checksum."""
+
+    size: int
+    meta: bytes
+    checksum: int
+
+
+class BulkConnection:
+    """One connection to a member's bulk port, past its HELLO."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self._ids = itertools.count(1)
+        self.reusable = False  # set once an answer was read in full
+
+    @classmethod
+    async def connect(cls, host: str, port: int, token: str) -> BulkConnection:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, (host, port))
+            except OSError as exc:
+                raise PeerError(
+                    f"bulk {host}:{port}: {exc.strerror or exc}", "unreachable"
+                ) from None
+            connection = cls(sock)
+            payload = token.encode()
+            await connection._send(encode_request(OP_HELLO, 0, length=len(payload)) + payload)
+            code, _, message, _ = await connection._answer(OP_HELLO, 0)
+            if code != CODE_OK:
+                kind = "auth" if CODE_NAMES.get(code) == "UNAUTHENTICATED" else "refused"
+                raise PeerError(f"bulk {host}:{port}: HELLO refused: {message}", kind)
+        except BaseException:
+            sock.close()
+            raise
+        return connection
+
+    def close(self) -> None:
+        self.sock.close()
+
+    async def get(self, namespace: str, key: bytes, max_value_bytes: int) -> BulkAnswer | None:
+        """Ask for a value; its header, or None when the member does not hold
+        it. The value's bytes follow: ``receive`` them before anything else."""
+        self.reusable = False
+        rid = next(self._ids)
+        await self._send(encode_request(OP_GET, rid, namespace.encode(), key, flags=FLAG_HOP))
+        code, meta, message, answer = await self._answer(OP_GET, rid)
+        if code == CODE_NOT_FOUND:
+            self.reusable = True
+            return None
+        if code != CODE_OK:
+            self.reusable = True
+            kind = "auth" if CODE_NAMES.get(code) == "PERMISSION_DENIED" else "refused"
+            raise PeerError(f"bulk GET refused: {CODE_NAMES.get(code, code)} {message}", kind)
+        size = answer[0]
+        if size > max_value_bytes:
+            raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
+        return BulkAnswer(size, meta, answer[1])
+
+    async def receive(self, views: list[memoryview], hasher: Hasher) -> None:
+        """The value's bytes, straight into ``views`` (their total is its size)."""
+        total = sum(len(v) for v in views)
+        got = 0
+        for view in views:
+            got += await self._recv_into(view, hasher, got, total)
+        self.reusable = True
+
+    async def _send(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def _answer(self, op: int, rid: int) -> tuple[int, bytes, str, tuple[int, int]]:
+        """(code, meta, message, (length, checksum)) of the next answer."""
+        header = bytearray(RESPONSE.size)
+        await self._recv_into(memoryview(header), None, 0, RESPONSE.size)
+        magic, version, got_op, _, got_rid, code, meta_len, msg_len, length, checksum = (
+            RESPONSE.unpack(header)
+        )
+        if magic != RESPONSE_MAGIC:
+            raise PeerError(f"bulk answer with bad magic {bytes(magic)!r}", "protocol")
+        if version != VERSION:
+            raise PeerError(
+                f"bulk protocol version {version}, this daemon speaks {VERSION}", "version"
+            )
+        if got_op != op or got_rid != rid:
+            raise PeerError(f"bulk answer to op {got_op} #{got_rid}, asked {op} #{rid}", "protocol")
+        if meta_len > META_BYTES_MAX or msg_len > MESSAGE_BYTES_MAX:
+            raise PeerError("bulk answer's meta or message over its limit", "protocol")
+        tail = bytearray(meta_len + msg_len)
+        if tail:
+            await self._recv_into(memoryview(tail), None, 0, len(tail))
+        message = tail[meta_len:].decode("utf-8", "replace")
+        return code, bytes(tail[:meta_len]), message, (length, checksum)
+
+    async def _recv_into(
+        self, view: memoryview, hasher: Hasher | None, before: int, total: int
+    ) -> int:
+        pos, size = 0, len(view)
+        while pos < size:
+            try:
+                n = self.sock.recv_into(view[pos:])
+            except BlockingIOError:
+                n = await self.loop.sock_recv_into(self.sock, view[pos:])
+            if n == 0:
+                raise PeerError(
+                    f"bulk connection ended after {before + pos} of {total} bytes", "short"
+                )
+            if hasher is not None:
+                hasher.update(view[pos : pos + n])
+            pos += n
+        return size
+
+
+class BulkPeers:
+    """The bulk connections of this daemon to each member, bounded per member."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+        self._idle: dict[str, list[BulkConnection]] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}
+
+    @contextlib.asynccontextmanager
+    async def connection(self, member: str, host: str, port: int) -> AsyncIterator[BulkConnection]:
+        """A connection to ``member``'s bulk port at ``host:port`` for one read;
+        kept for the next if the read ended cleanly, else closed."""
+        slots = self._slots.setdefault(member, asyncio.Semaphore(CONNECTIONS_MAX))
+        async with slots:
+            connection = self._take_idle(member)
+            if connection is None:
+                connection = await BulkConnection.connect(host, port, self._token)
+            try:
+                yield connection
+            except BaseException:
+                connection.close()
+                raise
+            kept = self._idle.setdefault(member, [])
+            if connection.reusable and len(kept) < IDLE_MAX and member in self._slots:
+                kept.append(connection)
+            else:
+                connection.close()
+
+    def _take_idle(self, member: str) -> BulkConnection | None:
+        """An idle connection the member has not closed meanwhile (its
+        bulk_idle_timeout_ms, a restart): one with EOF or an error waiting is
+        dropped here, not found broken by the next read."""
+        idle = self._idle.get(member)
+        while idle:
+            connection = idle.pop()
+            try:  # EOF, or a byte no read asked for (out of step): dropped
+                connection.sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return connection  # nothing waiting: alive
+            except OSError:
+                pass
+            connection.close()
+        return None
+
+    def forget(self, member: str) -> None:
+        """Close the idle connections to ``member`` (it left, or its port changed)."""
+        for connection in self._idle.pop(member, []):
+            connection.close()
+
+    def retain(self, members: tuple[str, ...]) -> None:
+        for member in [m for m in self._idle if m not in members]:
+            self.forget(member)
+        for member in [m for m in self._slots if m not in members]:
+            del self._slots[member]
+
+    def close(self) -> None:
+        for member in list(self._idle):
+            self.forget(member)

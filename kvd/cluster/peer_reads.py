@@ -1,0 +1,243 @@
+"""A value read from its owner into this daemon's L1, over the transport
+each member offers, and the per-peer traffic the metrics show.
+
+Transports (``pool_peer_transport``, the name -> way table is ``TRANSPORTS``):
+
+- ``bulk``: the owner's bulk TCP port (``kvd.cluster.peer_bulk``), which its
+  DescribePaths names (asked once per member, then cached; forgotten when a
+  read from it fails, so a restarted member is asked again). The answer's
+  header gives the size, meta and checksum; pages are reserved for it as a
+  put (``Store.begin_put``) and the bytes are received straight into them,
+  hashed as they land, and published only if they match the owner's
+  checksum (``Store.publish_now``; else the pages go back, DATA_LOSS → a
+  ``checksum`` peer error). No Python ``bytes`` per value.
+- ``nixl``: a one-sided NIXL/UCX read into the same reserved pages
+  (``kvd.cluster.nixl_reads``) where NIXL imports and starts and the owner
+  offers it; ``auto`` picks it then, else bulk.
+- ``grpc``: the owner's gRPC Get (1 MiB messages, joined, then stored), as
+  for a member that has no bulk port (``bulk_port`` 0) or no DescribePaths.
+
+A member whose DescribePaths names a bulk protocol version other than this
+daemon's is refused (a ``version`` peer error, logged by the router, and
+asked again once it comes back from being skipped).
+
+Whatever the transport, the read is bounded by the time it is given (a
+timeout is a ``timeout`` peer error); a read cancelled or failed half-way
+gives its pages back (``Store.abort_put``) and closes its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from kvd.cluster import scope
+from kvd.cluster.peer_bulk import BulkConnection, BulkPeers
+from kvd.cluster.peers import PeerError, PeerPaths, Peers
+from kvd.config.addresses import parse_address
+from kvd.store.index import PutResult
+from kvd.store.store import Store
+from kvd.wire.bulk import VERSION as BULK_VERSION
+from kvd.wire.checksum import Hasher, checksum
+from kvd.wire.errors import DataLoss, KvdError
+
+log = logging.getLogger("kvd.cluster")
+
+# The settings' choices of pool_peer_transport (kvd.config.settings).
+TRANSPORTS = ("auto", "nixl", "bulk", "grpc")
+
+# What a read ended in, beside a PeerError.
+HIT = "hit"  # the value is now in local L1
+MISS = "miss"  # the owner does not hold it
+NOT_KEPT = "not_kept"  # the owner sent it, this daemon could not keep it (L1 full, a conflict)
+
+
+@dataclass
+class PeerTraffic:
+    """Per member: value reads and their bytes by transport, failures by kind.
+    Members only (entries of a member that left are dropped), so the label
+    sets stay as small as the pool."""
+
+    calls: dict[tuple[str, str], int] = field(default_factory=dict)
+    bytes_in: dict[tuple[str, str], int] = field(default_factory=dict)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def called(self, member: str, transport: str, nbytes: int) -> None:
+        key = (member, transport)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.bytes_in[key] = self.bytes_in.get(key, 0) + nbytes
+
+    def failed(self, member: str, kind: str) -> None:
+        key = (member, kind)
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    def retain(self, members: tuple[str, ...]) -> None:
+        for table in (self.calls, self.bytes_in, self.errors):
+            for key in [k for k in table if k[0] not in members]:
+                del table[key]
+
+    def rows(self) -> dict[str, tuple[str, tuple[str, ...], list[tuple[tuple[str, ...], int]]]]:
+        """metric name -> (help, label names, [(label values, value)]), for the collector."""
+        return {
+            "kvd_cluster_peer_reads": (
+                "Value reads from each member, by transport",
+                ("peer", "transport"),
+                list(self.calls.items()),
+            ),
+            "kvd_cluster_peer_read_bytes": (
+                "Value bytes read from each member, by transport",
+                ("peer", "transport"),
+                list(self.bytes_in.items()),
+            ),
+            "kvd_cluster_peer_call_errors": (
+                "Failed calls to each member, by kind (each a miss)",
+                ("peer", "kind"),
+                list(self.errors.items()),
+            ),
+        }
+
+
+class PeerReads:
+    """Reads of values from their owners into local L1, over ``transport``."""
+
+    def __init__(self, store: Store, peers: Peers, bulk: BulkPeers, transport: str) -> None:
+        assert transport in TRANSPORTS, transport
+        self.store = store
+        self.peers = peers
+        self.bulk = bulk
+        self.asked = transport
+        self.transport = "bulk" if transport in ("auto", "nixl") else transport
+        self.traffic = PeerTraffic()
+        self._paths: dict[str, PeerPaths] = {}
+        self._grpc_logged: set[str] = set()
+
+    def describe(self) -> str:
+        """The transport in use and, where it differs, the one asked for."""
+        if self.asked in (self.transport, "auto"):
+            return self.transport
+        return f"{self.transport} ({self.asked} asked)"
+
+    def retain(self, members: tuple[str, ...]) -> None:
+        for member in [m for m in self._paths if m not in members]:
+            del self._paths[member]
+        self.bulk.retain(members)
+        self.traffic.retain(members)
+
+    def close(self) -> None:
+        self.bulk.close()
+
+    async def read(self, member: str, namespace: str, key: bytes, timeout_s: float) -> str:
+        """Bring ``key``'s value from ``member`` into L1 within ``timeout_s``:
+        ``HIT``, ``MISS`` or ``NOT_KEPT``; any failure is a ``PeerError``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                way = await self._way(member, timeout_s)
+                if way is None:
+                    return await self._read_grpc(member, namespace, key, timeout_s)
+                return await self._read_bulk(member, way, namespace, key)
+        except TimeoutError:
+            self._paths.pop(member, None)
+            raise PeerError(
+                f"{member}: value read took more than {timeout_s * 1000:.0f} ms", "timeout"
+            ) from None
+        except PeerError:
+            self._paths.pop(member, None)  # asked again: it may have restarted elsewhere
+            raise
+
+    async def _way(self, member: str, timeout_s: float) -> tuple[str, int] | None:
+        """The member's bulk address, or None to read over gRPC."""
+        if self.transport == "grpc":
+            return None
+        paths = self._paths.get(member)
+        if paths is None:
+            paths = await self.peers.describe(member, timeout_s)
+            if paths.bulk_port and paths.bulk_version != BULK_VERSION:
+                raise PeerError(
+                    f"{member}: speaks bulk protocol version {paths.bulk_version}, "
+                    f"this daemon speaks {BULK_VERSION}; refused",
+                    "version",
+                )
+            self._paths[member] = paths
+        if not paths.bulk_port:
+            if member not in self._grpc_logged:
+                self._grpc_logged.add(member)
+                log.warning(
+                    "peer has no bulk TCP port; its values are read over gRPC",
+                    extra={"peer": member},
+                )
+            return None
+        host, _ = parse_address(member)
+        return host, paths.bulk_port
+
+    async def _read_bulk(
+        self, member: str, way: tuple[str, int], namespace: str, key: bytes
+    ) -> str:
+        async with self.bulk.connection(member, *way) as connection:
+            answer = await connection.get(namespace, key, self.store.limits.max_value_bytes)
+            if answer is None:
+                self.traffic.called(member, "bulk", 0)
+                return MISS
+            outcome = await self._land(member, namespace, key, answer.size, answer.meta,
+                                       answer.checksum, connection)  # fmt: skip
+            self.traffic.called(member, "bulk", answer.size)
+            return outcome
+
+    async def _land(
+        self,
+        member: str,
+        namespace: str,
+        key: bytes,
+        size: int,
+        meta: bytes,
+        sum_sent: int,
+        connection: BulkConnection,
+    ) -> str:
+        """Reserve pages for the value, receive it into them, publish it if
+        its bytes match ``sum_sent``; the pages go back on any failure."""
+        with scope.as_hop():  # the owner has it: not handed back
+            try:
+                ticket = await self.store.begin_put(namespace, key, size, meta, None, sum_sent)
+            except KvdError as error:
+                _not_kept(member, error)
+                return NOT_KEPT  # the connection, its value unread, is closed
+            if isinstance(ticket, PutResult):
+                return HIT  # stored here meanwhile, with these bytes
+            try:
+                hasher = Hasher()
+                await connection.receive(ticket.views, hasher)
+                try:
+                    self.store.publish_now(ticket, hasher.value())
+                except DataLoss:
+                    raise PeerError(
+                        f"{member}: value of {size} bytes failed its checksum", "checksum"
+                    ) from None
+                except KvdError as error:
+                    _not_kept(member, error)
+                    return NOT_KEPT
+            finally:
+                self.store.abort_put(ticket)  # a no-op once published
+        return HIT
+
+    async def _read_grpc(self, member: str, namespace: str, key: bytes, timeout_s: float) -> str:
+        value = await self.peers.get(member, namespace, key, timeout_s)
+        self.traffic.called(member, "grpc", len(value.data) if value is not None else 0)
+        if value is None:
+            return MISS
+        if checksum(value.data) != value.checksum:
+            raise PeerError(
+                f"{member}: value of {len(value.data)} bytes failed its checksum", "checksum"
+            )
+        try:
+            with scope.as_hop():  # the owner has it: not handed back
+                await self.store.put(
+                    namespace, key, value.data, value.meta, None, value.checksum, hasher=checksum
+                )
+        except KvdError as error:
+            _not_kept(member, error)
+            return NOT_KEPT
+        return HIT
+
+
+def _not_kept(member: str, error: KvdError) -> None:
+    log.info("peer value not kept in L1", extra={"peer": member, "error": str(error)})
