@@ -331,7 +331,8 @@ class Config:
     pool_members: str = _setting(
         "",
         help="where the pool's members come from: static:HOST:PORT,... or "
-        "etcd://HOST:PORT[,HOST:PORT]/PREFIX; empty: a single-node daemon",
+        "etcd://HOST:PORT[,HOST:PORT]/PREFIX or dns://NAME:PORT (a headless Service); "
+        "empty: a single-node daemon",
         check=check_pool_members,
     )
     pool_advertise: str = _setting(
@@ -363,6 +364,61 @@ class Config:
         "(whole seconds, rounded up)",
         min=2_000,
         max=3_600_000,
+    )
+
+    pool_dns_server: str = _setting(
+        "",
+        help="DNS server HOST:PORT a dns:// pool_members asks; empty: the servers in "
+        "/etc/resolv.conf",
+        check=check_address_or_empty,
+    )
+    pool_dns_refresh_ms: int = _setting(
+        5_000,
+        help="how often a dns:// pool_members name is resolved again (a member gone leaves "
+        "within it plus the record's TTL)",
+        min=100,
+        max=600_000,
+    )
+
+    # KV events in vLLM's format for KV-aware routers (docs/pool.md).
+    kv_events_endpoint: str = _setting(
+        "",
+        help="ZMQ PUB endpoint of the KV events: tcp://*:PORT binds, tcp://HOST:PORT connects "
+        "to a subscriber that binds (vLLM's rule); empty: no events",
+    )
+    kv_events_replay_endpoint: str = _setting(
+        "",
+        help="ZMQ ROUTER endpoint (bound) that answers a start sequence number with the "
+        "batches still buffered; empty: no replay",
+    )
+    kv_events_topic: str = _setting(
+        "",
+        help="topic of every event message (llm-d's indexer reads kv@<pod>@<model>)",
+    )
+    kv_events_encoding: str = _setting(
+        "map",
+        help="each event as a map of named fields (vLLM today) or a positional array "
+        "(older vLLM and its consumers)",
+        choices=("map", "array"),
+    )
+    kv_events_block_size: int = _setting(
+        0,
+        help="tokens per block the engines store, sent as BlockStored.block_size; 0: unknown",
+        min=0,
+        max=1 << 20,
+    )
+    kv_events_queue_batches: int = _setting(
+        1_024,
+        help="event batches waiting for the sender thread; past it a batch is dropped "
+        "(kvd_kv_events_dropped), never waited for",
+        min=1,
+        max=100_000,
+    )
+    kv_events_replay_batches: int = _setting(
+        1_000,
+        help="sent event batches kept for replay (a batch is at most 256 events, ~28 KiB)",
+        min=1,
+        max=1_000_000,
     )
 
     def __post_init__(self) -> None:

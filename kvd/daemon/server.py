@@ -31,6 +31,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
+from kvd.cluster.events import (
+    KV_EVENTS_COUNTERS,
+    KV_EVENTS_GAUGES,
+    KvEventPublisher,
+    start_kv_events,
+)
 from kvd.cluster.node import POOL_COUNTERS, POOL_GAUGES, PoolNode, start_pool
 from kvd.config.addresses import is_loopback_host, parse_address
 from kvd.config.rules import l2_capacity_warning
@@ -172,6 +178,7 @@ class Daemon:
         self._server: Any = None
         self.fast_paths: FastPaths | None = None
         self.pool_node: PoolNode | None = None
+        self.kv_events: KvEventPublisher | None = None
         self._stopping = asyncio.Event()
         self.port = 0
         self.metrics_port = 0
@@ -200,6 +207,12 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
+        # Before recovery: the L2 records it finds are announced as KV events.
+        self.kv_events = start_kv_events(cfg, self.store)
+        if self.kv_events is not None:
+            self.metrics.add_collector(
+                SnapshotCollector(self.kv_events.stats, KV_EVENTS_GAUGES, KV_EVENTS_COUNTERS)
+            )
         recovered = await self.l2.recover() if self.l2 is not None else 0
         self.store.start()
         # Room for the largest value's framing on top of max_message_bytes.
@@ -287,6 +300,7 @@ class Daemon:
                 "auth": f"{self.auth.token_count} tokens" if self.auth is not None else "off",
                 "tls": self.tls.mode if self.tls is not None else "off",
                 "pool": len(self.pool_node.membership.members) if self.pool_node else 0,
+                "kv_events": cfg.kv_events_endpoint,
                 "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
             },
         )
@@ -362,6 +376,8 @@ class Daemon:
             self.l2.close()
             self.l2.io.close()
             self.l2.devices.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.metrics.close()
         if self.config.socket:
             with contextlib.suppress(FileNotFoundError):

@@ -82,6 +82,8 @@ class L2Tier:
         self._io_done = asyncio.Event()
         self._buffers: list[AlignedBuffer] = []
         self.on_drop: Callable[[L2Record], None] = lambda record: None
+        # Told of each record indexed (True) and forgotten (False): the pool's KV events.
+        self.on_record: Callable[[L2Record, bool], None] | None = None
         self.used_bytes = 0
         self.namespace_bytes: dict[str, int] = {}
         self._by_namespace: dict[str, dict[bytes, L2Record]] = {}
@@ -195,6 +197,8 @@ class L2Tier:
             self.namespace_bytes.get(record.namespace, 0) + record_bytes
         )
         self._by_namespace.setdefault(record.namespace, {})[record.key] = record
+        if self.on_record is not None:
+            self.on_record(record, True)
 
     async def _write(self, segment: int, offset: int, views: Sequence[memoryview]) -> None:
         """Every L2 write (records, segment markers, tombstones); failures are counted here."""
@@ -302,6 +306,8 @@ class L2Tier:
         key = (record.namespace, record.key)
         if self.index.get(key) is record:
             del self.index[key]
+            if self.on_record is not None:
+                self.on_record(record, False)
         segment = self.segments[record.segment]
         if segment.records.get(key) is record:
             del segment.records[key]

@@ -47,6 +47,9 @@ class Entries:
         self._by_id: dict[int, Namespace] = {}
         self._ids = itertools.count(1)
         self.count = 0
+        # Told of each value linked into and unlinked from L1 (the pool's KV events).
+        self.on_link: Callable[[Entry], None] | None = None
+        self.on_unlink: Callable[[Entry], None] | None = None
 
     # ---- namespaces and lookups ----------------------------------------------
     def namespace(self, name: str) -> Namespace:
@@ -77,6 +80,8 @@ class Entries:
         self.count += 1
         parent_pk = (ns.id, entry.parent) if entry.parent else None
         self.policy.insert((ns.id, entry.key), parent_pk)
+        if self.on_link is not None:
+            self.on_link(entry)
 
     def unlink(self, entry: Entry) -> None:
         """Remove from L1; free the pages unless a reader still holds them."""
@@ -86,6 +91,8 @@ class Entries:
         self.count -= 1
         entry.linked = False
         self.policy.remove((ns.id, entry.key))
+        if self.on_unlink is not None:
+            self.on_unlink(entry)
         if entry.readers == 0:
             self.pool.free(entry.runs)
             entry.runs = []
