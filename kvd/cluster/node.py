@@ -23,6 +23,7 @@ from kvd.config.settings import Config, ConfigError
 from kvd.store.store import Store
 
 if TYPE_CHECKING:
+    from kvd.cluster.dns_source import DnsMembers
     from kvd.cluster.etcd import EtcdMembers
 
 log = logging.getLogger("kvd.cluster")
@@ -80,11 +81,16 @@ class PoolNode:
     """This daemon's membership, its source and the router."""
 
     def __init__(
-        self, membership: Membership, router: PoolRouter, etcd: EtcdMembers | None
+        self,
+        membership: Membership,
+        router: PoolRouter,
+        etcd: EtcdMembers | None,
+        dns: DnsMembers | None = None,
     ) -> None:
         self.membership = membership
         self.router = router
         self.etcd = etcd
+        self.dns = dns
 
     def stats(self) -> dict[str, int]:
         values = self.router.stats()
@@ -95,6 +101,8 @@ class PoolNode:
         """Leave the membership (etcd revokes this daemon's key); first at shutdown."""
         if self.etcd is not None:
             await self.etcd.stop()
+        if self.dns is not None:
+            await self.dns.stop()
 
     async def close(self) -> None:
         """Stop the router, once no RPC is in flight."""
@@ -150,8 +158,21 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000)
     router.start()
     etcd: EtcdMembers | None = None
+    dns: DnsMembers | None = None
     if spec.kind == "static":
         membership.update(spec.members, "pool_members")
+    elif spec.kind == "dns":
+        from kvd.cluster.dns_source import DnsMembers  # dnspython loads only for a DNS pool
+
+        try:
+            dns = DnsMembers(spec, membership, config.pool_dns_server,
+                             config.pool_dns_refresh_ms / 1000)  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(
+                f"pool_dns_server: {config.pool_dns_server} is not IP:PORT ({exc})",
+                key="pool_dns_server",
+            ) from None
+        await dns.start()
     else:
         from kvd.cluster.etcd import EtcdMembers  # aetcd loads only for an etcd pool
 
@@ -167,4 +188,4 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
             "peer_transport": reads.describe(),
         },
     )
-    return PoolNode(membership, router, etcd)
+    return PoolNode(membership, router, etcd, dns)

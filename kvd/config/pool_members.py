@@ -4,12 +4,15 @@
 - ``static:HOST:PORT,HOST:PORT,...``: a fixed list (systemd fleets, tests).
 - ``etcd://HOST:PORT[,HOST:PORT...]/PREFIX``: each daemon registers
   ``PREFIX/members/<advertise>`` under a lease and watches the prefix.
+- ``dns://NAME:PORT``: the A/AAAA records of ``NAME`` (a Kubernetes headless
+  Service), each ``ADDRESS:PORT``, resolved again every few seconds.
 
 Members are gRPC addresses (the peers' ``listen``); IPv6 hosts in brackets.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvd.config.addresses import parse_address
@@ -18,15 +21,18 @@ from kvd.config.addresses import parse_address
 # one hash per member per key (kvd/cluster/rendezvous.py).
 MEMBERS_MAX = 1024
 ENDPOINTS_MAX = 16
+# RFC 1035: labels of letters, digits and hyphens (underscores too, as
+# Kubernetes' service names allow), 253 characters in all.
+_DNS_NAME = re.compile(r"(?=.{1,253}\.?$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?\.?)+")
 
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """A parsed ``pool_members``: ``kind`` is ``static`` or ``etcd``."""
+    """A parsed ``pool_members``: ``kind`` is ``static``, ``etcd`` or ``dns``."""
 
     kind: str
     members: tuple[str, ...] = ()  # static: as written, duplicates kept (membership logs them)
-    endpoints: tuple[tuple[str, int], ...] = ()  # etcd
+    endpoints: tuple[tuple[str, int], ...] = ()  # etcd; dns: the one (name, port)
     prefix: str = ""  # etcd, without a trailing /
 
 
@@ -62,4 +68,9 @@ def parse_spec(text: str) -> PoolSpec | None:
         if not endpoints or len(endpoints) > ENDPOINTS_MAX:
             raise ValueError(f"{text!r}: name 1 to {ENDPOINTS_MAX} etcd endpoints")
         return PoolSpec("etcd", endpoints=endpoints, prefix="/" + prefix)
-    raise ValueError(f"{text!r}: pool_members starts with static: or etcd://")
+    if text.startswith("dns://"):
+        name, port = parse_address(text[len("dns://") :])
+        if not _DNS_NAME.fullmatch(name) or port == 0:
+            raise ValueError(f"{text!r}: write dns://NAME:PORT (a DNS name and the gRPC port)")
+        return PoolSpec("dns", endpoints=((name.rstrip("."), port),))
+    raise ValueError(f"{text!r}: pool_members starts with static:, etcd:// or dns://")
