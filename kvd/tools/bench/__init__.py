@@ -190,6 +190,35 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool(args: argparse.Namespace) -> int:
+    from kvd.config.sizes import parse_size
+    from kvd.tools.bench import pool, pool_report
+
+    options = pool.Options(
+        values=args.values, value_bytes=parse_size(args.value_bytes), chain_keys=args.chain_keys,
+        lookups=args.lookups, requests=args.requests, capacity_fraction=args.capacity_fraction,
+        netns=not args.loopback, transports=tuple(args.transports),
+    )  # fmt: skip
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-pool-") as tmp:
+        result = pool.run(options, Path(tmp), Path(args.trace), _progress)
+    if result["where"] != "network namespaces":
+        _progress(f"pool: members ran on {result['where']}, not in network namespaces")
+    rows = pool_report.targets(result)
+    table = pool_report.markdown(result, rows)
+    data = {
+        "suite": "pool",
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - started, 1),
+        **result,
+        "targets": rows,
+    }
+    path = write_results("pool", data, table, Path(args.out))
+    print(table)
+    print(f"\nraw: {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd bench", description=__doc__)
     parser.add_argument("--out", default=str(RESULTS_DIR), help="results directory")
@@ -252,7 +281,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="conversation trace for the multi-turn run",
     )
     engine_cmd.add_argument("--turns", type=int, default=24, help="multi-turn requests; 0: none")
+    pool_cmd = sub.add_parser(
+        "pool", help="the pool across nodes: remote gets, hit ratio, placement, chain lookups"
+    )
+    pool_cmd.add_argument("--values", type=int, default=32, help="values read from a peer")
+    pool_cmd.add_argument("--value-bytes", default="4MiB", help="size of each")
+    pool_cmd.add_argument("--chain-keys", type=int, default=1000, help="keys of the chain")
+    pool_cmd.add_argument("--lookups", type=int, default=200, help="timed lookups of it")
+    pool_cmd.add_argument("--trace", default=str(CONVERSATION_TRACE), help="trace to replay")
+    pool_cmd.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
+    pool_cmd.add_argument(
+        "--capacity-fraction", type=float, default=0.05,
+        help="total L1 as a share of the trace's unique blocks",
+    )  # fmt: skip
+    pool_cmd.add_argument(
+        "--transports", nargs="*", default=[], help="peer transports (default: every one)"
+    )
+    pool_cmd.add_argument(
+        "--loopback", action="store_true", help="members on loopback, not in network namespaces"
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.suite == "pool":
+        return _pool(args)
     if args.suite == "engine":
         return _engine(args)
     if args.suite == "paths":

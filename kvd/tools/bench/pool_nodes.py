@@ -172,21 +172,7 @@ class Pool:
 
     def _start_all(self) -> None:
         """Start the members at once (each waits for its start-up line)."""
-        failures: list[BaseException] = []
-
-        def start(member: Member) -> None:
-            try:
-                member.start()
-            except BaseException as exc:  # re-raised below
-                failures.append(exc)
-
-        threads = [threading.Thread(target=start, args=(m,)) for m in self.members]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
+        _each(self.members, Member.start)
 
     @property
     def where(self) -> str:
@@ -207,7 +193,26 @@ class Pool:
         self.close()
 
     def close(self) -> None:
-        for member in self.members:
-            member.stop()
+        _each(self.members, Member.stop)
         if self.lab is not None:
             self.lab.close()
+
+
+def _each(members: Sequence[Member], work: Callable[[Member], None]) -> None:
+    """``work`` on every member at once (a daemon takes a second or more to
+    start or stop); the first failure is raised once all are done."""
+    failures: list[BaseException] = []
+
+    def one(member: Member) -> None:
+        try:
+            work(member)
+        except BaseException as exc:  # re-raised below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=one, args=(m,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]

@@ -1,0 +1,372 @@
+"""``kvd bench pool``: the pool across nodes, each figure beside its
+reference measured in the same run.
+
+- **Remote get**: an engine on node A reads values that node B owns, through
+  A's daemon (its Unix socket and shared memory), once per peer transport the
+  daemon offers (``pool_peer_transport``); beside it the TCP ceiling between
+  the same two nodes (``kvd.tools.bench.pool_ceiling``). Each value is read
+  once (a second read is local: A keeps it in L1, reported beside).
+- **Hit ratio**: a trace replayed over 4 members (request i through member
+  i mod 4, as engines on different nodes) against one daemon of the same
+  total L1 capacity, both with ``kvd.tools.replay.run``'s requests.
+- **Keys moved on a join**: the trace's blocks placed over 4 members, then 5.
+- **Lookup of a chain** spread over 4 members, asked of a member that holds
+  only its own share, against one daemon that holds the whole chain.
+
+Members run in network namespaces when this is root (``kvd.tools.bench.netns``),
+on loopback otherwise (the report says which). No L2: the figures are the
+network's and the pool's, not the SSD's. Every value read is checked.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.client import Client
+from kvd.cluster.rendezvous import Placement
+from kvd.config.settings import SETTINGS_BY_NAME
+from kvd.tools.bench import pool_ceiling
+from kvd.tools.bench.daemon import SpawnedDaemon
+from kvd.tools.bench.pool_nodes import Pool, write_tokens
+from kvd.tools.replay.report import head
+from kvd.tools.replay.run import (
+    ReplayStats,
+    _request,
+    block_key,
+    block_value,
+    capacity_of,
+    dram_bytes_for,
+)
+from kvd.tools.replay.trace import Trace, load_trace
+
+MiB = 1 << 20
+MEMBERS = 4
+CEILING_RUNS = 3  # the ceiling is the best of three
+# Forwarded puts reach their owners in the background (4 in flight): a
+# 1,000-key chain lands within seconds; a bound, not a wait.
+SETTLE_S = 60.0
+CALL_TIMEOUT_S = 60.0
+# Peer calls may take 1 s here (the daemon's default is 200 ms): the bench
+# measures the pool's speed and hit ratio, not a loaded machine's timeouts.
+PEER_TIMEOUT_MS = 1000
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Options:
+    values: int = 32
+    value_bytes: int = 4 * MiB
+    chain_keys: int = 1000
+    lookups: int = 200
+    requests: int = 0  # 0: the whole trace
+    capacity_fraction: float = 0.05  # kvd bench replay's default
+    block_bytes: int = 64 * 1024
+    netns: bool = True
+    trace: str = ""
+    transports: tuple[str, ...] = ()  # () : every one the daemon offers
+
+
+def peer_transports() -> tuple[str, ...]:
+    """The choices of pool_peer_transport besides auto; ("",) when the daemon
+    has one transport and no such setting."""
+    setting = SETTINGS_BY_NAME.get("pool_peer_transport")
+    if setting is None or not setting.choices:
+        return ("",)
+    return tuple(choice for choice in setting.choices if choice != "auto")
+
+
+def _transport_used(log: list[str]) -> str:
+    for line in log:
+        found = re.search(r'pool joined.* peer_transport=("[^"]*"|\S+)', line)
+        if found:
+            return found.group(1).strip('"')
+    return "grpc"
+
+
+def _keys_owned(placement: Placement, owner: str, ns: str, prefix: str, count: int) -> list[bytes]:
+    """``count`` keys of ``ns`` that ``owner`` owns."""
+    keys: list[bytes] = []
+    i = 0
+    while len(keys) < count:
+        key = f"{prefix}-{i:06d}".encode()
+        if placement.owner(ns, key) == owner:
+            keys.append(key)
+        i += 1
+    return keys
+
+
+def tcp_ceiling(pool: Pool, options: Options) -> dict[str, Any]:
+    """Node B sends to node A over plain TCP: the best of CEILING_RUNS."""
+    lab = pool.lab
+    if lab is not None:
+        host = lab.nodes[0].address
+        runs = [
+            pool_ceiling.measure(
+                host, 0, options.value_bytes, options.values,
+                lambda argv: lab.command(0, argv), lambda argv: lab.command(1, argv),
+            )
+            for _ in range(CEILING_RUNS)
+        ]  # fmt: skip
+    else:
+        runs = [
+            pool_ceiling.measure(
+                "127.0.0.1", 0, options.value_bytes, options.values, list, list
+            )
+            for _ in range(CEILING_RUNS)
+        ]  # fmt: skip
+    best = max(runs, key=lambda run: run["bytes_per_s"])
+    return {**best, "runs_bytes_per_s": [run["bytes_per_s"] for run in runs]}
+
+
+def _timed_gets(client: Client, ns: str, keys: list[bytes], first: int,
+                value_bytes: int) -> tuple[list[float], int, int, int]:  # fmt: skip
+    """Each get into one shared buffer: its seconds, bytes got, wrong bytes, misses."""
+    buffer = client.buffer(value_bytes)
+    seconds: list[float] = []
+    moved = wrong = misses = 0
+    for i, key in enumerate(keys):
+        started = time.perf_counter()
+        got = client.get_into(ns, key, buffer)
+        seconds.append(time.perf_counter() - started)
+        if got is None:
+            misses += 1
+            continue
+        moved += got
+        if bytes(buffer[:got]) != block_value(first + i, value_bytes):
+            wrong += got
+    return seconds, moved, wrong, misses
+
+
+def remote_get(root: Path, transport: str, options: Options, progress: Progress,
+               ceiling: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Values owned by B read through A's daemon; measures the ceiling on the
+    first pool (its namespaces), appended to ``ceiling``."""
+    extra = ["--pool-peer-transport", transport] if transport else []
+    dram = f"{options.values * options.value_bytes * 2 + 64 * MiB}"
+    max_value = str(max(options.value_bytes, MiB))
+    with Pool(root / f"get-{transport or 'default'}", 2, extra, netns=options.netns,
+              peer_timeout_ms=PEER_TIMEOUT_MS,
+              dram=dram, max_value=max_value, ssd="") as pool:  # fmt: skip
+        if not ceiling:
+            progress(f"pool: TCP ceiling between two nodes ({pool.where})")
+            ceiling.append(tcp_ceiling(pool, options))
+        a, b = pool.members
+        used = _transport_used(a.running.log)
+        progress(f"pool: remote get, transport {transport or 'default'} (daemon says {used})")
+        ns = "bench-remote"
+        keys = _keys_owned(pool.placement(), b.address, ns, "v", options.values + 1)
+        with Client(b.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S) as put:
+            for i, key in enumerate(keys):
+                put.put(ns, key, block_value(i, options.value_bytes))
+        with Client(a.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S) as engine:
+            _timed_gets(engine, ns, keys[:1], 0, options.value_bytes)  # connections up
+            remote, moved, wrong, misses = _timed_gets(engine, ns, keys[1:], 1, options.value_bytes)
+            local, moved_local, wrong_local, _ = _timed_gets(
+                engine, ns, keys[1:], 1, options.value_bytes
+            )
+        return {
+            "transport_asked": transport or "default",
+            "transport_used": used,
+            "where": pool.where,
+            "values": options.values,
+            "value_bytes": options.value_bytes,
+            "bytes_per_s": moved / sum(remote),
+            "get_p50_ms": float(np.percentile(remote, 50)) * 1e3,
+            "get_p99_ms": float(np.percentile(remote, 99)) * 1e3,
+            "local_bytes_per_s": moved_local / sum(local),
+            "wrong_bytes": wrong + wrong_local,
+            "misses": misses,
+        }
+
+
+def _lookup_times(client: Client, ns: str, keys: list[bytes], count: int) -> list[float]:
+    seconds = []
+    for _ in range(count):
+        started = time.perf_counter()
+        found = client.lookup(ns, keys)
+        seconds.append(time.perf_counter() - started)
+        if found != len(keys):
+            raise RuntimeError(f"lookup found {found} of {len(keys)} keys")
+    return seconds
+
+
+def _wait_found(client: Client, ns: str, keys: list[bytes]) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while client.lookup(ns, keys) != len(keys):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the chain did not reach its owners within {SETTLE_S:.0f} s")
+        time.sleep(0.1)
+
+
+def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    p50, p99 = np.percentile(seconds, [50, 99]) * 1e3
+    return {"p50_ms": float(p50), "p99_ms": float(p99), "n": len(seconds)}
+
+
+def chain_lookup(root: Path, options: Options, progress: Progress) -> dict[str, Any]:
+    """A chain stored through member 0 (handed to its owners), looked up
+    through member 1, which holds only its own share; and through a single
+    daemon holding all of it."""
+    n = options.chain_keys
+    ns = "bench-chain"
+    keys = [f"chain-{i:05d}".encode() for i in range(n)]
+    items = [(key, key * 16) for key in keys]
+    dram = str(n * 64 * 1024 * 2 + 64 * MiB)  # a key takes one 64 KiB page
+    progress(f"pool: lookup of a {n}-key chain over {MEMBERS} members")
+    with Pool(
+        root / "lookup",
+        MEMBERS,
+        netns=options.netns,
+        dram=dram,
+        ssd="",
+        peer_timeout_ms=PEER_TIMEOUT_MS,
+    ) as pool:
+        token = pool.token
+        with Client(pool.members[0].socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
+            c.put_many(ns, items, chained=True)
+        with Client(pool.members[1].socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
+            _wait_found(c, ns, keys)
+            spread = _lookup_times(c, ns, keys, options.lookups)
+            peer_errors = pool.members[1].metric("kvd_cluster_peer_errors_total")
+        where = pool.where
+        owners = len(set(pool.placement().owners(ns, keys)))
+        owns = len(pool.owned_by(1, ns, keys))
+    progress("pool: the same lookup on a single daemon")
+    single = root / "lookup-single"
+    single.mkdir(parents=True)
+    token, auth = write_tokens(single)
+    daemon = SpawnedDaemon(single, auth, dram=dram, ssd="")
+    try:
+        with Client(daemon.socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
+            c.put_many(ns, items, chained=True)
+            alone = _lookup_times(c, ns, keys, options.lookups)
+    finally:
+        daemon.stop()
+    return {
+        "keys": n,
+        "owners": owners,
+        "asked_member_owns": owns,
+        "peer_errors": peer_errors,
+        "where": where,
+        "pool": _percentiles_ms(spread),
+        "single": _percentiles_ms(alone),
+    }
+
+
+def _replay(clients: list[Client], trace: Trace, block_bytes: int) -> ReplayStats:
+    """Request i through clients[i mod len], in trace order."""
+    stats = ReplayStats()
+    started = time.perf_counter()
+    for index in range(len(trace)):
+        _request(clients[index % len(clients)], "replay", trace, index, block_bytes, stats)
+    stats.elapsed_s = time.perf_counter() - started
+    return stats
+
+
+def _replay_figures(stats: ReplayStats) -> dict[str, Any]:
+    return {
+        "requests": stats.requests,
+        "block_refs": stats.block_refs,
+        "block_hits": stats.block_hits,
+        "block_hit_ratio": stats.block_hits / stats.block_refs if stats.block_refs else 0.0,
+        "lost_after_lookup": stats.lost_after_lookup,
+        "wrong_blocks": stats.wrong_blocks,
+        "seconds": round(stats.elapsed_s, 1),
+    }
+
+
+def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) -> dict[str, Any]:
+    """The trace over MEMBERS members of capacity C/MEMBERS each, and over one
+    daemon of capacity C."""
+    unique = len(set(trace.blocks.tolist()))
+    per_member = max(1, int(unique * options.capacity_fraction) // MEMBERS)
+    block_bytes = options.block_bytes
+    member_dram = dram_bytes_for(per_member, block_bytes)
+    capacity = MEMBERS * capacity_of(member_dram, block_bytes)
+    max_value = str(max(block_bytes, 1024))
+    progress(f"pool: replay of {len(trace)} requests over {MEMBERS} members, {capacity} blocks")
+    with Pool(root / "replay", MEMBERS, netns=options.netns, dram=str(member_dram),
+              peer_timeout_ms=PEER_TIMEOUT_MS,
+              max_value=max_value, ssd="") as pool:  # fmt: skip
+        clients = [Client(m.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S)
+                   for m in pool.members]  # fmt: skip
+        try:
+            spread = _replay(clients, trace, block_bytes)
+        finally:
+            for client in clients:
+                client.close()
+        forwards = sum(m.metric("kvd_cluster_forwards_total") for m in pool.members)
+        dropped = sum(m.metric("kvd_cluster_forwards_dropped_total") for m in pool.members)
+        peer_errors = sum(m.metric("kvd_cluster_peer_errors_total") for m in pool.members)
+        where = pool.where
+    progress(f"pool: the same replay on one daemon of {capacity} blocks")
+    single = root / "replay-single"
+    single.mkdir(parents=True)
+    token, auth = write_tokens(single)
+    daemon = SpawnedDaemon(single, auth, dram=str(dram_bytes_for(capacity, block_bytes)),
+                           max_value=max_value, ssd="")  # fmt: skip
+    try:
+        with Client(daemon.socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as client:
+            alone = _replay([client], trace, block_bytes)
+    finally:
+        daemon.stop()
+    return {
+        "requests": len(trace),
+        "unique_blocks": unique,
+        "capacity_blocks": capacity,
+        "capacity_fraction": capacity / unique,
+        "block_bytes": block_bytes,
+        "where": where,
+        "forwards": forwards,
+        "forwards_dropped": dropped,
+        "peer_errors": peer_errors,
+        "pool": _replay_figures(spread),
+        "single": _replay_figures(alone),
+    }
+
+
+def keys_moved(trace: Trace) -> dict[str, Any]:
+    """The share of the trace's blocks whose owner changes when a fifth member
+    joins four (and when one of five leaves)."""
+    keys = [block_key(b) for b in sorted(set(trace.blocks.tolist()))]
+    four = [f"10.77.0.{i + 1}:7400" for i in range(MEMBERS)]
+    five = [*four, f"10.77.0.{MEMBERS + 1}:7400"]
+    before = Placement(four).owners("replay", keys)
+    after = Placement(five).owners("replay", keys)
+    moved = sum(1 for x, y in zip(before, after, strict=True) if x != y)
+    to_new = sum(1 for x, y in zip(before, after, strict=True) if x != y and y == five[-1])
+    return {
+        "keys": len(keys),
+        "members_before": MEMBERS,
+        "members_after": MEMBERS + 1,
+        "moved": moved,
+        "moved_fraction": moved / len(keys),
+        "moved_to_the_new_member": to_new,
+        "ideal_fraction": 1 / (MEMBERS + 1),
+    }
+
+
+def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> dict[str, Any]:
+    trace = head(load_trace(trace_path), options.requests)
+    ceiling: list[dict[str, Any]] = []
+    transports = options.transports or peer_transports()
+    gets = [remote_get(root, t, options, progress, ceiling) for t in transports]
+    lookup = chain_lookup(root, options, progress)
+    ratio = hit_ratio(root, trace, options, progress)
+    return {
+        "trace": str(trace_path),
+        "where": gets[0]["where"],
+        "tcp_ceiling": ceiling[0],
+        "remote_get": gets,
+        "lookup": lookup,
+        "hit_ratio": ratio,
+        "keys_moved": keys_moved(trace),
+    }

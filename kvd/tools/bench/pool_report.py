@@ -1,0 +1,111 @@
+"""``kvd bench pool``'s targets and markdown: each figure as a ratio to its
+reference from the same run (``kvd.tools.bench.pool``).
+
+The targets:
+
+- remote get of 4 MiB values through the local daemon >= 0.8x the TCP
+  ceiling between the same two nodes (each peer transport its own row);
+- pool hit ratio = a single daemon's of the same total capacity, within 2 %
+  of it (pool / single in 0.98..1.02; the difference in points is shown too);
+- keys moved on a join <= 1.2 x 1/N (N: the members after the join);
+- lookup of a 1,000-key chain spread over 4 members: p99 <= 2x a single
+  daemon's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GB = 1e9
+REMOTE_GET_MIN = 0.8
+HIT_RATIO_BAND = 0.02
+MOVED_MAX = 1.2
+LOOKUP_P99_MAX = 2.0
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per target: the figure, its reference, the ratio, met or not."""
+    rows = []
+    ceiling = result["tcp_ceiling"]["bytes_per_s"]
+    for get in result["remote_get"]:
+        ratio = get["bytes_per_s"] / ceiling
+        asked, used = get["transport_asked"], get["transport_used"]
+        name = used if asked in (used, "default") else f"{asked} (ran {used})"
+        rows.append({
+            "target": f"remote get {get['value_bytes'] >> 20} MiB, {name}",
+            "measured": f"{get['bytes_per_s'] / GB:.2f} GB/s",
+            "reference": f"TCP ceiling {ceiling / GB:.2f} GB/s",
+            "ratio": ratio,
+            "goal": f">= {REMOTE_GET_MIN}",
+            "met": ratio >= REMOTE_GET_MIN,
+        })  # fmt: skip
+    hits = result["hit_ratio"]
+    pool, single = hits["pool"]["block_hit_ratio"], hits["single"]["block_hit_ratio"]
+    ratio = pool / single if single else 0.0
+    rows.append({
+        "target": f"hit ratio, {hits['requests']} requests over 4 members",
+        "measured": f"{100 * pool:.2f} %",
+        "reference": f"single daemon {100 * single:.2f} % ({100 * (pool - single):+.2f} points)",
+        "ratio": ratio,
+        "goal": f"{1 - HIT_RATIO_BAND:.2f}..{1 + HIT_RATIO_BAND:.2f}",
+        "met": abs(ratio - 1) <= HIT_RATIO_BAND,
+    })  # fmt: skip
+    moved = result["keys_moved"]
+    ratio = moved["moved_fraction"] / moved["ideal_fraction"]
+    rows.append({
+        "target": f"keys moved, join {moved['members_before']} -> {moved['members_after']}",
+        "measured": f"{moved['moved_fraction']:.4f} of {moved['keys']}",
+        "reference": f"1/N = {moved['ideal_fraction']:.4f}",
+        "ratio": ratio,
+        "goal": f"<= {MOVED_MAX}",
+        "met": ratio <= MOVED_MAX,
+    })  # fmt: skip
+    lookup = result["lookup"]
+    ratio = lookup["pool"]["p99_ms"] / lookup["single"]["p99_ms"]
+    rows.append({
+        "target": f"lookup p99, {lookup['keys']}-key chain over {lookup['owners']} members",
+        "measured": f"{lookup['pool']['p99_ms']:.2f} ms (p50 {lookup['pool']['p50_ms']:.2f})",
+        "reference": f"single daemon {lookup['single']['p99_ms']:.2f} ms "
+        f"(p50 {lookup['single']['p50_ms']:.2f})",
+        "ratio": ratio,
+        "goal": f"<= {LOOKUP_P99_MAX}",
+        "met": ratio <= LOOKUP_P99_MAX,
+    })  # fmt: skip
+    return rows
+
+
+def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| Target | Measured | Reference (same run) | Ratio | Goal | Met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['target']} | {row['measured']} | {row['reference']} | "
+            f"{row['ratio']:.2f} | {row['goal']} | {'yes' if row['met'] else 'no'} |"
+        )
+    ceiling = result["tcp_ceiling"]
+    gets = ", ".join(
+        f"{g['transport_used']}: p50 {g['get_p50_ms']:.1f} ms, then local "
+        f"{g['local_bytes_per_s'] / GB:.2f} GB/s"
+        for g in result["remote_get"]
+    )
+    hits = result["hit_ratio"]
+    wrong = sum(g["wrong_bytes"] for g in result["remote_get"]) + sum(
+        hits[side]["wrong_blocks"] for side in ("pool", "single")
+    )
+    lines += [
+        "",
+        f"Members in {result['where']}. TCP ceiling: best of "
+        f"{len(ceiling['runs_bytes_per_s'])} runs "
+        f"({', '.join(f'{r / GB:.2f}' for r in ceiling['runs_bytes_per_s'])} GB/s), one "
+        f"connection, {ceiling['bytes'] / 2**20:.0f} MiB each. Remote gets ({gets}).",
+        f"Replay: {hits['capacity_blocks']} blocks of {hits['block_bytes']} B "
+        f"({100 * hits['capacity_fraction']:.1f} % of {hits['unique_blocks']} unique), "
+        f"{hits['forwards']:.0f} puts handed to their owners ({hits['forwards_dropped']:.0f} "
+        f"dropped), {hits['peer_errors']:.0f} failed peer calls (misses); lookup: "
+        f"{result['lookup']['peer_errors']:.0f} failed peer calls; replay took pool "
+        f"{hits['pool']['seconds']} s, "
+        f"single {hits['single']['seconds']} s. Wrong bytes or blocks: {wrong}.",
+    ]
+    return "\n".join(lines)

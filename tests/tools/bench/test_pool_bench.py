@@ -1,0 +1,54 @@
+"""``kvd bench pool`` at tiny sizes: every section runs against real
+daemons, writes its JSON and markdown, and reads back the right bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvd.tools.bench import main, netns, pool
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def tiny_trace(path: Path, requests: int) -> Path:
+    """Conversations that grow turn by turn: later requests share prefixes."""
+    lines = []
+    for i in range(requests):
+        conversation, turn = i % 5, i // 5
+        blocks = [conversation * 1000 + j for j in range(2 + turn)]
+        lines.append(json.dumps({"timestamp": i, "input_length": 512 * len(blocks),
+                                 "output_length": 10, "hash_ids": blocks}))  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
+    """In network namespaces where this is root (CI), else on loopback; one
+    peer transport (each has its own tests; one pool of two per transport)."""
+    out = tmp_path / "results"
+    transport = pool.peer_transports()[-1]
+    argv = [
+        "--out", str(out), "pool", "--values", "2", "--value-bytes", "1MiB",
+        "--chain-keys", "40", "--lookups", "5", "--requests", "40",
+        "--trace", str(tiny_trace(tmp_path / "trace.jsonl", 40)), "--capacity-fraction", "0.5",
+    ]  # fmt: skip
+    assert main([*argv, "--transports", transport] if transport else argv) == 0
+    [raw] = out.glob("*-pool.json")
+    result = json.loads(raw.read_text())
+    assert raw.with_suffix(".md").read_text().startswith("| Target |")
+    reason = netns.unavailable()
+    assert result["where"] == (f"loopback: {reason}" if reason else "network namespaces")
+    gets = result["remote_get"]
+    assert [g["transport_asked"] for g in gets] == [transport or "default"]
+    assert all(g["wrong_bytes"] == 0 and g["misses"] == 0 and g["bytes_per_s"] > 0 for g in gets)
+    assert result["tcp_ceiling"]["bytes"] == 2 * 2**20
+    for side in ("pool", "single"):
+        replayed = result["hit_ratio"][side]
+        assert replayed["requests"] == 40 and replayed["wrong_blocks"] == 0
+        assert replayed["block_hits"] > 0  # the conversations' prefixes come back
+    assert result["lookup"]["owners"] == pool.MEMBERS
+    assert result["keys_moved"]["moved_to_the_new_member"] == result["keys_moved"]["moved"]
+    assert len(result["targets"]) == len(gets) + 3
