@@ -6,6 +6,7 @@ Grafana dashboard's JSON."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvd.config.pool_members import parse_spec
 from kvd.config.settings import load_config
 from kvd.config.sizes import parse_size
 from tests.support import REPO
@@ -73,23 +75,26 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 
 # ---- Kubernetes ---------------------------------------------------------------------
 def manifests() -> dict[str, dict[str, Any]]:
+    """Every object of deploy/k8s by ``Kind/name``."""
     docs: dict[str, dict[str, Any]] = {}
     for path in sorted(K8S.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 assert doc["apiVersion"] and doc["metadata"]["name"], path
-                docs[doc["kind"]] = doc
+                name = f"{doc['kind']}/{doc['metadata']['name']}"
+                assert name not in docs, f"{name} defined twice"
+                docs[name] = doc
     return docs
 
 
 def config_toml() -> str:
-    return str(manifests()["ConfigMap"]["data"]["kvd.toml"])
+    return str(manifests()["ConfigMap/kvd-config"]["data"]["kvd.toml"])
 
 
 def test_configmap_passes_kvd_validation(tmp_path: Path) -> None:
     path = tmp_path / "kvd.toml"
     path.write_text(config_toml())
-    config = load_config(str(path), {}, {})
+    config = load_config(str(path), pod_environment(), {})
     assert config.auth_tokens_file  # non-loopback listeners need it
     assert config.socket.startswith("/run/kvd/")
     assert config.shm_dir == "/dev/shm/kvd"
@@ -98,7 +103,7 @@ def test_configmap_passes_kvd_validation(tmp_path: Path) -> None:
 def test_secret_holds_a_valid_token_table(tmp_path: Path) -> None:
     from kvd.paths.auth import TokenTable
 
-    secret = manifests()["Secret"]
+    secret = manifests()["Secret/kvd-tokens"]
     path = tmp_path / "tokens.toml"
     path.write_text(secret["stringData"]["tokens.toml"])
     assert TokenTable.load(str(path)).entries
@@ -111,7 +116,7 @@ def volume_paths(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, st
 
 
 def test_daemonset() -> None:
-    ds = manifests()["DaemonSet"]
+    ds = manifests()["DaemonSet/kvd"]
     assert ds["apiVersion"] == "apps/v1"
     template = ds["spec"]["template"]
     assert ds["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
@@ -146,13 +151,71 @@ def test_daemonset() -> None:
 
 def test_headless_service_selects_the_daemonset() -> None:
     docs = manifests()
-    service = docs["Service"]
+    service = docs["Service/kvd"]
     assert service["spec"]["clusterIP"] == "None"
-    pod_labels = docs["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
+    pod_labels = docs["DaemonSet/kvd"]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     names = {p["targetPort"] for p in service["spec"]["ports"]}
-    (container,) = docs["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    (container,) = docs["DaemonSet/kvd"]["spec"]["template"]["spec"]["containers"]
     assert names <= {p["name"] for p in container["ports"]}
+
+
+def pod_environment(pod_ip: str = "10.1.2.3") -> dict[str, str]:
+    """The kvd container's environment as Kubernetes expands it for a pod at ``pod_ip``."""
+    (container,) = manifests()["DaemonSet/kvd"]["spec"]["template"]["spec"]["containers"]
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            assert item["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", item
+            env[item["name"]] = pod_ip
+        else:  # $(NAME) expands variables defined above it
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], item["value"])
+    return env
+
+
+def test_the_pool_settings_agree_with_the_manifests(tmp_path: Path) -> None:
+    docs = manifests()
+    path = tmp_path / "kvd.toml"
+    path.write_text(config_toml())
+    config = load_config(str(path), pod_environment("10.1.2.3"), {})
+    # pool_members names the pool's headless Service, in the DaemonSet's
+    # namespace, on the gRPC port the daemons listen on.
+    spec = parse_spec(config.pool_members)
+    assert spec is not None and spec.kind == "dns"
+    ((name, port),) = spec.endpoints
+    service_name, namespace, *cluster = name.split(".")
+    assert cluster == ["svc", "cluster", "local"]
+    ds = docs["DaemonSet/kvd"]
+    assert namespace == ds["metadata"]["namespace"]
+    service = docs[f"Service/{service_name}"]
+    assert service["metadata"]["namespace"] == namespace
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"].get("publishNotReadyAddresses") is True  # a starting pod sees itself
+    pod = ds["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (service_port,) = (p for p in service["spec"]["ports"] if p["port"] == port)
+    assert ports[service_port["targetPort"]] == port == int(config.listen.rpartition(":")[2])
+    # pool_advertise: this pod's IP on that port (the downward API).
+    assert config.pool_advertise == f"10.1.2.3:{port}"
+    # The pool token: a mounted Secret, admitted to every namespace by the token table.
+    token_dir, _, token_key = config.pool_token_file.rpartition("/")
+    (mount,) = (m for m in container["volumeMounts"] if m["mountPath"] == token_dir)
+    (volume,) = (v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    token_secret = docs[f"Secret/{volume['secret']['secretName']}"]
+    assert token_secret["stringData"][token_key].strip()
+    tokens = tomllib.loads(docs["Secret/kvd-tokens"]["stringData"]["tokens.toml"])
+    (pool_token,) = (t for t in tokens["tokens"] if t["name"] == "pool")
+    assert pool_token["namespaces"] == ["*"] and re.fullmatch(r"[0-9a-f]{64}", pool_token["sha256"])
+    # KV events: the container exposes the ports the endpoints bind, and the
+    # topic names the pod as llm-d's indexer reads it (kv@<pod>@<model>).
+    for endpoint in (config.kv_events_endpoint, config.kv_events_replay_endpoint):
+        assert int(endpoint.rpartition(":")[2]) in ports.values()
+    assert config.kv_events_topic == "kv@10.1.2.3@kvd"
+    # Membership from DNS needs no API access: no ServiceAccount token, no RBAC.
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert not any(d["kind"] in ("Role", "ClusterRole") for d in docs.values())
 
 
 # ---- Dockerfile -------------------------------------------------------------------------
