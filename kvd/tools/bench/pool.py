@@ -87,7 +87,7 @@ def _transport_used(log: list[str]) -> str:
     for line in log:
         found = re.search(r'pool joined.* peer_transport=("[^"]*"|\S+)', line)
         if found:
-            return found.group(1).strip('"')
+            return found.group(1).strip('"').split()[0]  # "bulk (nixl asked)": bulk
     return "grpc"
 
 
