@@ -9,7 +9,7 @@ it is given, never through its store.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -173,6 +173,18 @@ def check_key(key: bytes) -> None:
         raise InvalidArgument("key is empty")
     if len(key) > KEY_BYTES_MAX:
         raise InvalidArgument(f"key of {len(key)} bytes is longer than {KEY_BYTES_MAX}")
+
+
+def check_keys(keys: Sequence[bytes], max_keys: int) -> None:
+    """A chain of keys (a lookup, an exists, a delete) within its limits."""
+    if len(keys) > max_keys:
+        raise InvalidArgument(f"{len(keys)} keys in one call, max_lookup_keys={max_keys}")
+    # The lengths checked together, not with a call per key (a lookup of
+    # thousands of keys sits on the engine's scheduler path).
+    lengths = set(map(len, keys))
+    if min(lengths, default=1) < 1 or max(lengths, default=1) > KEY_BYTES_MAX:
+        for key in keys:
+            check_key(key)  # says which key and why
 
 
 def check_put_names(ns_name: str, key: bytes, parent: bytes | None, meta: bytes) -> None:

@@ -54,8 +54,10 @@ from kvd.store.index import (
     StoreCounters,
     StoreLimits,
     check_key,
+    check_keys,
     check_put_names,
 )
+from kvd.store.learning import DeferredPolicy
 from kvd.store.leases import LeaseTable
 from kvd.store.placement import Placement
 from kvd.store.prefetch import Prefetcher
@@ -87,9 +89,11 @@ class Store:
         self.counters = StoreCounters()
         self._clock = clock
         self.leases = LeaseTable(self.limits.max_leases, clock, self._pin, self._unpin_lease)
+        # Every policy call goes through this: lookups teach it after answering.
+        self.learning: DeferredPolicy[Any] = DeferredPolicy(self.policy)
         self.entries = Entries(
             pool,
-            self.policy,
+            self.learning,
             self.counters,
             limits.namespace_l1_quota_bytes,
             keep_dirty=lambda: self.writeback is not None and self.writeback.healthy,
@@ -119,6 +123,7 @@ class Store:
 
     def start(self) -> None:
         """Start background work (write-back, L2 prefetch); call on the event loop."""
+        self.learning.schedule = asyncio.get_running_loop().call_soon
         if self.writeback is not None:
             self.writeback.start()
             self.prefetcher = Prefetcher()
@@ -454,7 +459,7 @@ class Store:
         self.counters.hits += 1
         self.counters.bytes_out += entry.size
         self.entries.pin(entry)
-        self.policy.touch((entry.ns.id, entry.key))
+        self.learning.touch((entry.ns.id, entry.key))
         return Reader(self.entries.unpin, entry, self.pool.views(entry.runs, entry.size), tier)
 
     def _miss(self, ns_name: str) -> None:
@@ -485,25 +490,28 @@ class Store:
             raise InvalidArgument(
                 f"lease_ms={lease_ms} is over lease_ms_max={self.limits.lease_ms_max}"
             )
+        # One pass, the namespace's index at hand: ~0.2 µs a key here.
+        ns = self.entries.namespace(ns_name)
+        resident = ns.entries
+        l2 = self.l2
         pins: list[Entry | L2Record] = []
-        l1_hits = 0
-        leading_l1 = 0
+        touched: list[tuple[int, bytes]] = []
         for key in keys:
-            entry = self._l1(ns_name, key)
+            entry = resident.get(key)
             if entry is not None:
-                l1_hits += 1
-                leading_l1 += leading_l1 == len(pins)
-                self.policy.touch((entry.ns.id, entry.key))
+                touched.append((ns.id, key))
                 pins.append(entry)
                 continue
-            record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
+            record = l2.lookup(ns_name, key) if l2 is not None else None
             if record is None:
                 break
             pins.append(record)
-        # The policy learns from how each chain's lookup went (kvd.store.eviction.policy),
-        # the first one of a namespace included.
-        ns = self.entries.namespace(ns_name)
-        self.policy.on_lookup([(ns.id, key) for key in keys], leading_l1)
+        l1_hits = len(touched)
+        leading_l1 = l1_hits
+        if l1_hits < len(pins):  # an L2 hit among them: the L1 run before the first
+            leading_l1 = next(i for i, p in enumerate(pins) if not isinstance(p, Entry))
+        # The policy learns how each chain's lookup went (the first of a namespace too).
+        self.learning.defer_lookup(touched, [(ns.id, key) for key in keys], leading_l1)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         if self.prefetcher is not None and self.placement is not None and l1_hits < len(pins):
             prefetch = self.placement.prefetch
@@ -515,12 +523,7 @@ class Store:
         )
 
     def _check_keys(self, keys: Sequence[bytes]) -> None:
-        if len(keys) > self.limits.max_lookup_keys:
-            raise InvalidArgument(
-                f"{len(keys)} keys in one call, max_lookup_keys={self.limits.max_lookup_keys}"
-            )
-        for key in keys:
-            check_key(key)
+        check_keys(keys, self.limits.max_lookup_keys)
 
     # ---- leases ----------------------------------------------------------------
     def _pin(self, item: Entry | L2Record) -> None:

@@ -39,13 +39,12 @@ PREFILL_TOKENS_PER_S_DEFAULT = 2000.0
 
 
 def store_calls_on_lookup() -> bool:
-    """Whether the daemon's store tells its policy about lookups (``on_lookup``);
-    the simulated reference of the daemon's policy then does the same."""
-    import inspect
+    """Whether the daemon's store tells its policy about lookups (``on_lookup``,
+    queued until the answer is out: ``kvd.store.learning``); the simulated
+    reference of the daemon's policy then does the same."""
+    from kvd.store.learning import DeferredPolicy
 
-    from kvd.store.store import Store
-
-    return "on_lookup" in inspect.getsource(Store.lookup)
+    return hasattr(DeferredPolicy, "defer_lookup")
 
 
 def head(trace: Trace, requests: int) -> Trace:

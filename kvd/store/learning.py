@@ -1,0 +1,91 @@
+"""What the eviction policy learns from a lookup, told to it after the lookup answered.
+
+A lookup sits on the engine's scheduler path (vLLM asks it from
+``get_num_new_matched_tokens``, once per waiting request and step), so its
+answer is worth more than the bookkeeping behind it. Its hits must be found
+and pinned before it answers; what the policy learns from it (a ``touch``
+per hit and ``on_lookup`` of the chain) only has to reach the policy before
+the policy is next asked anything. For ``density`` that learning was
+~1.1 ms of a 1,000-key lookup's 1.8 ms in the store on the development VM.
+
+``DeferredPolicy`` stands in front of the policy: a lookup queues its calls
+(``defer_lookup``), and every other call first runs the queue (``settle``),
+so the policy sees exactly the calls, in exactly the order, it would have
+seen had the lookup made them itself: what it evicts is the same, call for
+call (the replay tests compare the daemon with the simulator). The daemon
+hands ``schedule`` its loop's ``call_soon``: the queue then runs as soon as
+the loop is free, after the answer went out. The queue is bounded: past
+``PENDING_KEYS_MAX`` keys it runs at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Generic
+
+from kvd.store.eviction.chains import K
+from kvd.store.eviction.policy import EvictionPolicy
+
+# Keys queued before the queue runs in line: 16 lookups of the largest
+# chain the default max_lookup_keys allows, ~2 MB of key tuples.
+PENDING_KEYS_MAX = 65_536
+
+Schedule = Callable[[Callable[[], None]], Any]
+
+
+class DeferredPolicy(Generic[K]):
+    """``policy``, with a lookup's calls run after its answer (``schedule``)."""
+
+    def __init__(self, policy: EvictionPolicy[K], schedule: Schedule | None = None) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.schedule = schedule
+        self._pending: list[tuple[list[K], list[K], int]] = []
+        self._pending_keys = 0
+
+    def defer_lookup(self, touched: list[K], chain: list[K], hits: int) -> None:
+        """A lookup's calls: ``touch`` of each of ``touched``, then
+        ``on_lookup(chain, hits)``."""
+        first = not self._pending
+        self._pending.append((touched, chain, hits))
+        self._pending_keys += len(touched) + len(chain)
+        if self._pending_keys > PENDING_KEYS_MAX:
+            self.settle()
+        elif first and self.schedule is not None:
+            self.schedule(self.settle)
+
+    def settle(self) -> None:
+        """Tell the policy every queued call, in order."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_keys = self._pending, [], 0
+        policy = self.policy
+        for touched, chain, hits in pending:
+            for key in touched:
+                policy.touch(key)
+            policy.on_lookup(chain, hits)
+
+    # The policy's calls (EvictionPolicy), each after the queued ones.
+    def insert(self, key: K, parent: K | None) -> None:
+        self.settle()
+        self.policy.insert(key, parent)
+
+    def touch(self, key: K) -> None:
+        self.settle()
+        self.policy.touch(key)
+
+    def remove(self, key: K) -> None:
+        self.settle()
+        self.policy.remove(key)
+
+    def victim(self, skip: Callable[[K], bool]) -> K | None:
+        self.settle()
+        return self.policy.victim(skip)
+
+    def on_lookup(self, keys: Sequence[K], hits: int) -> None:
+        self.settle()
+        self.policy.on_lookup(keys, hits)
+
+    def __len__(self) -> int:
+        self.settle()
+        return len(self.policy)
