@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd.client.bulk import Answer
 from kvd.client.shm_socket import RegionOps
 from kvd.client.spans import ALIGN_BYTES, Spans
 from kvd.v1 import kvd_pb2 as pb
@@ -218,6 +219,22 @@ class ShmPath:
         # The daemon restarted: the same batch once more, in the region's new attachment.
         request.region_id, request.token = again.region_id, again.token
         return self._region_batch(self._ops, name, request, again)
+
+    def index_op(self, send: Callable[[RegionOps], Answer | None]) -> Answer | None:
+        """An index op (``RegionOps.lookup``, ``release``) over the shm socket,
+        one frame each way: its answer, or None when it cannot go there (no
+        socket, keys of different widths, a daemon that restarted: the
+        regions then attach to the new one) and the caller asks over gRPC."""
+        ops = self._ops
+        if ops is None:
+            return None
+        try:
+            return send(ops)
+        except DeadlineExceeded:
+            raise
+        except (Unavailable, PermissionDenied):
+            self.renew(ops)
+            return None
 
     def _region_batch(
         self, ops: RegionOps, name: str, request: Any, region: ClientRegion

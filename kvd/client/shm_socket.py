@@ -1,4 +1,5 @@
-"""Client side of the shm socket: region attaches and region ops.
+"""Client side of the shm socket: region attaches, region ops, and the
+index ops an engine's scheduler waits on (LOOKUP, RELEASE).
 
 ``RegionOps`` turns the gRPC-shaped batch requests of ``kvd.client.shm``
 into frames (``kvd.wire.shm``) over ``BulkClient``'s connection pool, and
@@ -30,15 +31,23 @@ from kvd.wire.bulk import (
     encode_request,
 )
 from kvd.wire.errors import DeadlineExceeded, PermissionDenied, Unavailable, error_for
+from kvd.wire.lookup import LookupResult
 from kvd.wire.shm import (
     ATTACHED,
     DEADLINE,
     FLAG_DEADLINE,
+    FLAG_RELEASED,
+    LOOKUP_ANSWER,
+    LOOKUP_REF,
+    OP_LOOKUP,
     OP_REGION_ATTACH,
+    OP_RELEASE,
     PEERCRED,
     PIPELINE_FRAMES,
     REGION_REF,
+    RELEASE_REF,
     TIER_SHIFT,
+    join_keys,
     pid_namespace,
 )
 
@@ -204,6 +213,23 @@ class RegionOps:
             )
         return self._exchange(frames)
 
+    def lookup(self, ns: str, keys: Sequence[bytes], lease_ms: int) -> Answer | None:
+        """A LOOKUP's answer (``lookup_answer`` reads it); None when the keys
+        differ in width (or there are none): the chain then goes over gRPC.
+        A lost connection raises (``Unavailable``, ``PermissionDenied``)."""
+        joined = join_keys(keys)
+        if joined is None:
+            return None
+        width, data = joined
+        head = encode_request(OP_LOOKUP, 0, ns.encode(), length=len(data))
+        frame = _with_ref(head, LOOKUP_REF.pack(lease_ms, width))
+        return self.client.with_connection(lambda conn: _exchange_one(conn, frame, data))
+
+    def release(self, ns: str, lease_id: int) -> Answer:
+        """A RELEASE's answer (``released`` reads it)."""
+        frame = _with_ref(encode_request(OP_RELEASE, 0, ns.encode()), RELEASE_REF.pack(lease_id))
+        return self.client.with_connection(lambda conn: _exchange_one(conn, frame))
+
     def _exchange(self, frames: list[bytes]) -> pb.RegionBatchResponse:
         answers: list[Answer | None] = [None] * len(frames)
         self.client.with_connection(lambda conn: _window(conn, frames, 0, len(frames), answers))
@@ -248,8 +274,25 @@ def _result(answer: Answer) -> pb.RegionItemResult:
     )
 
 
-def _exchange_one(conn: Connection, frame: bytes) -> Answer:
-    conn.send([memoryview(frame)])
+def lookup_answer(answer: Answer) -> LookupResult:
+    """The result a LOOKUP answered, or its refusal raised."""
+    if answer.code != 0:
+        raise error_for(answer.code, answer.message)
+    if answer.op != OP_LOOKUP or len(answer.meta) != LOOKUP_ANSWER.size:
+        raise Unavailable("shm socket: a LOOKUP answer without its result")
+    prefix_len, l1_hits, l2_hits, lease_ms, lease_id = LOOKUP_ANSWER.unpack(answer.meta)
+    return LookupResult(prefix_len, l1_hits, l2_hits, lease_id, lease_ms)
+
+
+def released(answer: Answer) -> bool:
+    """Whether a RELEASE dropped a lease, or its refusal raised."""
+    if answer.code != 0:
+        raise error_for(answer.code, answer.message)
+    return bool(answer.flags & FLAG_RELEASED)
+
+
+def _exchange_one(conn: Connection, frame: bytes, payload: bytes = b"") -> Answer:
+    conn.send([memoryview(frame), memoryview(payload)] if payload else [memoryview(frame)])
     answer = conn.answer()
     if answer.request_id != 0:
         raise ConnectionError(f"answer {answer.request_id} to request 0: out of order")

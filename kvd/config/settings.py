@@ -196,7 +196,8 @@ class Config:
     max_batch_items: int = _setting(
         1024, help="items in one BatchPut/BatchGet/region batch", min=1, max=65536
     )
-    max_lookup_keys: int = _setting(4096, help="keys in one Lookup", min=1, max=1 << 20)
+    # 16,384 blocks of 16 tokens (vLLM's default block) hold a 256K-token prompt.
+    max_lookup_keys: int = _setting(16_384, help="keys in one Lookup", min=1, max=1 << 20)
     lease_ms_max: int = _setting(
         60_000, help="longest lease a Lookup may take", min=1, max=3_600_000
     )

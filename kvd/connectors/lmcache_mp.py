@@ -114,7 +114,7 @@ RESULTS_MAX = 65536
 # Runs of stored keys after a chain's first miss that a lookup leases, one
 # Lookup each: a chain with holes costs at most this many more calls.
 RUNS_AFTER_MISS_MAX = 8
-# Keys in one Lookup or Exists (the daemon's max_lookup_keys default).
+# Keys in one Lookup or Exists: within the max_lookup_keys default of every kvd release.
 LOOKUP_KEYS_MAX = 4096
 # At close, how long each lane has to finish the task at hand.
 CLOSE_GRACE_S = 2.0

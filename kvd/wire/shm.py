@@ -10,18 +10,40 @@ stored past it. A client sends it only to a daemon that gave its clock
 connection: the header's length is the region's size, its meta the bearer
 token, and one descriptor (the region's sealed memfd) rides with it as
 SCM_RIGHTS; the answer's meta is ``ATTACHED``.
+
+A LOOKUP carries a chain's keys without gRPC: the engine's scheduler waits
+on it (vLLM's ``get_num_new_matched_tokens``), and a gRPC call costs
+~0.6 ms before any work on a small machine, a Unix socket frame a few tens
+of µs. ``LOOKUP_REF`` follows the header: the lease asked for and the
+width of every key of the chain; ``length`` is the bytes of all the keys
+(``length / width`` of them), concatenated after the namespace. Chains
+whose keys differ in length go over gRPC. The answer's meta is ``LOOKUP_ANSWER``. A
+RELEASE names its lease in ``RELEASE_REF``; the answer's ``FLAG_RELEASED``
+says whether it was held.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
+
+from kvd.wire.limits import KEY_BYTES_MAX
 
 OP_REGION_ATTACH = 6  # after kvd.wire.bulk's HELLO 1, PUT 2, GET 3, REGION_GET 4, REGION_PUT 5
+OP_LOOKUP = 7
+OP_RELEASE = 8
 ATTACHED = struct.Struct("<Q16s")  # region id, region token
 # After the header of a region op: region id, offset in the region, region token.
 REGION_REF = struct.Struct("<QQ16s")
 DEADLINE = struct.Struct("<Q")
+# After a LOOKUP's header: the lease asked for (ms), and the width of its keys.
+LOOKUP_REF = struct.Struct("<II")
+# A LOOKUP answer's meta: prefix length, L1 hits, L2 hits, lease ms, lease id.
+LOOKUP_ANSWER = struct.Struct("<IIIIQ")
+# After a RELEASE's header: the lease id.
+RELEASE_REF = struct.Struct("<Q")
+FLAG_RELEASED = 1  # answer of a RELEASE: the lease was held and is dropped
 FLAG_DEADLINE = 4  # request flag, after kvd.wire.bulk's DURABLE 1 and CHECKSUM 2
 # struct ucred of SO_PEERCRED: pid, uid, gid.
 PEERCRED = struct.Struct("3i")
@@ -31,6 +53,25 @@ TIER_SHIFT = 8
 # Frames one client sends before reading answers: 16 × (72-byte header and
 # ref + ≤ 4.5 KiB of names and meta) stays below a Unix socket's buffer.
 PIPELINE_FRAMES = 16
+
+
+def join_keys(keys: Sequence[bytes]) -> tuple[int, bytes] | None:
+    """A LOOKUP's keys as (width, bytes); None when they differ in length
+    (or there are none): such a chain goes over gRPC."""
+    if not keys:
+        return None
+    width = len(keys[0])
+    if not 0 < width <= KEY_BYTES_MAX or any(len(key) != width for key in keys):
+        return None
+    return width, b"".join(keys)
+
+
+def split_keys(data: bytes, width: int) -> list[bytes]:
+    """The keys of a LOOKUP: ``data`` cut every ``width`` bytes (ValueError
+    unless it is whole keys)."""
+    if width <= 0 or len(data) % width:
+        raise ValueError(f"{len(data)} bytes are not whole keys of {width} bytes")
+    return [data[i : i + width] for i in range(0, len(data), width)]
 
 
 def socket_path(shm_dir: str, configured: str) -> str:

@@ -232,6 +232,17 @@ class ValueOps:
             result = await self.pool.lookup(ns, list(keys), lease_ms)
         else:
             result = self.store.lookup(ns, keys, lease_ms)
+        return self._counted(op, keys, result)
+
+    def lookup_now(
+        self, op: str, ns: str, keys: Sequence[bytes], lease_ms: int
+    ) -> LookupResult | None:
+        """``lookup`` when it needs no waiting (no pool to ask), else None."""
+        if self.pool is not None:
+            return None
+        return self._counted(op, keys, self.store.lookup(ns, keys, lease_ms))
+
+    def _counted(self, op: str, keys: Sequence[bytes], result: LookupResult) -> LookupResult:
         if result.prefix_len:
             self.metrics.hits.labels(op, "l1").inc(result.l1_hits)
             self.metrics.hits.labels(op, "l2").inc(result.l2_hits)

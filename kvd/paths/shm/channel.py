@@ -1,4 +1,4 @@
-"""The shm socket: region gets and puts without gRPC.
+"""The shm socket: region gets and puts, and lookups, without gRPC.
 
 A shared-memory get or put moves no value bytes over any socket, so what it
 costs beyond the copy is the round trip that asks for it. Over gRPC that is
@@ -12,7 +12,8 @@ which drops them). Detaching is a gRPC call. This module only parses frames
 into plain values (``kvd.paths.ops.items``), calls the op layer's
 ``RegionOps.get_into_region`` and ``put_from_region`` (the gRPC region calls'
 own) inside its ``Tally``, and encodes the answer: both ways give the same
-answers, limits and metrics. No protobuf here.
+answers, limits and metrics. A chain's LOOKUP and its lease's RELEASE are
+answered the same way by ``kvd.paths.shm.index_ops``. No protobuf here.
 
 Who may get here: the socket's directory is the daemon's alone (created with
 mode ``kvd.paths.socket_dirs.DIR_MODE`` set by ``chmod``, whatever the umask; an existing one
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kvd.paths.ops.calls import Tally, refused
 from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
+from kvd.paths.shm.index_ops import INDEX_OPS, OP_NAMES, index_now, index_rest_bytes, lookup
 from kvd.paths.shm.regions import Caller
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
 from kvd.util.aio import readable
@@ -77,6 +79,7 @@ from kvd.wire.shm import (
     ATTACHED,
     DEADLINE,
     FLAG_DEADLINE,
+    OP_LOOKUP,
     OP_REGION_ATTACH,
     PEERCRED,
     PIPELINE_FRAMES,
@@ -92,12 +95,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.paths.shm.regions")
 T = TypeVar("T")
 
-CHANNEL_OPS = frozenset({OP_HELLO, OP_REGION_GET, OP_REGION_PUT})
+CHANNEL_OPS = frozenset({OP_HELLO, OP_REGION_GET, OP_REGION_PUT}) | INDEX_OPS
 FIRST_OPS = frozenset({OP_HELLO, OP_REGION_ATTACH})
 LISTEN_BACKLOG = 128
 # A failed accept (no descriptor or memory left) is tried again after this.
 ACCEPT_RETRY_S = 0.1
-_OPS = {OP_REGION_GET: "shm_get", OP_REGION_PUT: "shm_put"}
+_OPS = {OP_REGION_GET: "shm_get", OP_REGION_PUT: "shm_put", **OP_NAMES}
 
 
 # ---- server ---------------------------------------------------------------------------
@@ -335,7 +338,7 @@ class ShmChannel:
                 request = decode_request(header, max_value_bytes, CHANNEL_OPS)
                 if request.op == OP_HELLO:
                     raise ProtocolError("HELLO must come first, and only once")
-                rest = await reader.readexactly(request.tail_bytes + _ref_bytes(request))
+                rest = await reader.readexactly(self._rest_bytes(request))
                 peer.waiting = _BUSY
                 if not peer.unanswered:  # nothing ahead of it: it may answer at once
                     now = self._op_now(request, rest, caller)
@@ -404,6 +407,8 @@ class ShmChannel:
     async def _op(self, request: Request, rest: bytes, caller: Caller) -> bytes:
         try:
             with Tally(self.ops.metrics, _OPS[request.op]):
+                if request.op == OP_LOOKUP:  # one that asks the pool
+                    return await lookup(self.ops, request, rest, caller)
                 batch = self._batch(request, rest, caller)
                 if request.op == OP_REGION_GET:
                     results = await self.ops.get_into_region(batch, caller)
@@ -417,6 +422,8 @@ class ShmChannel:
         """The answer of an op that needs no waiting (``get_now``, ``put_now``),
         else None: the op then runs as a task. Without a task and the writer's
         turn a lone get's round trip on a 2-CPU VM fell from ~280 to ~200 µs."""
+        if request.op in INDEX_OPS:
+            return index_now(self.ops, request, rest, caller)
         tally = Tally(self.ops.metrics, _OPS[request.op])
         try:
             with tally:
@@ -439,6 +446,12 @@ class ShmChannel:
         if result is None:
             return None
         return _answer_of(request, result)
+
+    def _rest_bytes(self, request: Request) -> int:
+        """Bytes after an op's header: its references and names (and a LOOKUP's keys)."""
+        if request.op in INDEX_OPS:
+            return index_rest_bytes(request, self.ops.store.limits.max_lookup_keys)
+        return _ref_bytes(request) + request.tail_bytes
 
     def _batch(self, request: Request, rest: bytes, caller: Caller) -> RegionBatch:
         """The op's region, namespace and one item, once its namespace is authorized."""
