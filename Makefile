@@ -15,7 +15,7 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.14 python3; 
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv proto build run test test-fault lint liburing etcd readme clean engine-env
+.PHONY: venv proto build run test test-fault lint liburing etcd nixl readme clean engine-env
 
 venv: $(STAMP_INSTALL)
 
@@ -68,13 +68,23 @@ etcd:
 		|| echo "make: could not install etcd-server; the pool's etcd tests skip" >&2; \
 	fi
 
+# NIXL (the pool extra) for the pool's one-sided peer reads, installed without its
+# dependencies: nixl-cu12 declares torch but does not import it (numpy is kvd's own).
+# Without it the daemon reads peers over bulk TCP and tests/cluster/test_peer_nixl skips.
+STAMP_NIXL := $(VENV)/.stamp-nixl
+nixl: $(STAMP_NIXL)
+
+$(STAMP_NIXL): | $(STAMP_INSTALL)
+	@$(PIP) install -q --no-deps 'nixl-cu12==1.5.1' && touch $@ \
+		|| echo "make: nixl-cu12 did not install; the pool reads peers over bulk TCP" >&2
+
 run: venv proto build
 	$(VENV)/bin/kvd serve
 
 # The suite includes the real-engine tests (tests/engines); their environment
 # is built first. A machine where it cannot be built (no registry) still runs
 # the rest: those tests then skip and say why.
-test: venv proto build etcd
+test: venv proto build etcd nixl
 	@$(MAKE) --no-print-directory engine-env || echo "make: the engine environment did not build; tests/engines skip" >&2
 	$(PY) -m pytest -q
 

@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from kvd.cluster.membership import Membership
+from kvd.cluster.nixl_node import NixlNode
 from kvd.cluster.peer_bulk import BulkPeers
 from kvd.cluster.peer_reads import PeerReads
 from kvd.cluster.peers import Peers
@@ -146,6 +147,16 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _start_nixl(config: Config, store: Store, advertise: str) -> NixlNode | str | None:
+    """This daemon's NIXL agent with the L1 arena registered, or why there is
+    none; None when ``pool_peer_transport`` does not ask for NIXL."""
+    if config.pool_peer_transport not in ("auto", "nixl"):
+        return None
+    pool = store.pool
+    (arena,) = pool.views([(0, pool.page_count)], pool.capacity_bytes)
+    return NixlNode.start(arena, advertise)
+
+
 async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None:
     """Join the pool ``pool_members`` names; None for a single-node daemon."""
     spec = parse_spec(config.pool_members)
@@ -154,7 +165,8 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
     membership = Membership(advertise_address(config, port))
     token = _read_token(config.pool_token_file)
     peers = Peers(token, config.max_message_bytes)
-    reads = PeerReads(store, peers, BulkPeers(token), config.pool_peer_transport)
+    reads = PeerReads(store, peers, BulkPeers(token), config.pool_peer_transport,
+                      _start_nixl(config, store, membership.advertise))  # fmt: skip
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000)
     router.start()
     etcd: EtcdMembers | None = None

@@ -35,15 +35,22 @@ from kvd.wire.bulk import (
     CODE_OK,
     FLAG_HOP,
     MESSAGE_BYTES_MAX,
+    NIXL_META_BYTES_MAX,
+    NIXL_PIN,
+    NIXL_SEGMENT,
+    NIXL_SEGMENTS_MAX,
     OP_GET,
     OP_HELLO,
+    OP_NIXL_META,
+    OP_NIXL_PIN,
+    OP_NIXL_RELEASE,
     RESPONSE,
     RESPONSE_MAGIC,
     VERSION,
     encode_request,
 )
 from kvd.wire.checksum import Hasher
-from kvd.wire.errors import CODE_NAMES
+from kvd.wire.errors import CODE_NAMES, CODE_NUMBERS
 from kvd.wire.limits import META_BYTES_MAX
 
 # Reads in flight to one member at once, each on its own connection: the
@@ -119,6 +126,65 @@ class BulkConnection:
         if size > max_value_bytes:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
         return BulkAnswer(size, meta, answer[1])
+
+    async def nixl_meta(self) -> bytes | None:
+        """The member's NIXL agent metadata; None where it has no agent."""
+        self.reusable = False
+        rid = next(self._ids)
+        await self._send(encode_request(OP_NIXL_META, rid))
+        code, _, message, (length, _) = await self._answer(OP_NIXL_META, rid)
+        if code != CODE_OK:
+            self.reusable = True
+            if code == CODE_NUMBERS["UNIMPLEMENTED"]:
+                return None
+            raise PeerError(f"bulk NIXL_META refused: {CODE_NAMES.get(code, code)} {message}")
+        if length > NIXL_META_BYTES_MAX:
+            raise PeerError(f"NIXL metadata of {length} bytes", "protocol")
+        metadata = bytearray(length)
+        await self._recv_into(memoryview(metadata), None, 0, length)
+        self.reusable = True
+        return bytes(metadata)
+
+    async def nixl_pin(
+        self, namespace: str, key: bytes, max_value_bytes: int
+    ) -> tuple[BulkAnswer, int, list[tuple[int, int]]] | None:
+        """Pin a value on the member for a NIXL read: its header, the lease id
+        and its pages' (address, length); None when the member does not hold it.
+        ``nixl_release`` the lease once read."""
+        self.reusable = False
+        rid = next(self._ids)
+        request = encode_request(OP_NIXL_PIN, rid, namespace.encode(), key, flags=FLAG_HOP)
+        await self._send(request)
+        code, meta, message, (length, sum_sent) = await self._answer(OP_NIXL_PIN, rid)
+        self.reusable = code != CODE_OK
+        if code == CODE_NOT_FOUND:
+            return None
+        if code != CODE_OK:
+            kind = "auth" if CODE_NAMES.get(code) == "PERMISSION_DENIED" else "refused"
+            raise PeerError(f"bulk NIXL_PIN refused: {CODE_NAMES.get(code, code)} {message}", kind)
+        if length > NIXL_PIN.size + NIXL_SEGMENTS_MAX * NIXL_SEGMENT.size:
+            raise PeerError(f"NIXL_PIN answer of {length} bytes", "protocol")
+        payload = bytearray(length)
+        await self._recv_into(memoryview(payload), None, 0, length)
+        self.reusable = True
+        size, lease, count = NIXL_PIN.unpack_from(payload)
+        if length != NIXL_PIN.size + count * NIXL_SEGMENT.size or size > max_value_bytes:
+            raise PeerError("NIXL_PIN answer's segments do not match its length", "protocol")
+        pages = [
+            NIXL_SEGMENT.unpack_from(payload, NIXL_PIN.size + i * NIXL_SEGMENT.size)
+            for i in range(count)
+        ]
+        if sum(n for _, n in pages) != size:
+            raise PeerError(f"NIXL_PIN segments do not cover its {size} bytes", "protocol")
+        return BulkAnswer(size, meta, sum_sent), lease, pages
+
+    async def nixl_release(self, lease: int) -> None:
+        """End a pin taken with ``nixl_pin``."""
+        self.reusable = False
+        rid = next(self._ids)
+        await self._send(encode_request(OP_NIXL_RELEASE, rid, checksum=lease))
+        await self._answer(OP_NIXL_RELEASE, rid)
+        self.reusable = True
 
     async def receive(self, views: list[memoryview], hasher: Hasher) -> None:
         """The value's bytes, straight into ``views`` (their total is its size)."""

@@ -33,13 +33,14 @@ import logging
 from dataclasses import dataclass, field
 
 from kvd.cluster import scope
-from kvd.cluster.peer_bulk import BulkConnection, BulkPeers
+from kvd.cluster.nixl_node import NixlError, NixlNode, segments
+from kvd.cluster.peer_bulk import BulkAnswer, BulkConnection, BulkPeers
 from kvd.cluster.peers import PeerError, PeerPaths, Peers
 from kvd.config.addresses import parse_address
 from kvd.store.index import PutResult
 from kvd.store.store import Store
 from kvd.wire.bulk import VERSION as BULK_VERSION
-from kvd.wire.checksum import Hasher, checksum
+from kvd.wire.checksum import Hasher, checksum, checksum_views
 from kvd.wire.errors import DataLoss, KvdError
 
 log = logging.getLogger("kvd.cluster")
@@ -101,31 +102,53 @@ class PeerTraffic:
 class PeerReads:
     """Reads of values from their owners into local L1, over ``transport``."""
 
-    def __init__(self, store: Store, peers: Peers, bulk: BulkPeers, transport: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        peers: Peers,
+        bulk: BulkPeers,
+        transport: str,
+        nixl: NixlNode | str | None = None,
+    ) -> None:
+        """``nixl``: this daemon's agent, or why it has none (for ``auto`` and ``nixl``)."""
         assert transport in TRANSPORTS, transport
         self.store = store
         self.peers = peers
         self.bulk = bulk
         self.asked = transport
-        self.transport = "bulk" if transport in ("auto", "nixl") else transport
+        self.nixl = nixl if isinstance(nixl, NixlNode) else None
+        self.nixl_missing = nixl if isinstance(nixl, str) else ""
+        if transport in ("auto", "nixl"):
+            self.transport = "nixl" if self.nixl is not None else "bulk"
+        else:
+            self.transport = transport
+        # Per member: its agent's metadata and name, or None where it offers no NIXL.
+        self._agents: dict[str, tuple[bytes, str] | None] = {}
         self.traffic = PeerTraffic()
         self._paths: dict[str, PeerPaths] = {}
         self._grpc_logged: set[str] = set()
 
     def describe(self) -> str:
-        """The transport in use and, where it differs, the one asked for."""
-        if self.asked in (self.transport, "auto"):
+        """The transport in use and, where it differs, the one asked for and why."""
+        why = f": {self.nixl_missing}" if self.nixl_missing else ""
+        if self.asked in (self.transport, "auto") and not why:
             return self.transport
-        return f"{self.transport} ({self.asked} asked)"
+        return f"{self.transport} ({self.asked} asked{why})"
 
     def retain(self, members: tuple[str, ...]) -> None:
         for member in [m for m in self._paths if m not in members]:
             del self._paths[member]
+        for member in [m for m in self._agents if m not in members]:
+            offer = self._agents.pop(member)
+            if offer is not None and self.nixl is not None:
+                self.nixl.forget(offer[0])
         self.bulk.retain(members)
         self.traffic.retain(members)
 
     def close(self) -> None:
         self.bulk.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
     async def read(self, member: str, namespace: str, key: bytes, timeout_s: float) -> str:
         """Bring ``key``'s value from ``member`` into L1 within ``timeout_s``:
@@ -135,14 +158,19 @@ class PeerReads:
                 way = await self._way(member, timeout_s)
                 if way is None:
                     return await self._read_grpc(member, namespace, key, timeout_s)
+                if self.nixl is not None:
+                    return await self._read_nixl(member, way, namespace, key)
                 return await self._read_bulk(member, way, namespace, key)
         except TimeoutError:
             self._paths.pop(member, None)
+            self._agents.pop(member, None)
             raise PeerError(
                 f"{member}: value read took more than {timeout_s * 1000:.0f} ms", "timeout"
             ) from None
-        except PeerError:
-            self._paths.pop(member, None)  # asked again: it may have restarted elsewhere
+        except PeerError as error:
+            if error.kind != "checksum":  # asked again: it may have restarted elsewhere
+                self._paths.pop(member, None)
+                self._agents.pop(member, None)
             raise
 
     async def _way(self, member: str, timeout_s: float) -> tuple[str, int] | None:
@@ -174,14 +202,102 @@ class PeerReads:
         self, member: str, way: tuple[str, int], namespace: str, key: bytes
     ) -> str:
         async with self.bulk.connection(member, *way) as connection:
-            answer = await connection.get(namespace, key, self.store.limits.max_value_bytes)
-            if answer is None:
-                self.traffic.called(member, "bulk", 0)
+            return await self._get_bulk(member, connection, namespace, key)
+
+    async def _get_bulk(
+        self, member: str, connection: BulkConnection, namespace: str, key: bytes
+    ) -> str:
+        answer = await connection.get(namespace, key, self.store.limits.max_value_bytes)
+        if answer is None:
+            self.traffic.called(member, "bulk", 0)
+            return MISS
+        outcome = await self._land(member, namespace, key, answer.size, answer.meta,
+                                   answer.checksum, connection)  # fmt: skip
+        self.traffic.called(member, "bulk", answer.size)
+        return outcome
+
+    async def _read_nixl(
+        self, member: str, way: tuple[str, int], namespace: str, key: bytes
+    ) -> str:
+        """Pin the value on the member (bulk connection), READ its pages into
+        reserved local pages, release the pin; a member that offers no NIXL
+        is read with a plain bulk GET."""
+        assert self.nixl is not None
+        async with self.bulk.connection(member, *way) as connection:
+            if member not in self._agents:
+                metadata = await connection.nixl_meta()
+                if metadata is None:
+                    log.warning(
+                        "peer offers no NIXL; its values are read over bulk TCP",
+                        extra={"peer": member},
+                    )
+                    self._agents[member] = None
+                else:
+                    try:
+                        self._agents[member] = (metadata, self.nixl.remote(metadata))
+                    except NixlError as error:
+                        raise PeerError(f"{member}: {error}", "transfer") from None
+            offer = self._agents[member]
+            if offer is None:
+                return await self._get_bulk(member, connection, namespace, key)
+            max_value_bytes = self.store.limits.max_value_bytes
+            pinned = await connection.nixl_pin(namespace, key, max_value_bytes)
+            if pinned is None:
+                self.traffic.called(member, "nixl", 0)
                 return MISS
-            outcome = await self._land(member, namespace, key, answer.size, answer.meta,
-                                       answer.checksum, connection)  # fmt: skip
-            self.traffic.called(member, "bulk", answer.size)
+            answer, lease, pages = pinned
+            outcome = await self._land_nixl(member, offer[1], namespace, key, answer, pages)
+            await connection.nixl_release(lease)  # (a failed read closes the connection,
+            self.traffic.called(member, "nixl", answer.size)  # which ends its pins)
             return outcome
+
+    async def _land_nixl(
+        self,
+        member: str,
+        agent: str,
+        namespace: str,
+        key: bytes,
+        answer: BulkAnswer,
+        pages: list[tuple[int, int]],
+    ) -> str:
+        """Reserve pages, READ the member's pages into them, publish if the
+        bytes match; the pages go back on any failure, unless a cancelled
+        READ did not stop (then they stay out of use: ``NixlNode.stuck``)."""
+        assert self.nixl is not None
+        with scope.as_hop():  # the owner has it: not handed back
+            try:
+                ticket = await self.store.begin_put(
+                    namespace, key, answer.size, answer.meta, None, answer.checksum
+                )
+            except KvdError as error:
+                _not_kept(member, error)
+                return NOT_KEPT
+            if isinstance(ticket, PutResult):
+                return HIT
+            kept = False
+
+            def keep() -> None:
+                nonlocal kept
+                kept = True
+
+            try:
+                try:
+                    await self.nixl.read(agent, segments(ticket.views), pages, keep)
+                except NixlError as error:
+                    raise PeerError(f"{member}: {error}", "transfer") from None
+                try:
+                    self.store.publish_now(ticket, checksum_views(ticket.views))
+                except DataLoss:
+                    raise PeerError(
+                        f"{member}: value of {answer.size} bytes failed its checksum", "checksum"
+                    ) from None
+                except KvdError as error:
+                    _not_kept(member, error)
+                    return NOT_KEPT
+            finally:
+                if not kept:
+                    self.store.abort_put(ticket)  # a no-op once published
+        return HIT
 
     async def _land(
         self,

@@ -33,6 +33,7 @@ _MESSAGE_SLACK_BYTES = 1 << 20
 # The kinds of peer failure the metrics count (kvd_cluster_peer_call_errors' kind label).
 ERROR_KINDS = (
     "timeout", "unreachable", "auth", "refused", "protocol", "short", "checksum", "version",
+    "transfer",
 )  # fmt: skip
 
 

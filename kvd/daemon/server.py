@@ -274,6 +274,9 @@ class Daemon:
             host, port = parse_address(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)
         self.fast_paths = await FastPaths.start(cfg, self.service, self.metrics)
+        if self.pool_node is not None and self.fast_paths.bulk is not None:
+            # Members pin values for their NIXL reads on the bulk port.
+            self.fast_paths.bulk.nixl = self.pool_node.router.reads.nixl
         self.metrics.up.set(1)
         log.info(
             "kvd started",

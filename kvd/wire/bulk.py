@@ -25,6 +25,19 @@ OP_HELLO = 1
 OP_PUT = 2
 OP_GET = 3
 OPS = frozenset({OP_HELLO, OP_PUT, OP_GET})
+# Pool peer ops, on the TCP port (kvd.paths.bulk.peer_ops; docs/bulk-protocol.md):
+# the control step of a NIXL read between members.
+OP_NIXL_META = 7  # answer payload: the daemon's NIXL agent metadata
+OP_NIXL_PIN = 8  # ns, key: pin the value; answer payload NIXL_PIN then its segments
+OP_NIXL_RELEASE = 9  # checksum field: the pin's lease id
+PEER_OPS = frozenset({OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE})
+TCP_OPS = OPS | PEER_OPS
+# NIXL_PIN answer payload: value size, lease id, segment count; then per
+# segment its address and length in the owner's registered pool arena.
+NIXL_PIN = struct.Struct("<QQI")
+NIXL_SEGMENT = struct.Struct("<QQ")
+NIXL_SEGMENTS_MAX = 2048  # a 32 MiB value in 64 KiB pages is at most 512 runs
+NIXL_META_BYTES_MAX = 1 << 20
 # Region ops: only on the shm socket (kvd.paths.shm.channel), never on the TCP port.
 OP_REGION_GET = 4
 OP_REGION_PUT = 5

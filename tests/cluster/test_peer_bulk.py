@@ -173,7 +173,8 @@ def test_bad_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
     peer = f"127.0.0.1:{bad_port}"
     members = f"static:127.0.0.1:{port},{peer}"
     daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members", members,
-                                      "--pool-peer-timeout-ms", "300"], ssd="")  # fmt: skip
+                                      "--pool-peer-timeout-ms", "300",
+                                      "--pool-peer-transport", "bulk"], ssd="")  # fmt: skip
     client = Client(daemon.target, timeout_s=5)
     try:
         placement = Placement([daemon.target, peer])

@@ -32,9 +32,8 @@ same order, so a client may pipeline many requests on one connection.
   a connection whose token is unknown is answered UNAUTHENTICATED and
   closed, and each PUT/GET on a namespace the token does not name is
   answered PERMISSION_DENIED. The token is checked once per connection.
-- Pool peers: a GET with ``FLAG_HOP`` comes from another member
-  (``kvd.cluster.peer_bulk``) and is answered from this daemon alone
-  (``kvd.cluster.scope``), never sent on to a third.
+- Pool peers: a GET with ``FLAG_HOP`` (``kvd.cluster.peer_bulk``) is answered
+  from this daemon alone; the NIXL control ops are ``kvd.paths.bulk.peer_ops``.
 - Bad input (wrong magic or version, a field over its limit, a frame that
   does not complete within ``bulk_frame_timeout_ms``, EOF inside a frame)
   closes the connection with a logged reason. Expected failures of one
@@ -66,6 +65,7 @@ from typing import TYPE_CHECKING
 
 from kvd.cluster import scope
 from kvd.paths.bulk.admission import Admission, Slot
+from kvd.paths.bulk.peer_ops import PeerOps
 from kvd.paths.ops.calls import refused
 from kvd.store.index import PutResult, PutTicket, Reader
 from kvd.util.aio import readable, settle
@@ -87,10 +87,12 @@ from kvd.wire.bulk import (
     OP_REGION_GET,
     OP_REGION_PUT,
     OPS,
+    PEER_OPS,
     REQUEST,
     REQUEST_MAGIC,
     RESPONSE,
     RESPONSE_MAGIC,
+    TCP_OPS,
     TOKEN_BYTES_MAX,
     VERSION,
     ProtocolError,
@@ -106,6 +108,7 @@ from kvd.wire.errors import DataLoss, KvdError, error_number
 from kvd.wire.send import Sender
 
 if TYPE_CHECKING:
+    from kvd.cluster.nixl_node import NixlNode
     from kvd.config.settings import Config
     from kvd.paths.auth import Authenticator, Principal
     from kvd.paths.ops.values import ValueOps
@@ -205,6 +208,7 @@ class _Connection:
         self.token = b""
         self.principal: Principal | None = None
         self.writing = False  # the writer is sending an answer
+        self.peer_ops = PeerOps(server.values, server.nixl, self._authorize, self._answer)
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write_loop())
@@ -246,6 +250,7 @@ class _Connection:
 
     def _end(self, _task: asyncio.Task[None]) -> None:
         """Once the connection's task ended, however (even cancelled before it ran)."""
+        self.peer_ops.close()
         while not self.queue.empty():
             _, reader = self.queue.get_nowait()
             if reader is not None:
@@ -284,6 +289,8 @@ class _Connection:
                     await self._answer(answer)
             elif request.op == OP_GET:
                 await self._get(request, tail)
+            elif request.op in PEER_OPS:
+                await self.peer_ops.handle(request, tail)
             else:
                 raise ProtocolError("HELLO sent twice")
 
@@ -298,7 +305,8 @@ class _Connection:
             return None
         async with asyncio.timeout(self.server.limits.frame_timeout_s):
             await recv_into_exact(self.loop, self.sock, view[first:], None)
-            request = decode_request(self.header, self.values.store.limits.max_value_bytes)
+            max_value_bytes = self.values.store.limits.max_value_bytes
+            request = decode_request(self.header, max_value_bytes, TCP_OPS)
             tail = bytearray(request.tail_bytes)
             await recv_into_exact(self.loop, self.sock, memoryview(tail), None)
             if request.op == OP_HELLO:
@@ -529,6 +537,9 @@ class BulkServer:
         )
         self.sender = Sender(limits.frame_timeout_s)
         self.port = 0
+        # This daemon's NIXL agent, for the pool's peer ops (kvd.paths.bulk.peer_ops);
+        # set by the daemon when it is part of a pool and NIXL started.
+        self.nixl: NixlNode | None = None
 
     @property
     def connection_count(self) -> int:

@@ -1,0 +1,144 @@
+"""The bulk port's pool peer ops: the control step of a NIXL read by another
+member of the pool (docs/bulk-protocol.md, "Pool peer ops").
+
+- ``NIXL_META``: this daemon's NIXL agent metadata (UNIMPLEMENTED where the
+  daemon has no agent: the member then reads with a plain GET).
+- ``NIXL_PIN`` (namespace, key; from a member, answered from this daemon
+  alone): the value is pinned where it lies in the registered L1 arena
+  (read from L2 into L1 first if need be), and the answer gives its size,
+  meta, checksum, a lease id and the (address, length) of its pages; the
+  member then READs them one-sided.
+- ``NIXL_RELEASE`` (the lease id in the checksum field): the member is done;
+  the pin ends. A pin not released within ``LEASE_S`` ends anyway, and so do
+  a connection's pins when it closes: a member that stopped cannot hold pages.
+
+A pin that ended before a late READ finished could let the member read
+bytes of a newer value: its checksum check turns that into a miss, never
+wrong bytes. A connection holds at most ``PINS_MAX`` pins
+(RESOURCE_EXHAUSTED past it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from kvd.cluster import scope
+from kvd.cluster.nixl_node import segments
+from kvd.paths.ops.calls import refused
+from kvd.wire.bulk import (
+    CODE_NOT_FOUND,
+    CODE_RESOURCE_EXHAUSTED,
+    NIXL_PIN,
+    NIXL_SEGMENT,
+    OP_NIXL_META,
+    OP_NIXL_PIN,
+    OP_NIXL_RELEASE,
+    Request,
+    encode_response,
+    split_tail,
+)
+from kvd.wire.errors import CODE_NUMBERS, KvdError
+
+if TYPE_CHECKING:
+    from kvd.cluster.nixl_node import NixlNode
+    from kvd.paths.ops.values import ValueOps
+    from kvd.store.index import Reader
+
+# A pin ends this long after it began if the member never releases it: far
+# past any pool_peer_timeout_ms a read would use (200 ms by default).
+LEASE_S = 5.0
+# Pins one connection holds at once: a member keeps at most 32 reads in
+# flight per batch, spread over its connections.
+PINS_MAX = 64
+CODE_UNIMPLEMENTED = CODE_NUMBERS["UNIMPLEMENTED"]
+
+
+class PeerOps:
+    """One connection's pins and the answers to its peer ops."""
+
+    def __init__(
+        self,
+        values: ValueOps,
+        nixl: NixlNode | None,
+        authorize: Callable[[str], None],
+        answer: Callable[[bytes], Awaitable[None]],
+    ) -> None:
+        self.values = values
+        self.nixl = nixl
+        self._authorize = authorize
+        self._answer = answer
+        self._pins: dict[int, tuple[Reader, asyncio.TimerHandle]] = {}
+        self._ids = itertools.count(1)
+
+    async def handle(self, request: Request, tail: bytes) -> None:
+        rid = request.request_id
+        if request.op == OP_NIXL_RELEASE:
+            self.release(request.checksum)
+            await self._answer(encode_response(OP_NIXL_RELEASE, rid))
+            return
+        if self.nixl is None:
+            message = "this daemon has no NIXL agent"
+            await self._answer(
+                encode_response(request.op, rid, CODE_UNIMPLEMENTED, message=message)
+            )
+            return
+        if request.op == OP_NIXL_META:
+            metadata = self.nixl.metadata
+            head = encode_response(OP_NIXL_META, rid, length=len(metadata))
+            await self._answer(head + metadata)
+            return
+        assert request.op == OP_NIXL_PIN
+        await self._pin(self.nixl, request, tail)
+
+    async def _pin(self, nixl: NixlNode, request: Request, tail: bytes) -> None:
+        ns, key, _, _ = split_tail(request, tail)
+        rid = request.request_id
+        if len(self._pins) >= PINS_MAX:
+            message = f"{PINS_MAX} pins held on this connection"
+            await self._answer(
+                encode_response(OP_NIXL_PIN, rid, CODE_RESOURCE_EXHAUSTED, message=message)
+            )
+            return
+        try:
+            self._authorize(ns)
+            with scope.as_hop():  # a member's read: from here alone
+                reader = await self.values.fetch("bulk_get", ns, key)
+        except KvdError as exc:
+            code = refused(self.values.metrics, "bulk_get", exc)
+            await self._answer(encode_response(OP_NIXL_PIN, rid, code, message=str(exc)))
+            return
+        if reader is None:
+            await self._answer(encode_response(OP_NIXL_PIN, rid, CODE_NOT_FOUND))
+            return
+        lease = next(self._ids)
+        timer = asyncio.get_running_loop().call_later(LEASE_S, self.release, lease)
+        self._pins[lease] = (reader, timer)
+        nixl.hold()  # this side progresses while the member reads
+        pages = segments(reader.views)
+        payload = b"".join(
+            [NIXL_PIN.pack(reader.size, lease, len(pages))]
+            + [NIXL_SEGMENT.pack(address, length) for address, length in pages]
+        )
+        head = encode_response(
+            OP_NIXL_PIN, rid, meta=reader.meta, length=len(payload), checksum=reader.checksum
+        )
+        await self._answer(head + payload)
+        self.values.served("bulk_get", "l1", reader.size)
+
+    def release(self, lease: int) -> None:
+        """End a pin (idempotent: the member's release and the lease may both come)."""
+        pin = self._pins.pop(lease, None)
+        if pin is not None:
+            reader, timer = pin
+            timer.cancel()
+            reader.close()
+            assert self.nixl is not None, "pins are taken only with an agent"
+            self.nixl.unhold()
+
+    def close(self) -> None:
+        """The connection ended: every pin it held ends."""
+        for lease in list(self._pins):
+            self.release(lease)

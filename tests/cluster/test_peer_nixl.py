@@ -1,0 +1,252 @@
+"""Values read from their owner with one-sided NIXL READs into the reader's
+L1 pages (kvd.cluster.nixl_node, the control step on the bulk port:
+kvd.paths.bulk.peer_ops), through real daemons: small, multi-page and
+larger than 4 MiB, bytes checked; a member that offers no NIXL is read over
+bulk TCP; an owner killed costs misses; and an owner whose pinned pages
+hold other bytes than its checksum says, or whose segments lie outside its
+registered memory, costs a miss, with every reserved pool page given back.
+The bad owner is a NIXL agent and a bulk port in this process."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import urllib.request
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvd.client import Client
+from kvd.cluster.nixl_node import NixlNode, segments
+from kvd.cluster.rendezvous import Placement
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import bulk
+from kvd.wire.checksum import checksum
+from kvd.wire.grpc import SERVICE
+from tests.cluster.cluster import free_ports, start_static_pool
+from tests.sockets import metric
+from tests.support import DaemonProcess, wait_until
+
+try:
+    from kvd.cluster.nixl_node import _import_api
+
+    _import_api()
+except ImportError as exc:  # the pool extra is not installed
+    pytest.skip(f"nixl does not import: {exc}", allow_module_level=True)
+
+PAGE = 64 * 1024
+SIZES = [1, PAGE, PAGE + 1, 4 * 1024 * 1024 + 3, 9 * 1024 * 1024]
+
+
+def labelled(port: int, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _keys_owned(placement: Placement, owner: str, count: int, suffix: bytes = b"") -> list[bytes]:
+    keys = (b"k-%04d" % i + suffix for i in range(10_000))
+    return [k for k in keys if placement.owner("ns", k) == owner][:count]
+
+
+def test_nixl_reads_land_in_l1_with_their_bytes(tmp_path: Path) -> None:
+    daemons = start_static_pool(tmp_path, 3, "--pool-peer-transport", "nixl",
+                                peer_timeout_ms=2000)  # fmt: skip
+    owner, reader, old = daemons
+    try:
+        assert any("peer_transport=nixl" in line for line in reader.log), reader.log[-5:]
+        placement = Placement([d.target for d in daemons])
+        keys = _keys_owned(placement, owner.target, len(SIZES))
+        values = {key: os.urandom(size) for key, size in zip(keys, SIZES, strict=True)}
+        with Client(owner.target, timeout_s=10) as client:
+            for key, value in values.items():
+                client.put("ns", key, value)
+        port = reader.metrics_port
+        free_bytes = metric(port, "kvd_pool_free_bytes")
+        with Client(reader.target, timeout_s=10) as client:
+            for key, value in values.items():
+                assert client.get("ns", key) == value
+        assert labelled(port, "kvd_cluster_peer_reads_total", transport="nixl") == len(SIZES)
+        assert labelled(port, "kvd_cluster_peer_read_bytes_total", transport="nixl") == sum(SIZES)
+        held = sum(-(-size // PAGE) * PAGE for size in SIZES)
+        assert metric(port, "kvd_pool_free_bytes") == free_bytes - held
+        assert metric(port, "kvd_cluster_peer_errors_total") == 0
+        # The owner killed: its keys are misses through the others, no error.
+        owner.kill()
+        others = _keys_owned(placement, owner.target, 3, b"-late")
+        with Client(old.target, timeout_s=10) as client:
+            free_old = metric(old.metrics_port, "kvd_pool_free_bytes")
+            assert [client.get("ns", k) for k in others] == [None] * 3
+            assert metric(old.metrics_port, "kvd_pool_free_bytes") == free_old
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def test_member_without_nixl_is_read_over_bulk(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    members = "static:" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    common = ["--pool-members", members, "--pool-peer-timeout-ms", "2000"]
+    for name in ("r", "o"):
+        (tmp_path / name).mkdir()
+    reader = DaemonProcess(tmp_path / "r", ["--listen", f"127.0.0.1:{ports[0]}", *common,
+                                            "--pool-peer-transport", "nixl"], ssd="")  # fmt: skip
+    owner = DaemonProcess(tmp_path / "o", ["--listen", f"127.0.0.1:{ports[1]}", *common,
+                                           "--pool-peer-transport", "bulk"], ssd="")  # fmt: skip
+    try:
+        placement = Placement([reader.target, owner.target])
+        key = _keys_owned(placement, owner.target, 1)[0]
+        value = os.urandom(PAGE * 3 + 7)
+        with Client(owner.target, timeout_s=10) as client:
+            client.put("ns", key, value)
+        with Client(reader.target, timeout_s=10) as client:
+            assert client.get("ns", key) == value
+        assert labelled(reader.metrics_port, "kvd_cluster_peer_reads_total", transport="bulk") == 1
+        assert any("peer offers no NIXL" in line for line in reader.log)
+    finally:
+        reader.discard()
+        owner.discard()
+
+
+# ---- a bad owner -----------------------------------------------------------------------
+BAD_SIZE = 3 * PAGE + 100
+
+
+class BadNixlOwner:
+    """DescribePaths, a bulk port and a NIXL agent over a buffer of its own;
+    NIXL_PIN answers by the key's last word: ``corrupt`` pins bytes that do
+    not match the checksum it sends, ``outside`` segments outside its
+    registered memory."""
+
+    def __init__(self, grpc_port: int) -> None:
+        self.buffer = mmap.mmap(-1, 4 * BAD_SIZE)
+        self.buffer[:BAD_SIZE] = b"v" * BAD_SIZE
+        node = NixlNode.start(memoryview(self.buffer), "bad-owner")
+        assert isinstance(node, NixlNode), node
+        self.node = node
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.bulk_port = self.listener.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+        self.progressing = threading.Thread(target=self._progress, daemon=True)
+        self.progressing.start()
+
+        def describe(request: Any, context: Any) -> pb.DescribePathsResponse:
+            return pb.DescribePathsResponse(bulk_port=self.bulk_port, bulk_version=bulk.VERSION)
+
+        handler = grpc.unary_unary_rpc_method_handler(
+            describe,
+            request_deserializer=pb.DescribePathsRequest.FromString,
+            response_serializer=pb.DescribePathsResponse.SerializeToString,
+        )
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        generic = grpc.method_handlers_generic_handler(SERVICE, {"DescribePaths": handler})
+        self.server.add_generic_rpc_handlers((generic,))
+        self.server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+        self.server.start()
+
+    def _progress(self) -> None:
+        """The target side of the daemon's READs (a daemon does it while it holds pins)."""
+        while not self.stop.wait(0.0005):
+            self.node.progress()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.progressing.join(5)
+        self.server.stop(0)
+        self.listener.close()
+        self.node.close()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                while True:
+                    head = _recv_exact(sock, bulk.REQUEST.size)
+                    request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
+                    tail = _recv_exact(sock, request.tail_bytes)
+                    if request.op == bulk.OP_HELLO:
+                        _recv_exact(sock, request.length)
+                    sock.sendall(self._answer(request, tail))
+            except (OSError, ConnectionError):
+                return
+
+    def _answer(self, request: bulk.Request, tail: bytes) -> bytes:
+        rid = request.request_id
+        if request.op in (bulk.OP_HELLO, bulk.OP_NIXL_RELEASE):
+            return bulk.encode_response(request.op, rid)
+        if request.op == bulk.OP_NIXL_META:
+            metadata = self.node.metadata
+            return bulk.encode_response(request.op, rid, length=len(metadata)) + metadata
+        _, key, _, _ = bulk.split_tail(request, tail)
+        if request.op != bulk.OP_NIXL_PIN or not key.endswith((b"corrupt", b"outside")):
+            return bulk.encode_response(request.op, rid, bulk.CODE_NOT_FOUND)
+        ((address, _),) = segments([memoryview(self.buffer)[:BAD_SIZE]])
+        if key.endswith(b"outside"):
+            address += 1 << 40  # no memory of its agent's
+        sent = checksum(b"w" * BAD_SIZE)  # not what the pages hold
+        payload = bulk.NIXL_PIN.pack(BAD_SIZE, 1, 1) + bulk.NIXL_SEGMENT.pack(address, BAD_SIZE)
+        head = bulk.encode_response(request.op, rid, length=len(payload), checksum=sent)
+        return head + payload
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        piece = sock.recv(size - len(data))
+        if not piece:
+            raise ConnectionError("closed")
+        data += piece
+    return bytes(data)
+
+
+def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
+    port, bad_port = free_ports(2)
+    bad = BadNixlOwner(bad_port)
+    (tmp_path / "d").mkdir()
+    peer = f"127.0.0.1:{bad_port}"
+    members = f"static:127.0.0.1:{port},{peer}"
+    daemon = DaemonProcess(tmp_path / "d", ["--listen", f"127.0.0.1:{port}",
+                                            "--pool-members", members,
+                                            "--pool-peer-timeout-ms", "2000",
+                                            "--pool-peer-transport", "nixl"], ssd="")  # fmt: skip
+    client = Client(daemon.target, timeout_s=10)
+    try:
+        placement = Placement([daemon.target, peer])
+        mport = daemon.metrics_port
+        free_bytes = metric(mport, "kvd_pool_free_bytes")
+        corrupt = _keys_owned(placement, peer, 2, b"-corrupt")
+        for key in corrupt:
+            assert client.get("ns", key) is None
+        assert metric(mport, "kvd_cluster_checksum_mismatches_total") == len(corrupt)
+        assert labelled(mport, "kvd_cluster_peer_reads_total", transport="nixl") == 0
+        assert metric(mport, "kvd_pool_free_bytes") == free_bytes
+        outside = _keys_owned(placement, peer, 1, b"-outside")[0]
+        assert wait_until(
+            lambda: (
+                client.get("ns", outside) is None
+                and labelled(mport, "kvd_cluster_peer_call_errors_total", kind="transfer") >= 1
+            )
+        )
+        assert wait_until(lambda: metric(mport, "kvd_pool_free_bytes") == free_bytes)
+    finally:
+        client.close()
+        daemon.discard()
+        bad.close()
