@@ -62,6 +62,13 @@ CONNECTIONS_MAX = 8
 IDLE_MAX = 8
 
 
+class BulkUnreachable(PeerError):
+    """The member's bulk port refused or did not answer the connect."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "unreachable")
+
+
 @dataclass(frozen=True)
 class BulkAnswer:
     """A GET answer's header: the value's size, meta and checksum."""
@@ -90,9 +97,7 @@ class BulkConnection:
             try:
                 await asyncio.get_running_loop().sock_connect(sock, (host, port))
             except OSError as exc:
-                raise PeerError(
-                    f"bulk {host}:{port}: {exc.strerror or exc}", "unreachable"
-                ) from None
+                raise BulkUnreachable(f"bulk {host}:{port}: {exc.strerror or exc}") from None
             connection = cls(sock)
             payload = token.encode()
             await connection._send(encode_request(OP_HELLO, 0, length=len(payload)) + payload)

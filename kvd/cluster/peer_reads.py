@@ -15,7 +15,8 @@ Transports (``pool_peer_transport``, the name -> way table is ``TRANSPORTS``):
   (``kvd.cluster.nixl_reads``) where NIXL imports and starts and the owner
   offers it; ``auto`` picks it then, else bulk.
 - ``grpc``: the owner's gRPC Get (1 MiB messages, joined, then stored), as
-  for a member that has no bulk port (``bulk_port`` 0) or no DescribePaths.
+  for a member that has no bulk port (``bulk_port`` 0), no DescribePaths, or
+  a bulk port this daemon cannot connect to (a loopback ``bulk_listen``).
 
 A member whose DescribePaths names a bulk protocol version other than this
 daemon's is refused (a ``version`` peer error, logged by the router, and
@@ -30,11 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from kvd.cluster import scope
 from kvd.cluster.nixl_node import NixlError, NixlNode, segments
-from kvd.cluster.peer_bulk import BulkAnswer, BulkConnection, BulkPeers
+from kvd.cluster.peer_bulk import BulkAnswer, BulkConnection, BulkPeers, BulkUnreachable
 from kvd.cluster.peers import PeerError, PeerPaths, Peers
 from kvd.config.addresses import parse_address
 from kvd.store.index import PutResult
@@ -153,14 +155,28 @@ class PeerReads:
     async def read(self, member: str, namespace: str, key: bytes, timeout_s: float) -> str:
         """Bring ``key``'s value from ``member`` into L1 within ``timeout_s``:
         ``HIT``, ``MISS`` or ``NOT_KEPT``; any failure is a ``PeerError``."""
+        deadline = time.monotonic() + timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 way = await self._way(member, timeout_s)
                 if way is None:
                     return await self._read_grpc(member, namespace, key, timeout_s)
-                if self.nixl is not None:
-                    return await self._read_nixl(member, way, namespace, key)
-                return await self._read_bulk(member, way, namespace, key)
+                try:
+                    if self.nixl is not None:
+                        return await self._read_nixl(member, way, namespace, key)
+                    return await self._read_bulk(member, way, namespace, key)
+                except BulkUnreachable as error:
+                    # A member whose bulk_listen is loopback (the default) names a
+                    # port no other node reaches: its values go over gRPC.
+                    log.warning(
+                        "peer's bulk TCP port is unreachable from here; its values are read "
+                        "over gRPC",
+                        extra={"peer": member, "error": str(error)},
+                    )
+                    self._paths[member] = PeerPaths(0, BULK_VERSION)
+                    self._grpc_logged.add(member)
+                    left_s = deadline - time.monotonic()
+                    return await self._read_grpc(member, namespace, key, left_s)
         except TimeoutError:
             self._paths.pop(member, None)
             self._agents.pop(member, None)

@@ -90,9 +90,14 @@ class BadOwner:
     """DescribePaths over gRPC, and a bulk port answering every GET wrongly
     according to its key's last word (corrupt, short, stall; else a miss)."""
 
-    def __init__(self, grpc_port: int, bulk_version: int = bulk.VERSION) -> None:
+    def __init__(
+        self, grpc_port: int, bulk_version: int = bulk.VERSION, named_bulk_port: int = 0
+    ) -> None:
+        """``named_bulk_port``: the port DescribePaths names, where nothing
+        listens (a loopback bulk_listen seen from another node); its gRPC Get
+        then serves every key."""
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.bulk_port = self.listener.getsockname()[1]
+        self.bulk_port = named_bulk_port or self.listener.getsockname()[1]
         self.stop = threading.Event()
         self.version = bulk_version
         threading.Thread(target=self._accept, daemon=True).start()
@@ -105,8 +110,21 @@ class BadOwner:
             request_deserializer=pb.DescribePathsRequest.FromString,
             response_serializer=pb.DescribePathsResponse.SerializeToString,
         )
+
+        def get(request: pb.GetRequest, context: Any) -> Any:
+            value = request.key * 1000
+            header = pb.GetHeader(found=True, size=len(value), checksum=checksum(value))
+            yield pb.GetResponse(header=header)
+            yield pb.GetResponse(data=value)
+
+        get_handler = grpc.unary_stream_rpc_method_handler(
+            get,
+            request_deserializer=pb.GetRequest.FromString,
+            response_serializer=pb.GetResponse.SerializeToString,
+        )
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        generic = grpc.method_handlers_generic_handler(SERVICE, {"DescribePaths": handler})
+        handlers = {"DescribePaths": handler, "Get": get_handler}
+        generic = grpc.method_handlers_generic_handler(SERVICE, handlers)
         self.server.add_generic_rpc_handlers((generic,))
         self.server.add_insecure_port(f"127.0.0.1:{grpc_port}")
         self.server.start()
@@ -244,3 +262,25 @@ def test_owner_with_another_protocol_version_is_refused(tmp_path: Path) -> None:
         client.close()
         daemon.discard()
         bad.close()
+
+
+def test_unreachable_bulk_port_is_read_over_grpc(tmp_path: Path) -> None:
+    port, owner_port, closed_port = free_ports(3)
+    owner = BadOwner(owner_port, named_bulk_port=closed_port)
+    peer = f"127.0.0.1:{owner_port}"
+    members = f"static:127.0.0.1:{port},{peer}"
+    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members", members,
+                                      "--pool-peer-timeout-ms", "2000"], ssd="")  # fmt: skip
+    client = Client(daemon.target, timeout_s=5)
+    try:
+        placement = Placement([daemon.target, peer])
+        keys = _keys_owned(placement, peer, 2)
+        assert [client.get("ns", k) for k in keys] == [k * 1000 for k in keys]
+        mport = daemon.metrics_port
+        assert labelled(mport, "kvd_cluster_peer_reads_total", transport="grpc") == 2
+        assert metric(mport, "kvd_cluster_peer_errors_total") == 0
+        assert any("bulk TCP port is unreachable" in line for line in daemon.log)
+    finally:
+        client.close()
+        daemon.discard()
+        owner.close()
