@@ -261,12 +261,15 @@ def chain_lookup(root: Path, options: Options, progress: Progress) -> dict[str, 
     }
 
 
-def _replay(clients: list[Client], trace: Trace, block_bytes: int) -> ReplayStats:
+def _replay(clients: list[Client], trace: Trace, block_bytes: int,
+            progress: Progress) -> ReplayStats:  # fmt: skip
     """Request i through clients[i mod len], in trace order."""
     stats = ReplayStats()
     started = time.perf_counter()
     for index in range(len(trace)):
         _request(clients[index % len(clients)], "replay", trace, index, block_bytes, stats)
+        if index and index % 2000 == 0:
+            progress(f"pool: replay {index}/{len(trace)} requests")
     stats.elapsed_s = time.perf_counter() - started
     return stats
 
@@ -299,7 +302,7 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         clients = [Client(m.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S)
                    for m in pool.members]  # fmt: skip
         try:
-            spread = _replay(clients, trace, block_bytes)
+            spread = _replay(clients, trace, block_bytes, progress)
         finally:
             for client in clients:
                 client.close()
@@ -315,7 +318,7 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
                            max_value=max_value, ssd="")  # fmt: skip
     try:
         with Client(daemon.socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as client:
-            alone = _replay([client], trace, block_bytes)
+            alone = _replay([client], trace, block_bytes, progress)
     finally:
         daemon.stop()
     return {
