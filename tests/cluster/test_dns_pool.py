@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -128,6 +129,12 @@ def test_a_member_out_of_the_records_leaves_and_dns_away_keeps_the_last(
     server.serve(NAME, HOSTS)
     assert all(wait_until(lambda d=d: stale(d) == 0 and members_of(d) == 3, WAIT_S)
                for d in (a, b, c))  # fmt: skip
+
+
+def test_a_dns_server_that_is_not_an_address_is_refused_at_start(tmp_path: Path) -> None:
+    args = ["--pool-members", f"dns://{NAME}:7070", "--pool-dns-server", "dns.example:53"]
+    with pytest.raises(RuntimeError, match=r"pool_dns_server: dns\.example:53 is not IP:PORT"):
+        DaemonProcess(tmp_path, args, ssd="")
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import zmq
 
 from kvd.client import Client
 from kvd.cluster.events import KvEventPublisher
+from kvd.config.settings import ConfigError
 from kvd.tools.bench.engine_proc import ENGINE_VENV
 from tests.cluster.cluster import free_ports
 from tests.sockets import metric
@@ -228,6 +229,8 @@ def test_metrics_count_what_was_sent(stream: Stream) -> None:
     assert metric(stream.metrics_port, "kvd_kv_events_dropped_total") == 0
 
 
+@pytest.mark.slow  # importing vLLM takes 10-40 s
+@pytest.mark.timeout(300)
 def test_payloads_decode_with_vllms_own_classes(stream: Stream, tmp_path: Path) -> None:
     python = ENGINE_VENV / "bin" / "python"
     if not python.exists():
@@ -245,7 +248,7 @@ def test_payloads_decode_with_vllms_own_classes(stream: Stream, tmp_path: Path) 
         "print(json.dumps(kinds))\n"
     )
     done = subprocess.run([str(python), "-c", script, str(payloads)], capture_output=True,
-                          text=True, timeout=90)  # fmt: skip
+                          text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     kinds = json.loads(done.stdout.strip().splitlines()[-1])
     assert kinds.get("BlockStored") and kinds.get("BlockRemoved") and kinds.get("AllBlocksCleared")
@@ -304,3 +307,10 @@ def test_a_full_queue_drops_and_counts_and_replay_ignores_garbage() -> None:
     finally:
         publisher.close()
         ctx.term()
+
+
+def test_an_endpoint_zmq_cannot_open_is_a_config_error() -> None:
+    publisher = KvEventPublisher("tcp-but-not-an-endpoint")
+    with pytest.raises(ConfigError, match="kv_events_endpoint: cannot open"):
+        publisher.start()
+    publisher.close()

@@ -303,13 +303,13 @@ class KvEventPublisher:
             return
         client, _, start_bytes = frames
         start = int.from_bytes(start_bytes, "big")
+        self.replays += 1
         with contextlib.suppress(zmq.Again):
             for seq, payload in list(buffer):
                 if seq >= start:
                     replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload),
                                           zmq.NOBLOCK)  # fmt: skip
             replay.send_multipart((client, b"", END_SEQ, b""), zmq.NOBLOCK)
-        self.replays += 1
 
 
 def start_kv_events(config: Config, store: Store) -> KvEventPublisher | None:
