@@ -21,7 +21,7 @@ inserted.
 Cost: ``insert``/``touch``/``remove`` are O(log n) (one heap push) and
 ``victim`` is O(log n) amortised plus O(p log n) for p pinned keys it steps
 over. Stale heap entries are dropped lazily and the heaps are rebuilt when
-they hold more than twice the live entries plus 1024, so memory stays
+they hold more than four times the live entries plus 1024, so memory stays
 O(tracked blocks).
 
 Policies subclass ``ChainPolicy`` (``kvd.store.eviction.lru``, ``pred``,
@@ -37,9 +37,23 @@ from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
-# Heaps are rebuilt when they hold more than 2x live entries + this slack:
-# rebuilds then cost O(n) at most once per n stale pushes (amortised O(1)).
+# Heaps are rebuilt when they hold more than HEAP_FACTOR x the live entries
+# + HEAP_SLACK: a rebuild then costs O(n) at most once per (HEAP_FACTOR - 1)
+# x n stale pushes (amortised O(1)). Factor 2 / 4: rebuilds were 13 / 4 % of
+# ``density``'s CPU on the conversation trace at 5 %, for heaps of at most
+# 2 / 4 entries per block (a 3-tuple each, ~80 B).
+HEAP_FACTOR = 4
 HEAP_SLACK = 1024
+# The bound is checked every _HEAP_CHECK pushes (three len() calls a push
+# were ~3 % of a policy's CPU), so it can be passed by that many entries.
+_HEAP_CHECK = 64
+
+
+def heap_entries_max(live: int) -> int:
+    """The most heap entries a policy holds with ``live`` blocks tracked."""
+    return HEAP_FACTOR * live + HEAP_SLACK + _HEAP_CHECK
+
+
 # Hit counts saturate here: beyond ~8 hits a block is "hot" and further hits
 # only need to refresh it, not to pin it for ever (measured: caps 4..16 give
 # the same hit ratio within 0.1 point on the conversation trace).
@@ -95,6 +109,12 @@ class ChainPolicy(Generic[K]):
         """Called from remove() with the node that leaves; evicted: it was
         the key victim() offered last (not a delete)."""
 
+    def _became_inner(self, key: K, node: Node[K]) -> None:
+        """A leaf got its first child. Its heap entry stays in the leaf heap
+        and moves to the inner heap when a victim search meets it
+        (``_first_leaf``): that saves a push on every put of a chain (a
+        third of all pushes). A subclass with heaps of its own pushes here."""
+
     # -- EvictionPolicy -------------------------------------------------------
 
     def __len__(self) -> int:
@@ -114,9 +134,10 @@ class ChainPolicy(Generic[K]):
         if parent is not None and parent != key:
             count = self._children.get(parent, 0)
             self._children[parent] = count + 1
-            parent_node = self._nodes.get(parent)
-            if count == 0 and parent_node is not None:
-                self._push(parent, parent_node)  # parent stops being a leaf
+            if count == 0:
+                parent_node = self._nodes.get(parent)
+                if parent_node is not None:
+                    self._became_inner(parent, parent_node)
         node.priority = self._priority_on_insert(key, node)
         self._push(key, node)
 
@@ -155,12 +176,14 @@ class ChainPolicy(Generic[K]):
         (already touched); the rest are about to be put. Only ``pred`` uses it."""
 
     def victim(self, skip: Callable[[K], bool]) -> K | None:
-        for heap in (self._leaf_heap, self._inner_heap):
-            key = self._first_unskipped(heap, skip)
-            if key is not None:
-                self._offered = key
-                return key
-        return None
+        key = self._first_leaf(skip)
+        if key is None:
+            # Every leaf is skipped, and _first_leaf moved every interior
+            # entry it met to the inner heap.
+            key = self._first_unskipped(self._inner_heap, skip)
+        if key is not None:
+            self._offered = key
+        return key
 
     def _victim_after_filling(self, filling: Container[K], skip: Callable[[K], bool]) -> K | None:
         """``victim``, but a leaf whose chain is still being put (in
@@ -168,7 +191,7 @@ class ChainPolicy(Generic[K]):
         interior block (that would strand it anyway)."""
         if not filling:
             return ChainPolicy.victim(self, skip)
-        key = self._first_unskipped(self._leaf_heap, lambda k: k in filling or skip(k))
+        key = self._first_leaf(lambda k: k in filling or skip(k))
         if key is None:
             return ChainPolicy.victim(self, skip)
         self._offered = key
@@ -180,22 +203,49 @@ class ChainPolicy(Generic[K]):
         return key not in self._children
 
     def _push(self, key: K, node: Node[K]) -> None:
-        self._seq += 1
-        node.seq = self._seq
-        heap = self._leaf_heap if self._is_leaf(key) else self._inner_heap
-        heapq.heappush(heap, (node.priority, self._seq, key))
-        if len(self._leaf_heap) + len(self._inner_heap) > 2 * len(self._nodes) + HEAP_SLACK:
+        self._seq = seq = self._seq + 1
+        node.seq = seq
+        heap = self._inner_heap if key in self._children else self._leaf_heap
+        heapq.heappush(heap, (node.priority, seq, key))
+        if not seq % _HEAP_CHECK and (
+            len(self._leaf_heap) + len(self._inner_heap)
+            > HEAP_FACTOR * len(self._nodes) + HEAP_SLACK
+        ):
             self._rebuild()
 
     def _rebuild(self) -> None:
-        leaves: list[tuple[float, int, K]] = []
-        inner: list[tuple[float, int, K]] = []
-        for key, node in self._nodes.items():
-            (leaves if self._is_leaf(key) else inner).append((node.priority, node.seq, key))
+        nodes, children = self._nodes, self._children
+        leaves = [(n.priority, n.seq, k) for k, n in nodes.items() if k not in children]
+        inner = [(n.priority, n.seq, k) for k, n in nodes.items() if k in children]
         heapq.heapify(leaves)
         heapq.heapify(inner)
         self._leaf_heap = leaves
         self._inner_heap = inner
+
+    def _first_leaf(self, skip: Callable[[K], bool]) -> K | None:
+        """``_first_unskipped`` over the leaf heap; a live entry of a block
+        that is no longer a leaf (``_became_inner``) moves to the inner heap."""
+        heap, nodes, children = self._leaf_heap, self._nodes, self._children
+        stepped_over: list[tuple[float, int, K]] = []
+        found: K | None = None
+        while heap:
+            entry = heap[0]
+            key = entry[2]
+            node = nodes.get(key)
+            if node is None or node.seq != entry[1]:
+                heapq.heappop(heap)  # stale
+                continue
+            if key in children:
+                heapq.heappush(self._inner_heap, heapq.heappop(heap))
+                continue
+            if skip(key):
+                stepped_over.append(heapq.heappop(heap))
+                continue
+            found = key
+            break
+        for entry in stepped_over:
+            heapq.heappush(heap, entry)
+        return found
 
     def _first_unskipped(
         self, heap: list[tuple[float, int, K]], skip: Callable[[K], bool]

@@ -96,6 +96,9 @@ class S3FifoPolicy(ChainPolicy[K]):
                 while len(self._ghost) > max(len(self._nodes) - self._small, 1):
                     self._ghost.popitem(last=False)
 
+    def _became_inner(self, key: K, node: Node[K]) -> None:
+        self._push(key, node)  # its own queues have no lazy move
+
     def _push(self, key: K, node: Node[K]) -> None:
         assert isinstance(node, _FifoNode)
         self._seq += 1

@@ -7,26 +7,25 @@ workload's unique blocks) it simulates the policies and Belady, and reports
 block hit ratios, each policy's ratio to Belady and to LRU, and the
 policy's own CPU time per block reference and per request.
 
-CPU time is measured around every call the simulator makes into the policy
-(``insert``, ``touch``, ``remove``, ``victim``, ``on_lookup``), which are the
-calls the daemon's store makes for the same requests (the daemon equals the
-simulator, tests/tools/replay/test_run.py). The wrapper's own cost (~0.1 us a
-call) is included, so the figures are upper bounds; the ``lru`` row shows
-the floor every policy shares (the chain tree and its heaps).
+CPU time is the policy's own, per block reference: the calls the simulator
+made into it (``insert``, ``touch``, ``remove``, ``victim``, ``on_lookup``,
+the calls the daemon's store makes for the same requests) replayed under the
+thread's CPU clock, best of a few runs, the replay loop's own cost taken off
+(``kvd.tools.replay.cost``); wall time of the same replays beside it. The
+``lru`` row shows the floor every policy shares (the chain tree and its
+heaps).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvd.store.eviction.policy import DEFAULT_POLICY, EvictionPolicy
-from kvd.tools.replay import workloads
-from kvd.tools.replay.sim import belady, capacity_for, simulate
+from kvd.store.eviction.policy import DEFAULT_POLICY
+from kvd.tools.replay import cost, workloads
+from kvd.tools.replay.sim import belady, capacity_for
 from kvd.tools.replay.tiers import TierResult, sweep_tiers
 from kvd.tools.replay.trace import Trace, load_trace
 
@@ -34,49 +33,6 @@ CONVERSATION = "conversation"  # the real trace, a tuning workload
 SUITE_POLICIES: tuple[str, ...] = ("lru", "s3fifo", "hazard", "density")
 SUITE_FRACTIONS: tuple[float, ...] = (0.05, 0.10)
 SETS = ("all", "tuning", "held-out")
-
-
-class _TimedPolicy:
-    """A policy whose calls add their wall time to ``spent_s``."""
-
-    def __init__(self, inner: EvictionPolicy[int]) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.spent_s = 0.0
-
-    def insert(self, key: int, parent: int | None) -> None:
-        started = time.perf_counter()
-        self.inner.insert(key, parent)
-        self.spent_s += time.perf_counter() - started
-
-    def touch(self, key: int) -> None:
-        started = time.perf_counter()
-        self.inner.touch(key)
-        self.spent_s += time.perf_counter() - started
-
-    def remove(self, key: int) -> None:
-        started = time.perf_counter()
-        self.inner.remove(key)
-        self.spent_s += time.perf_counter() - started
-
-    def victim(self, skip: Callable[[int], bool]) -> int | None:
-        started = time.perf_counter()
-        key = self.inner.victim(skip)
-        self.spent_s += time.perf_counter() - started
-        return key
-
-    def on_lookup(self, keys: Sequence[int], hits: int) -> None:
-        started = time.perf_counter()
-        self.inner.on_lookup(keys, hits)
-        self.spent_s += time.perf_counter() - started
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-
-def _timed(made: list[_TimedPolicy], inner: EvictionPolicy[int]) -> EvictionPolicy[int]:
-    made.append(_TimedPolicy(inner))
-    return made[-1]
 
 
 @dataclass(frozen=True)
@@ -90,8 +46,9 @@ class SuiteRow:
     policy: str
     block_hit_ratio: float
     token_hit_ratio: float
-    policy_us_per_ref: float  # 0 for Belady
+    policy_us_per_ref: float  # the policy's CPU time (kvd.tools.replay.cost); 0 for Belady
     policy_us_per_request: float
+    policy_wall_us_per_ref: float  # wall time of the same replays
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -135,6 +92,7 @@ def run(
     policies: Sequence[str] = SUITE_POLICIES,
     fractions: Sequence[float] = SUITE_FRACTIONS,
     seed: int = workloads.SEED_DEFAULT,
+    cpu_repeats: int = cost.REPEATS_DEFAULT,
     progress: Callable[[str], None] | None = None,
 ) -> list[SuiteRow]:
     """Simulate ``policies`` and Belady on every workload of ``which`` (and
@@ -146,18 +104,16 @@ def run(
             if progress:
                 progress(f"suite: {name} at {100 * fraction:.0f} % ({capacity} blocks)")
             for policy in policies:
-                timed: list[_TimedPolicy] = []
-                result = simulate(trace, policy, capacity, wrap=partial(_timed, timed))
-                spent_s = timed[0].spent_s
+                result, spent = cost.measure(trace, policy, capacity, repeats=cpu_repeats)
                 rows.append(SuiteRow(
                     name, held_out, fraction, capacity, policy, result.block_hit_ratio,
-                    result.token_hit_ratio, 1e6 * spent_s / trace.n_refs,
-                    1e6 * spent_s / len(trace),
+                    result.token_hit_ratio, spent.cpu_us_per_ref, spent.cpu_us_per_request,
+                    spent.wall_us_per_ref,
                 ))  # fmt: skip
             best = belady(trace, capacity)
             rows.append(SuiteRow(
                 name, held_out, fraction, capacity, "belady", best.block_hit_ratio,
-                best.token_hit_ratio, 0.0, 0.0,
+                best.token_hit_ratio, 0.0, 0.0, 0.0,
             ))  # fmt: skip
     return rows
 
@@ -197,7 +153,8 @@ def markdown(rows: Sequence[SuiteRow], default: str = DEFAULT_POLICY) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
-        "Policy CPU time, µs per block reference (per request), at each capacity:",
+        "Policy CPU time, µs per block reference (per request; wall µs per block "
+        "reference), at each capacity:",
         "",
         "| workload | capacity | " + " | ".join(policies) + " |",
         "|---|---|" + "---|" * len(policies),
@@ -208,7 +165,10 @@ def markdown(rows: Sequence[SuiteRow], default: str = DEFAULT_POLICY) -> str:
             for policy in policies:
                 row = by_key.get((name, fraction, policy))
                 cells.append(
-                    f"{row.policy_us_per_ref:.2f} ({row.policy_us_per_request:.0f})" if row else ""
+                    f"{row.policy_us_per_ref:.2f} ({row.policy_us_per_request:.0f}; "
+                    f"{row.policy_wall_us_per_ref:.2f})"
+                    if row
+                    else ""
                 )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

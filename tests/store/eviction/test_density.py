@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from kvd.store.eviction.chains import heap_entries_max
 from kvd.store.eviction.density import _AGE_EDGES, DensityPolicy, reference_class
 from kvd.store.eviction.lru import LruPolicy
 from kvd.store.eviction.policy import make_policy
@@ -125,7 +126,7 @@ def test_density_state_stays_bounded() -> None:
         policy.on_lookup([10_000 + key], 1)
     assert policy.ghost_len <= 4 * len(policy) + 1024
     heaps = len(policy._leaf_heap) + len(policy._inner_heap)
-    assert heaps <= 2 * len(policy) + 1025
+    assert heaps <= heap_entries_max(len(policy))
 
 
 def test_density_retention_is_capped_by_the_residence() -> None:
