@@ -91,7 +91,27 @@ def test_suite_reports_every_policy_next_to_belady(
     assert "| documents | tuning |" in table and "| bursts | held-out |" in table
     assert "density / belady" in table and "µs per block reference" in table
     tiers = suite.run_tiers("documents", None, fraction=0.05, ratios=(10,))
-    assert len(tiers) == 4  # two admission rules, with and without reinsertion
+    assert len(tiers) == 5  # `all` with and without reinsertion, three other rules
     assert "| documents | 10 | twice | yes |" in suite.tiers_markdown(tiers)
     with pytest.raises(workloads.WorkloadError, match="unknown workload"):
         suite.workload_names("nope")
+
+
+def test_written_when_l1_evicts_it() -> None:
+    # write-back: a-b-c is written when x-y-z evicts it, and x-y-z when a-b-c
+    # comes back; the last a-b-c is served from L2 and promoted, not rewritten
+    result = simulate_tiers(make_trace(AGAIN), "lru", 3, 30, admit="evict")
+    assert (result.l1_hits, result.l2_hits, result.l2_writes, result.lost) == (0, 3, 6, 0)
+
+
+def test_written_on_eviction_only_if_expected_back(documents: Trace) -> None:
+    capacity = capacity_for(documents, 0.01)
+    every = simulate_tiers(documents, "density", capacity, 10 * capacity, admit="evict")
+    none = simulate_tiers(
+        documents, "density", capacity, 10 * capacity, admit="expect", expect_min=1.01
+    )
+    some = simulate_tiers(documents, "density", capacity, 10 * capacity, admit="expect")
+    # blocks evicted before the first plan count as expected (nothing learned)
+    assert none.l2_writes < some.l2_writes < every.l2_writes
+    assert none.l2_hits < some.l2_hits
+    assert none.lost > some.lost > every.lost == 0
