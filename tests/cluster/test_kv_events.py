@@ -157,11 +157,12 @@ def stream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stream]:
     try:
         client = Client(daemon.target, timeout_s=10)
         # The subscription reaches the daemon's PUB socket some ms after it
-        # connects (ZMQ's slow joiner): wait for a first live message.
-        probe = b"probe"
-        client.put("events", probe, b"p" * 100)
+        # connects (ZMQ's slow joiner): put probes until one is seen live.
         deadline = time.monotonic() + WAIT_S
+        probes = 0
         while not live and time.monotonic() < deadline:
+            client.put("events", b"probe-%d" % probes, b"p" * 100)
+            probes += 1
             receive(time.monotonic() + 0.2)
         keys = [f"chain-{i:03d}".encode() for i in range(120)]
         parent = None
@@ -170,11 +171,15 @@ def stream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stream]:
             parent = key
         deleted = keys[2]
         assert client.delete("events", [deleted]) == 1
-        # Wait until the delete's L2 removal has been seen live.
+        # Wait until the delete's L2 removal and the last key's write-back
+        # (write-back goes in put order) have been seen live.
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             receive(time.monotonic() + 0.2)
-            if deleted in removed_hashes(events_of([p for _, _, p in live]), "STORAGE"):
+            seen = events_of([p for _, _, p in live])
+            if deleted in removed_hashes(seen, "STORAGE") and keys[-1] in stored_hashes(
+                seen, "STORAGE"
+            ):
                 break
         client.close()
         replayed = replay(replay_endpoint, 0, ctx)
