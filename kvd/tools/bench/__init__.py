@@ -219,6 +219,26 @@ def _pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lookup(args: argparse.Namespace) -> int:
+    from kvd.tools.bench import lookup
+
+    started = time.perf_counter()
+    chain_keys = tuple(args.keys) if args.keys else lookup.CHAIN_KEYS
+    rows = lookup.run(_progress, chain_keys, tuple(args.paths) or lookup.PATHS)
+    table = lookup.markdown(rows)
+    data = {
+        "suite": "lookup",
+        "machine": machine(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": [r.as_dict() for r in rows],
+        "targets": lookup.targets(rows),
+    }
+    path = write_results("lookup", data, table, Path(args.out))
+    print(table)
+    print(f"\nraw: {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd bench", description=__doc__)
     parser.add_argument("--out", default=str(RESULTS_DIR), help="results directory")
@@ -268,6 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths_cmd.add_argument("--socket-target", default="", help="its unix:///path (shm path)")
     paths_cmd.add_argument("--sizes", nargs="*", help="value sizes in bytes")
     paths_cmd.add_argument("--no-peers", action="store_true", help="skip Redis and Mooncake")
+    lookup_cmd = sub.add_parser(
+        "lookup", help="chain lookups (1, 1,000, 10,000 keys) over the shm socket and gRPC"
+    )
+    lookup_cmd.add_argument("--keys", nargs="*", type=int, help="chain lengths")
+    lookup_cmd.add_argument(
+        "--paths", nargs="*", default=[], choices=("shm-socket", "grpc-unix", "grpc-tcp")
+    )
     engine_cmd = sub.add_parser(
         "engine", help="TTFT through a real vLLM: recompute, its prefix cache, kvd L1/L2, peers"
     )
@@ -305,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _pool(args)
     if args.suite == "engine":
         return _engine(args)
+    if args.suite == "lookup":
+        return _lookup(args)
     if args.suite == "paths":
         return _paths(args)
     if args.suite in (None, "grpc"):
