@@ -248,7 +248,7 @@ class BulkPeers:
     """The bulk connections of this daemon to each member, bounded per member."""
 
     def __init__(self, token: str) -> None:
-        self._token = token
+        self.token = token  # the pool token (HELLO)
         self._idle: dict[str, list[BulkConnection]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
 
@@ -260,7 +260,7 @@ class BulkPeers:
         async with slots:
             connection = self._take_idle(member)
             if connection is None:
-                connection = await BulkConnection.connect(host, port, self._token)
+                connection = await BulkConnection.connect(host, port, self.token)
             try:
                 yield connection
             except BaseException:

@@ -276,7 +276,9 @@ class Daemon:
         self.fast_paths = await FastPaths.start(cfg, self.service, self.metrics)
         if self.pool_node is not None and self.fast_paths.bulk is not None:
             # Members pin values for their NIXL reads on the bulk port.
-            self.fast_paths.bulk.nixl = self.pool_node.router.reads.nixl
+            reads = self.pool_node.router.reads
+            self.fast_paths.bulk.nixl = reads.nixl
+            self.fast_paths.bulk.pool_token = reads.bulk.token.encode()
         self.metrics.up.set(1)
         log.info(
             "kvd started",

@@ -9,6 +9,7 @@ The bad owner is a NIXL agent and a bulk port in this process."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import socket
@@ -250,3 +251,57 @@ def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
         client.close()
         daemon.discard()
         bad.close()
+
+
+ENGINE_TOKEN = "engine-token-team-a"
+POOL_TOKEN = "pool-token-of-this-fleet"
+
+
+def test_with_auth_only_the_pool_token_may_pin(tmp_path: Path) -> None:
+    digest = {t: hashlib.sha256(t.encode()).hexdigest() for t in (ENGINE_TOKEN, POOL_TOKEN)}
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        f'[[tokens]]\nname = "team-a"\nsha256 = "{digest[ENGINE_TOKEN]}"\n'
+        'namespaces = ["team-a/*"]\n'
+        f'[[tokens]]\nname = "pool"\nsha256 = "{digest[POOL_TOKEN]}"\nnamespaces = ["*"]\n'
+    )
+    (tmp_path / "pool-token").write_text(POOL_TOKEN + "\n")
+    auth = ["--auth-tokens-file", str(tokens), "--pool-token-file", str(tmp_path / "pool-token"),
+            "--pool-peer-transport", "nixl"]  # fmt: skip
+    daemons = start_static_pool(tmp_path, 2, *auth, peer_timeout_ms=2000)
+    owner, reader = daemons
+    try:
+        ns = "team-a/model"
+        key = _keys_owned_in(Placement([d.target for d in daemons]), ns, owner.target)
+        value = os.urandom(2 * PAGE + 5)
+        with Client(owner.target, token=ENGINE_TOKEN, timeout_s=10) as client:
+            client.put(ns, key, value)
+        with Client(reader.target, token=ENGINE_TOKEN, timeout_s=10) as client:
+            assert client.get(ns, key) == value
+        port = reader.metrics_port
+        assert labelled(port, "kvd_cluster_peer_reads_total", transport="nixl") == 1
+        # An engine's token reads its namespaces on the bulk port, but not the
+        # agent metadata that would let it READ the whole arena.
+        for token, code in ((ENGINE_TOKEN, "PERMISSION_DENIED"), (POOL_TOKEN, "OK")):
+            with socket.create_connection(("127.0.0.1", owner.bulk_port), timeout=5) as sock:
+                hello = token.encode()
+                sock.sendall(bulk.encode_request(bulk.OP_HELLO, 0, length=len(hello)) + hello)
+                assert _answer(sock)[0] == 0
+                sock.sendall(bulk.encode_request(bulk.OP_NIXL_META, 1))
+                got, length = _answer(sock)
+                assert bulk.NAME_BY_CODE[got] == code
+                assert (length > 0) == (code == "OK")
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def _keys_owned_in(placement: Placement, ns: str, owner: str) -> bytes:
+    return next(k for k in (b"t-%04d" % i for i in range(1000)) if placement.owner(ns, k) == owner)
+
+
+def _answer(sock: socket.socket) -> tuple[int, int]:
+    """(code, length) of the next answer; its meta and message are read and dropped."""
+    head = bulk.RESPONSE.unpack(_recv_exact(sock, bulk.RESPONSE.size))
+    _recv_exact(sock, head[6] + head[7])
+    return head[5], head[8]

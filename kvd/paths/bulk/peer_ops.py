@@ -8,6 +8,10 @@ member of the pool (docs/bulk-protocol.md, "Pool peer ops").
   (read from L2 into L1 first if need be), and the answer gives its size,
   meta, checksum, a lease id and the (address, length) of its pages; the
   member then READs them one-sided.
+- Only a connection whose HELLO said the pool token may use them (with
+  auth): NIXL metadata lets its holder READ the whole registered arena, so
+  an engine's token, which reads only its own namespaces, gets
+  PERMISSION_DENIED.
 - ``NIXL_RELEASE`` (the lease id in the checksum field): the member is done;
   the pin ends. A pin not released within ``LEASE_S`` ends anyway, and so do
   a connection's pins when it closes: a member that stopped cannot hold pages.
@@ -21,6 +25,7 @@ wrong bytes. A connection holds at most ``PINS_MAX`` pins
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -63,18 +68,33 @@ class PeerOps:
         self,
         values: ValueOps,
         nixl: NixlNode | None,
+        pool_token: bytes,
         authorize: Callable[[str], None],
         answer: Callable[[bytes], Awaitable[None]],
     ) -> None:
         self.values = values
         self.nixl = nixl
+        self._pool_token = pool_token
+        # Without auth every connection may (the port is loopback, and serves
+        # any namespace anyway); with auth, only one that said the pool token.
+        self.pool_peer = True
         self._authorize = authorize
         self._answer = answer
         self._pins: dict[int, tuple[Reader, asyncio.TimerHandle]] = {}
         self._ids = itertools.count(1)
 
+    def is_pool_token(self, token: bytes) -> bool:
+        return bool(self._pool_token) and hmac.compare_digest(token, self._pool_token)
+
     async def handle(self, request: Request, tail: bytes) -> None:
         rid = request.request_id
+        if not self.pool_peer:
+            # An engine's token may read its own namespaces, but an agent's
+            # metadata lets its holder READ the whole registered arena.
+            message = "pool peer ops take the pool token"
+            code = CODE_NUMBERS["PERMISSION_DENIED"]
+            await self._answer(encode_response(request.op, rid, code, message=message))
+            return
         if request.op == OP_NIXL_RELEASE:
             self.release(request.checksum)
             await self._answer(encode_response(OP_NIXL_RELEASE, rid))

@@ -208,7 +208,8 @@ class _Connection:
         self.token = b""
         self.principal: Principal | None = None
         self.writing = False  # the writer is sending an answer
-        self.peer_ops = PeerOps(server.values, server.nixl, self._authorize, self._answer)
+        self.peer_ops = PeerOps(server.values, server.nixl, server.pool_token, self._authorize,
+                                self._answer)  # fmt: skip
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write_loop())
@@ -326,6 +327,7 @@ class _Connection:
                 except UnicodeDecodeError:
                     text = ""
                 self.principal = auth.authenticate(text)
+                self.peer_ops.pool_peer = self.peer_ops.is_pool_token(token)
             except KvdError as exc:
                 code = refused(self.server.metrics, "bulk_hello", exc)
                 answer = encode_response(OP_HELLO, request.request_id, code, message=str(exc))
@@ -537,9 +539,10 @@ class BulkServer:
         )
         self.sender = Sender(limits.frame_timeout_s)
         self.port = 0
-        # This daemon's NIXL agent, for the pool's peer ops (kvd.paths.bulk.peer_ops);
-        # set by the daemon when it is part of a pool and NIXL started.
+        # This daemon's NIXL agent, for the pool's peer ops (kvd.paths.bulk.peer_ops),
+        # and the pool token that alone may use them; set by the daemon in a pool.
         self.nixl: NixlNode | None = None
+        self.pool_token = b""
 
     @property
     def connection_count(self) -> int:
