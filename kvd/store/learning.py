@@ -33,6 +33,11 @@ PENDING_KEYS_MAX = 65_536
 Schedule = Callable[[Callable[[], None]], Any]
 
 
+def policy_key(ns_id: int, key: bytes) -> tuple[int, bytes]:
+    """A value's key in the eviction policy: its namespace's id and its key."""
+    return ns_id, key
+
+
 class DeferredPolicy(Generic[K]):
     """``policy``, with a lookup's calls run after its answer (``schedule``)."""
 
@@ -40,14 +45,17 @@ class DeferredPolicy(Generic[K]):
         self.policy = policy
         self.name = policy.name
         self.schedule = schedule
-        self._pending: list[tuple[list[K], list[K], int]] = []
+        self._pending: list[tuple[list[Any], list[Any], int, Callable[[Any], K] | None]] = []
         self._pending_keys = 0
 
-    def defer_lookup(self, touched: list[K], chain: list[K], hits: int) -> None:
+    def defer_lookup(
+        self, touched: list[K], chain: list[K], hits: int, key_of: Callable[[Any], K] | None = None
+    ) -> None:
         """A lookup's calls: ``touch`` of each of ``touched``, then
-        ``on_lookup(chain, hits)``."""
+        ``on_lookup(chain, hits)``; with ``key_of``, the policy's keys are
+        ``key_of(k)`` of those given, made only when the calls are told."""
         first = not self._pending
-        self._pending.append((touched, chain, hits))
+        self._pending.append((touched, chain, hits, key_of))
         self._pending_keys += len(touched) + len(chain)
         if self._pending_keys > PENDING_KEYS_MAX:
             self.settle()
@@ -60,7 +68,9 @@ class DeferredPolicy(Generic[K]):
             return
         pending, self._pending, self._pending_keys = self._pending, [], 0
         policy = self.policy
-        for touched, chain, hits in pending:
+        for touched, chain, hits, key_of in pending:
+            if key_of is not None:
+                touched, chain = list(map(key_of, touched)), list(map(key_of, chain))
             for key in touched:
                 policy.touch(key)
             policy.on_lookup(chain, hits)

@@ -34,9 +34,11 @@ class LeaseTable:
         self,
         max_leases: int,
         clock: Callable[[], float],
-        pin: Callable[[Any], None],
-        unpin: Callable[[Any], None],
+        pin: Callable[[list[Any]], None],
+        unpin: Callable[[list[Any]], None],
     ) -> None:
+        """``pin`` and ``unpin`` take a lease's whole list: one call a lease,
+        not one a key (a lease of a 10,000-key chain is one grant)."""
         self.max_leases = max_leases
         self._clock = clock
         self._pin = pin
@@ -56,8 +58,7 @@ class LeaseTable:
             raise ResourceExhausted(f"max_leases={self.max_leases} leases are active")
         lease_id = next(self._ids)
         expires_at = self._clock() + lease_ms / 1000
-        for item in pins:
-            self._pin(item)
+        self._pin(pins)
         self._leases[lease_id] = Lease(pins, expires_at, namespace)
         heapq.heappush(self._expiry, (expires_at, lease_id))
         self.granted += 1
@@ -75,8 +76,7 @@ class LeaseTable:
         return None if lease is None else lease.namespace
 
     def _end(self, lease: Lease) -> None:
-        for item in lease.pins:
-            self._unpin(item)
+        self._unpin(lease.pins)
         lease.pins = []
 
     def expire(self) -> None:

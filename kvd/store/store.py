@@ -57,7 +57,7 @@ from kvd.store.index import (
     check_keys,
     check_put_names,
 )
-from kvd.store.learning import DeferredPolicy
+from kvd.store.learning import DeferredPolicy, policy_key
 from kvd.store.leases import LeaseTable
 from kvd.store.placement import Placement
 from kvd.store.prefetch import Prefetcher
@@ -495,23 +495,22 @@ class Store:
         resident = ns.entries
         l2 = self.l2
         pins: list[Entry | L2Record] = []
-        touched: list[tuple[int, bytes]] = []
+        touched: list[bytes] = []
         for key in keys:
             entry = resident.get(key)
             if entry is not None:
-                touched.append((ns.id, key))
+                touched.append(key)
                 pins.append(entry)
                 continue
             record = l2.lookup(ns_name, key) if l2 is not None else None
             if record is None:
                 break
             pins.append(record)
-        l1_hits = len(touched)
-        leading_l1 = l1_hits
+        l1_hits = leading_l1 = len(touched)
         if l1_hits < len(pins):  # an L2 hit among them: the L1 run before the first
             leading_l1 = next(i for i, p in enumerate(pins) if not isinstance(p, Entry))
         # The policy learns how each chain's lookup went (the first of a namespace too).
-        self.learning.defer_lookup(touched, [(ns.id, key) for key in keys], leading_l1)
+        self.learning.defer_lookup(touched, list(keys), leading_l1, partial(policy_key, ns.id))
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         if self.prefetcher is not None and self.placement is not None and l1_hits < len(pins):
             prefetch = self.placement.prefetch
@@ -526,18 +525,20 @@ class Store:
         check_keys(keys, self.limits.max_lookup_keys)
 
     # ---- leases ----------------------------------------------------------------
-    def _pin(self, item: Entry | L2Record) -> None:
-        if isinstance(item, Entry):
-            item.leases += 1
-        elif self.l2 is not None:
-            self.l2.pin(item)
+    def _pin(self, items: list[Entry | L2Record]) -> None:
+        for item in items:
+            if isinstance(item, Entry):
+                item.leases += 1
+            elif self.l2 is not None:
+                self.l2.pin(item)
 
-    def _unpin_lease(self, item: Entry | L2Record) -> None:
-        if isinstance(item, Entry):
-            item.leases -= 1
-            assert item.leases >= 0
-        elif self.l2 is not None:
-            self.l2.unpin(item)
+    def _unpin_lease(self, items: list[Entry | L2Record]) -> None:
+        for item in items:
+            if isinstance(item, Entry):
+                item.leases -= 1
+                assert item.leases >= 0
+            elif self.l2 is not None:
+                self.l2.unpin(item)
 
     def release(self, lease_id: int, ns_name: str | None = None) -> bool:
         """Drop a lease; False when it expired, was released, or is another namespace's."""

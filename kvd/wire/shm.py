@@ -58,10 +58,11 @@ PIPELINE_FRAMES = 16
 def join_keys(keys: Sequence[bytes]) -> tuple[int, bytes] | None:
     """A LOOKUP's keys as (width, bytes); None when they differ in length
     (or there are none): such a chain goes over gRPC."""
-    if not keys:
+    widths = set(map(len, keys))  # in C: ~15 µs for 1,000 keys, a generator ~60 µs
+    if len(widths) != 1:
         return None
-    width = len(keys[0])
-    if not 0 < width <= KEY_BYTES_MAX or any(len(key) != width for key in keys):
+    (width,) = widths
+    if not 0 < width <= KEY_BYTES_MAX:
         return None
     return width, b"".join(keys)
 

@@ -147,7 +147,7 @@ def test_lookup_limits_and_lease_bound(stub: KVStoreStub) -> None:
     assert code_of(lambda: stub.Lookup(pb.LookupRequest(namespace="t", keys=[]))) == (
         Code.INVALID_ARGUMENT
     )
-    too_many = pb.LookupRequest(namespace="t", keys=[b"k"] * 4097)
+    too_many = pb.LookupRequest(namespace="t", keys=[b"k"] * 16_385)  # max_lookup_keys + 1
     assert code_of(lambda: stub.Lookup(too_many)) == Code.INVALID_ARGUMENT
     long_lease = pb.LookupRequest(namespace="t", keys=[b"k"], lease_ms=60_001)
     assert code_of(lambda: stub.Lookup(long_lease)) == Code.INVALID_ARGUMENT
