@@ -20,8 +20,8 @@ The agent runs without NIXL's progress thread: with it each idle daemon
 spent ~27 % of a core polling (0.8 CPU-s in 3 s, measured here), which a
 2-CPU node cannot give. Instead the reader polls its transfer from the event
 loop (``check_xfer_state`` progresses its side), and the owner progresses
-its side (``get_new_notifs``) only while it holds a pin for a member's
-read (``hold`` / ``unhold``): UCX's TCP and shared-memory
+its side (``get_new_notifs``, every ``PROGRESS_S``) only while it holds a
+pin for a member's read (``hold`` / ``unhold``): UCX's TCP and shared-memory
 transports need the target to progress, RDMA READs do not. A read
 cancelled or timed out is released; NIXL cancels it if it can. Until the
 transfer is known to have stopped, the pages it writes into are not given
@@ -44,17 +44,16 @@ import numpy as np
 
 log = logging.getLogger("kvd.cluster")
 
-# A transfer in flight is polled at every turn of the reader's event loop:
-# over UCX's TCP transport each poll moves what the socket holds. Polled every
-# 50 µs to 1 ms (doubling), with the owner progressing every 0.2 ms, 4 MiB
-# reads on loopback moved 0.56 GB/s; polled at every turn on both sides,
-# 1.08 GB/s (one run each on a loaded 2-CPU VM, bulk TCP 1.2 and 0.9 GB/s).
-POLL_S_MAX = 0.001  # the pause of a blocking wait for a cancelled transfer
-# The owner progresses at every turn of its loop for this long after a pin
-# (a 32 MiB READ at 1 GB/s takes ~32 ms), then every PROGRESS_S while pins
-# are still held (a reader that stopped holds them up to the 5 s lease).
-SPIN_S = 0.1
-PROGRESS_S = 0.001
+# Poll of a transfer in flight: starts at 50 µs (a 64 KiB READ over shm takes
+# ~20-40 µs) and doubles up to 1 ms (a 4 MiB READ over tcp takes 1-4 ms).
+# Polling at every turn of the loop instead (and the owner progressing at
+# every turn) read 4 MiB values no faster between network namespaces on a
+# loaded 2-CPU VM (0.13 GB/s against 0.27 GB/s with these pauses, one run
+# each), and it spends CPU the node's engines need.
+POLL_S_MIN = 0.00005
+POLL_S_MAX = 0.001
+# The owner's progress while it holds pins: a 64 KiB READ's turn is ~30 µs.
+PROGRESS_S = 0.0002
 # A cancelled transfer is waited for this long before its pages are written
 # off: a READ posted on a live connection ends within a round trip.
 STOP_WAIT_S = 2.0
@@ -138,7 +137,6 @@ class NixlNode:
         self._remote: dict[bytes, str] = {}  # metadata -> agent name
         self.stuck = 0  # transfers that did not stop when cancelled (their pages kept)
         self._holds = 0
-        self._held_at = 0.0  # time.monotonic() of the latest hold
         self._progress: asyncio.Task[None] | None = None
 
     @classmethod
@@ -165,7 +163,6 @@ class NixlNode:
     def hold(self) -> None:
         """A member is about to READ pinned pages: progress this side meanwhile."""
         self._holds += 1
-        self._held_at = time.monotonic()
         if self._progress is None or self._progress.done():
             self._progress = asyncio.get_running_loop().create_task(self._progress_loop())
 
@@ -180,8 +177,7 @@ class NixlNode:
     async def _progress_loop(self) -> None:
         while self._holds > 0:
             self.progress()
-            spin = time.monotonic() - self._held_at < SPIN_S
-            await asyncio.sleep(0 if spin else PROGRESS_S)
+            await asyncio.sleep(PROGRESS_S)
 
     def remote(self, metadata: bytes) -> str:
         """The agent name of a peer, its metadata loaded once."""
@@ -229,8 +225,10 @@ class NixlNode:
         try:
             state = agent.transfer(handle)
             posted = True
+            pause = POLL_S_MIN
             while state == "PROC":
-                await asyncio.sleep(0)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, POLL_S_MAX)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise NixlError(f"nixl read ended in state {state}")

@@ -133,14 +133,15 @@ class BulkConnection:
         return BulkAnswer(size, meta, answer[1])
 
     async def nixl_meta(self) -> bytes | None:
-        """The member's NIXL agent metadata; None where it has no agent."""
+        """The member's NIXL agent metadata; None where it has no agent, or
+        gives it to no one with this daemon's token."""
         self.reusable = False
         rid = next(self._ids)
         await self._send(encode_request(OP_NIXL_META, rid))
         code, _, message, (length, _) = await self._answer(OP_NIXL_META, rid)
         if code != CODE_OK:
             self.reusable = True
-            if code == CODE_NUMBERS["UNIMPLEMENTED"]:
+            if code in (CODE_NUMBERS["UNIMPLEMENTED"], CODE_NUMBERS["PERMISSION_DENIED"]):
                 return None
             raise PeerError(f"bulk NIXL_META refused: {CODE_NAMES.get(code, code)} {message}")
         if length > NIXL_META_BYTES_MAX:

@@ -124,8 +124,11 @@ class PeerReads:
             self.transport = "nixl" if self.nixl is not None else "bulk"
         else:
             self.transport = transport
-        # Per member: its agent's metadata and name, or None where it offers no NIXL.
+        # Per member: its agent's metadata and name, or None where it offers no NIXL
+        # (asked again after a failure); and the metadata loaded into this agent,
+        # one per member (a member that restarted replaces its own).
         self._agents: dict[str, tuple[bytes, str] | None] = {}
+        self._loaded: dict[str, bytes] = {}
         self.traffic = PeerTraffic()
         self._paths: dict[str, PeerPaths] = {}
         self._grpc_logged: set[str] = set()
@@ -141,9 +144,10 @@ class PeerReads:
         for member in [m for m in self._paths if m not in members]:
             del self._paths[member]
         for member in [m for m in self._agents if m not in members]:
-            offer = self._agents.pop(member)
-            if offer is not None and self.nixl is not None:
-                self.nixl.forget(offer[0])
+            del self._agents[member]
+        for member in [m for m in self._loaded if m not in members]:
+            if self.nixl is not None:
+                self.nixl.forget(self._loaded.pop(member))
         self.bulk.retain(members)
         self.traffic.retain(members)
 
@@ -249,6 +253,10 @@ class PeerReads:
                     )
                     self._agents[member] = None
                 else:
+                    old = self._loaded.get(member)
+                    if old is not None and old != metadata:
+                        self.nixl.forget(old)
+                    self._loaded[member] = metadata
                     try:
                         self._agents[member] = (metadata, self.nixl.remote(metadata))
                     except NixlError as error:
