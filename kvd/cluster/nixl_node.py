@@ -25,9 +25,9 @@ pin for a member's read (``hold`` / ``unhold``): UCX's TCP and shared-memory
 transports need the target to progress, RDMA READs do not. A read
 cancelled or timed out is released; NIXL cancels it if it can. Until the
 transfer is known to have stopped, the pages it writes into are not given
-back: ``read`` waits up to ``STOP_WAIT_S`` for that and, when it could not,
-tells the caller to keep those pages out of use (counted, logged) rather
-than let a late write land in another value.
+back: a reaper task waits up to ``STOP_WAIT_S`` for that (the event loop
+never blocks) and, when it did not stop, keeps those pages out of use
+(counted, logged) rather than let a late write land in another value.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class NixlNode:
         self.stuck = 0  # transfers that did not stop when cancelled (their pages kept)
         self._holds = 0
         self._progress: asyncio.Task[None] | None = None
+        self._reapers: set[asyncio.Task[None]] = set()
 
     @classmethod
     def start(cls, arena: memoryview, name: str) -> NixlNode | str:
@@ -205,14 +206,18 @@ class NixlNode:
         peer: str,
         local: Sequence[tuple[int, int]],
         remote: Sequence[tuple[int, int]],
-        on_stuck: Callable[[], None],
+        give_back: Callable[[], None],
     ) -> None:
-        """READ ``remote`` segments of agent ``peer`` into ``local`` ones.
+        """READ ``remote`` segments of agent ``peer`` into ``local`` ones, then
+        call ``give_back`` (the caller's pages are free to go: publish or abort).
 
-        Raises NixlError on failure. On a failure or cancellation after the
-        transfer was posted it is released and waited for; if it did not stop,
-        ``on_stuck`` is called before the error goes on: the caller must then
-        keep ``local``'s pages out of use."""
+        Raises NixlError on failure. A transfer that fails or is cancelled
+        after it was posted is released, which cancels it where the backend
+        can; one that cannot be released yet is left to a reaper task, which
+        calls ``give_back`` once it stopped (within ``STOP_WAIT_S``), or never
+        (its pages then stay out of use, counted in ``stuck``): a late write
+        must not land in pages that hold another value by then. The event
+        loop never blocks on it."""
         mine, theirs = pair_segments(local, remote)
         agent = self._agent
         try:
@@ -220,11 +225,10 @@ class NixlNode:
             remote_descs = agent.get_xfer_descs(theirs, "DRAM")
             handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer)
         except Exception as exc:  # NIXL raises its own nixl errors
+            give_back()
             raise NixlError(f"nixl read not prepared: {exc}") from None
-        posted = False
         try:
             state = agent.transfer(handle)
-            posted = True
             pause = POLL_S_MIN
             while state == "PROC":
                 await asyncio.sleep(pause)
@@ -233,30 +237,34 @@ class NixlNode:
             if state != "DONE":
                 raise NixlError(f"nixl read ended in state {state}")
         except BaseException:
-            if posted and not self._stop(handle):
-                self.stuck += 1
-                log.error("a cancelled nixl read did not stop; its pages are kept out of use")
-                on_stuck()
+            self._end(handle, give_back)
             raise
-        finally:
-            try:
-                handle.release()
-            except Exception:  # kept in the agent's leak list
-                log.warning("nixl transfer handle not released")
+        self._end(handle, give_back)
 
-    def _stop(self, handle: Any) -> bool:
-        """Wait (blocking, bounded) for a posted transfer to stop; True once it has."""
+    def _end(self, handle: Any, give_back: Callable[[], None]) -> None:
+        """Release a transfer and give its pages back, now or once it stopped."""
         try:
-            handle.release()  # cancels it where the backend can
-            return True
-        except Exception:  # not cancellable now: wait for it to end
-            pass
+            handle.release()  # cancels a transfer still in flight where it can
+        except Exception:  # not cancellable now: wait for it to end, off the loop's path
+            task = asyncio.get_running_loop().create_task(self._reap(handle, give_back))
+            self._reapers.add(task)
+            task.add_done_callback(self._reapers.discard)
+            return
+        give_back()
+
+    async def _reap(self, handle: Any, give_back: Callable[[], None]) -> None:
         deadline = time.monotonic() + STOP_WAIT_S
         while time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S_MAX)
             if self._agent.check_xfer_state(handle) != "PROC":
-                return True
-            time.sleep(POLL_S_MAX)
-        return False
+                try:
+                    handle.release()
+                except Exception:  # kept in the agent's leak list
+                    log.warning("nixl transfer handle not released")
+                give_back()
+                return
+        self.stuck += 1
+        log.error("a cancelled nixl read did not stop; its pages are kept out of use")
 
     def close(self) -> None:
         if self._progress is not None:

@@ -285,8 +285,8 @@ class PeerReads:
         pages: list[tuple[int, int]],
     ) -> str:
         """Reserve pages, READ the member's pages into them, publish if the
-        bytes match; the pages go back on any failure, unless a cancelled
-        READ did not stop (then they stay out of use: ``NixlNode.stuck``)."""
+        bytes match; the pages go back on any failure once the READ has
+        stopped (``NixlNode.read``'s ``give_back``)."""
         assert self.nixl is not None
         with scope.as_hop():  # the owner has it: not handed back
             try:
@@ -298,15 +298,17 @@ class PeerReads:
                 return NOT_KEPT
             if isinstance(ticket, PutResult):
                 return HIT
-            kept = False
+            stopped = gave_up = False
 
-            def keep() -> None:
-                nonlocal kept
-                kept = True
+            def give_back() -> None:  # the READ has stopped: its pages may go
+                nonlocal stopped
+                stopped = True
+                if gave_up:  # a reaper, after this read failed
+                    self.store.abort_put(ticket)
 
             try:
                 try:
-                    await self.nixl.read(agent, segments(ticket.views), pages, keep)
+                    await self.nixl.read(agent, segments(ticket.views), pages, give_back)
                 except NixlError as error:
                     raise PeerError(f"{member}: {error}", "transfer") from None
                 try:
@@ -319,8 +321,10 @@ class PeerReads:
                     _not_kept(member, error)
                     return NOT_KEPT
             finally:
-                if not kept:
+                if stopped:
                     self.store.abort_put(ticket)  # a no-op once published
+                else:
+                    gave_up = True  # the reaper gives the pages back once the READ stops
         return HIT
 
     async def _land(
