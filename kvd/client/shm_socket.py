@@ -39,8 +39,12 @@ from kvd.wire.shm import (
     FLAG_RELEASED,
     LOOKUP_ANSWER,
     LOOKUP_REF,
+    MANY_ITEM,
+    MANY_REF,
+    MANY_RESULT,
     OP_LOOKUP,
     OP_REGION_ATTACH,
+    OP_REGION_GET_MANY,
     OP_RELEASE,
     PEERCRED,
     PIPELINE_FRAMES,
@@ -90,12 +94,15 @@ class RegionOps:
         connections: int = 2,
         daemon: DaemonIdentity | None = None,
         clock_offset_ns: int | None = None,
+        offered: frozenset[str] = frozenset(),
     ):
         """``clock_offset_ns``: the daemon's CLOCK_MONOTONIC less this process's,
-        as ``of`` estimated it; None for a daemon that takes no deadlines."""
+        as ``of`` estimated it; None for a daemon that takes no deadlines.
+        ``offered``: the ops it takes beyond the region ops (``SHM_OPS``)."""
         self.path = path
         self.daemon = daemon
         self.clock_offset_ns = clock_offset_ns
+        self.offered = offered
         self._token = token
         check = daemon.check if daemon is not None else None
         self.client = BulkClient(
@@ -116,7 +123,10 @@ class RegionOps:
         # no later on the daemon's clock than on this process's: the daemon
         # never works past the moment the client stops waiting.
         offset = paths.daemon_clock_ns - time.monotonic_ns() if paths.daemon_clock_ns else None
-        return cls(paths.shm_socket, token, timeout_s, daemon=identity, clock_offset_ns=offset)
+        return cls(
+            paths.shm_socket, token, timeout_s, daemon=identity, clock_offset_ns=offset,
+            offered=frozenset(paths.shm_ops),
+        )  # fmt: skip
 
     def close(self) -> None:
         self.client.close()
@@ -158,6 +168,13 @@ class RegionOps:
         return region_id, token
 
     def get_into_region(self, request: pb.GetIntoRegionRequest) -> pb.RegionBatchResponse:
+        if "get_many" in self.offered and len(request.items) > 1:
+            many = _get_many_frame(request)
+            if many is not None:
+                results = self.client.with_connection(
+                    lambda conn: _exchange_many(conn, many, len(request.items))
+                )
+                return pb.RegionBatchResponse(results=results)
         ns = request.namespace.encode()
         late = _deadline_flag(request.deadline_ns)
         frames = [
@@ -218,15 +235,18 @@ class RegionOps:
         differ in width (or there are none): the chain then goes over gRPC.
         A lost connection raises (``Unavailable``, ``PermissionDenied``)."""
         joined = join_keys(keys)
-        if joined is None:
+        if joined is None or "lookup" not in self.offered:
             return None
         width, data = joined
         head = encode_request(OP_LOOKUP, 0, ns.encode(), length=len(data))
         frame = _with_ref(head, LOOKUP_REF.pack(lease_ms, width))
         return self.client.with_connection(lambda conn: _exchange_one(conn, frame, data))
 
-    def release(self, ns: str, lease_id: int) -> Answer:
-        """A RELEASE's answer (``released`` reads it)."""
+    def release(self, ns: str, lease_id: int) -> Answer | None:
+        """A RELEASE's answer (``released`` reads it); None from a daemon
+        that takes none (then over gRPC)."""
+        if "release" not in self.offered:
+            return None
         frame = _with_ref(encode_request(OP_RELEASE, 0, ns.encode()), RELEASE_REF.pack(lease_id))
         return self.client.with_connection(lambda conn: _exchange_one(conn, frame))
 
@@ -297,6 +317,51 @@ def _exchange_one(conn: Connection, frame: bytes, payload: bytes = b"") -> Answe
     if answer.request_id != 0:
         raise ConnectionError(f"answer {answer.request_id} to request 0: out of order")
     return answer
+
+
+def _get_many_frame(request: pb.GetIntoRegionRequest) -> bytes | None:
+    """A batch get as one REGION_GET_MANY frame; None when its keys differ in width."""
+    items = request.items
+    joined = join_keys([item.key for item in items])
+    if joined is None:
+        return None
+    width, keys = joined
+    table = b"".join(MANY_ITEM.pack(item.offset, item.length) for item in items)
+    payload = table + keys
+    head = encode_request(
+        OP_REGION_GET_MANY, 0, request.namespace.encode(), length=len(payload),
+        flags=_deadline_flag(request.deadline_ns),
+    )  # fmt: skip
+    refs = _ref(request.region_id, 0, request.token, request.deadline_ns)
+    return _with_ref(head, refs + MANY_REF.pack(len(items), width)) + payload
+
+
+def _exchange_many(conn: Connection, frame: bytes, count: int) -> list[pb.RegionItemResult]:
+    """Send one REGION_GET_MANY and read its answer's ``count`` results."""
+    conn.send([memoryview(frame)])
+    answer = conn.answer()
+    if answer.request_id != 0 or answer.op != OP_REGION_GET_MANY:
+        raise ConnectionError(f"answer to op {answer.op} request {answer.request_id}: not ours")
+    if answer.code != 0:
+        raise error_for(answer.code, answer.message)
+    payload = bytearray(answer.length)
+    conn.recv_into(memoryview(payload))
+    results = []
+    pos = 0
+    for _ in range(count):
+        code, flags, size, checksum, meta_len, msg_len = MANY_RESULT.unpack_from(payload, pos)
+        pos += MANY_RESULT.size
+        meta = bytes(payload[pos : pos + meta_len])
+        message = payload[pos + meta_len : pos + meta_len + msg_len].decode(errors="replace")
+        pos += meta_len + msg_len
+        result = pb.RegionItemResult(
+            code=code, message=message, size=size, checksum=checksum,
+            existed=bool(flags & FLAG_EXISTED), meta=meta, tier=flags >> TIER_SHIFT,
+        )  # fmt: skip
+        results.append(result)
+    if pos != len(payload):
+        raise ConnectionError(f"a batch answer of {len(payload)} bytes for {pos} of results")
+    return results
 
 
 def _deadline_flag(deadline_ns: int) -> int:

@@ -20,6 +20,15 @@ width of every key of the chain; ``length`` is the bytes of all the keys
 whose keys differ in length go over gRPC. The answer's meta is ``LOOKUP_ANSWER``. A
 RELEASE names its lease in ``RELEASE_REF``; the answer's ``FLAG_RELEASED``
 says whether it was held.
+
+A REGION_GET_MANY is a batch of region gets in one frame (an engine loads a
+chain's blocks together; one frame each kept a task, a ``Tally`` and an
+answer per value): ``REGION_REF`` (its offset unused) and the deadline as
+for a REGION_GET, ``MANY_REF`` (item count, key width), the namespace, then
+``length`` bytes: a ``MANY_ITEM`` (offset, room) per item, then the keys,
+concatenated. The answer's ``length`` bytes follow its header: per item a
+``MANY_RESULT`` and its meta and message. ``DescribePaths`` lists the ops a
+daemon takes beyond the region ops (``SHM_OPS``); a client sends no other.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ from kvd.wire.limits import KEY_BYTES_MAX
 OP_REGION_ATTACH = 6  # after kvd.wire.bulk's HELLO 1, PUT 2, GET 3, REGION_GET 4, REGION_PUT 5
 OP_LOOKUP = 7
 OP_RELEASE = 8
+OP_REGION_GET_MANY = 9
+# DescribePathsResponse.shm_ops of this daemon: the ops beyond the region ops.
+SHM_OPS = ("lookup", "release", "get_many")
 ATTACHED = struct.Struct("<Q16s")  # region id, region token
 # After the header of a region op: region id, offset in the region, region token.
 REGION_REF = struct.Struct("<QQ16s")
@@ -44,6 +56,12 @@ LOOKUP_ANSWER = struct.Struct("<IIIIQ")
 # After a RELEASE's header: the lease id.
 RELEASE_REF = struct.Struct("<Q")
 FLAG_RELEASED = 1  # answer of a RELEASE: the lease was held and is dropped
+# After a REGION_GET_MANY's REGION_REF (and DEADLINE): item count, key width.
+MANY_REF = struct.Struct("<II")
+MANY_ITEM = struct.Struct("<QQ")  # offset in the region, room
+# Per item of a REGION_GET_MANY answer: code, flags (as a REGION_GET
+# answer's), size, checksum, meta length, message length; meta and message follow.
+MANY_RESULT = struct.Struct("<iIQQHH")
 FLAG_DEADLINE = 4  # request flag, after kvd.wire.bulk's DURABLE 1 and CHECKSUM 2
 # struct ucred of SO_PEERCRED: pid, uid, gid.
 PEERCRED = struct.Struct("3i")

@@ -53,7 +53,7 @@ def index_now(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> 
     try:
         with tally:
             if request.op == OP_RELEASE:
-                ns = _namespace(ops, request, rest, RELEASE_REF.size, caller)
+                ns = namespace_of(ops, request, rest, RELEASE_REF.size, caller)
                 (lease_id,) = RELEASE_REF.unpack_from(rest)
                 flags = FLAG_RELEASED if ops.values.release(lease_id, ns) else 0
                 return encode_response(OP_RELEASE, request.request_id, flags=flags)
@@ -78,7 +78,7 @@ def _lookup_of(
 ) -> tuple[str, list[bytes], int]:
     """A LOOKUP's namespace (authorized), keys and lease."""
     lease_ms, width = LOOKUP_REF.unpack_from(rest)
-    ns = _namespace(ops, request, rest, LOOKUP_REF.size, caller)
+    ns = namespace_of(ops, request, rest, LOOKUP_REF.size, caller)
     try:
         keys = split_keys(rest[LOOKUP_REF.size + request.tail_bytes :], width)
     except ValueError as exc:
@@ -86,7 +86,7 @@ def _lookup_of(
     return ns, keys, lease_ms
 
 
-def _namespace(ops: RegionOps, request: Request, rest: bytes, start: int, caller: Caller) -> str:
+def namespace_of(ops: RegionOps, request: Request, rest: bytes, start: int, caller: Caller) -> str:
     """An index op's namespace, once the caller may use it."""
     try:
         ns = rest[start : start + request.ns_len].decode()
