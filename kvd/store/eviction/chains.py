@@ -39,9 +39,10 @@ K = TypeVar("K", bound=Hashable)
 
 # Heaps are rebuilt when they hold more than HEAP_FACTOR x the live entries
 # + HEAP_SLACK: a rebuild then costs O(n) at most once per (HEAP_FACTOR - 1)
-# x n stale pushes (amortised O(1)). Factor 2 / 4: rebuilds were 13 / 4 % of
-# ``density``'s CPU on the conversation trace at 5 %, for heaps of at most
-# 2 / 4 entries per block (a 3-tuple each, ~80 B).
+# x n stale pushes (amortised O(1)). At factor 2 rebuilds were 4 % of
+# ``density``'s profiled time on the conversation trace at 5 % (12 % before
+# they were list comprehensions); 4 makes them a third as frequent, for at
+# most 4 entries per block (a 3-tuple each, ~80 B).
 HEAP_FACTOR = 4
 HEAP_SLACK = 1024
 # The bound is checked every _HEAP_CHECK pushes (three len() calls a push

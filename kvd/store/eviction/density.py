@@ -383,7 +383,7 @@ class DensityPolicy(ChainPolicy[K]):
         if not self._nodes or self._lookups <= 0.0:
             return
         hazard = proportional_hazards(self._entered, self._reused, _FEATURES)
-        survival = np.cumprod(1.0 - hazard, axis=1)
+        survival = np.cumprod(1.0 - hazard, axis=1, dtype=np.float64)
         self._survival = survival
         before = np.concatenate([np.ones((_CLASSES, 1)), survival[:, :-1]], axis=1)
         zeros = np.zeros((_CLASSES, 1))

@@ -92,6 +92,20 @@ def test_density_learns_to_keep_what_comes_back_through_one_shot_scans() -> None
     assert replay("density")[0] == density_hits  # deterministic
 
 
+def test_density_expects_the_re_read_head_back_and_not_a_scan() -> None:
+    _, policy = replay("density", cycles=300)
+    assert isinstance(policy, DensityPolicy)
+    assert policy.reuse_chance(("never", "tracked")) == 1.0
+    heads = [("head", i) for i in range(6) if ("head", i) in policy]
+    scans = [key for key in policy._nodes if key[0] == "scan"]
+    assert heads and scans
+    # the head comes back every 8 lookups; a scan block never does
+    for key in heads:
+        assert policy.reuse_chance(key) > 0.5
+        assert policy.reuse_chance(key, 1) <= policy.reuse_chance(key)
+    assert max(policy.reuse_chance(key) for key in scans) < 0.05
+
+
 def test_density_remembers_evicted_blocks_in_its_ghost() -> None:
     policy = DensityPolicy[int]()
     chain = [1, 2, 3]
