@@ -33,6 +33,7 @@ import numpy as np
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.config.settings import SETTINGS_BY_NAME
+from kvd.store.eviction.policy import DEFAULT_POLICY
 from kvd.tools.bench import pool_ceiling
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.pool_nodes import Pool, write_tokens
@@ -45,6 +46,7 @@ from kvd.tools.replay.run import (
     capacity_of,
     dram_bytes_for,
 )
+from kvd.tools.replay.sim import simulate
 from kvd.tools.replay.trace import Trace, load_trace
 
 MiB = 1 << 20
@@ -321,6 +323,13 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
             alone = _replay([client], trace, block_bytes, progress)
     finally:
         daemon.stop()
+    # The simulator makes the single daemon's decisions (docs/replay.md): it
+    # gives what one member alone would hit, and checks the measured single.
+    simulated = {
+        "policy": DEFAULT_POLICY,
+        "single": simulate(trace, DEFAULT_POLICY, capacity).block_hit_ratio,
+        "one_member_alone": simulate(trace, DEFAULT_POLICY, capacity // MEMBERS).block_hit_ratio,
+    }
     return {
         "requests": len(trace),
         "unique_blocks": unique,
@@ -333,6 +342,7 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         "peer_errors": peer_errors,
         "pool": _replay_figures(spread),
         "single": _replay_figures(alone),
+        "simulated": simulated,
     }
 
 

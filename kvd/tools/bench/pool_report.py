@@ -111,6 +111,8 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"dropped), {hits['peer_errors']:.0f} failed peer calls (misses); lookup: "
         f"{result['lookup']['peer_errors']:.0f} failed peer calls; replay took pool "
         f"{hits['pool']['seconds']} s, "
-        f"single {hits['single']['seconds']} s. Wrong bytes or blocks: {wrong}.",
+        f"single {hits['single']['seconds']} s. Simulated ({hits['simulated']['policy']}): one "
+        f"daemon of the pool's size {100 * hits['simulated']['single']:.2f} %, one member alone "
+        f"{100 * hits['simulated']['one_member_alone']:.2f} %. Wrong bytes or blocks: {wrong}.",
     ]
     return "\n".join(lines)

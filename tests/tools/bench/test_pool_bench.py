@@ -49,6 +49,10 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
         replayed = result["hit_ratio"][side]
         assert replayed["requests"] == 40 and replayed["wrong_blocks"] == 0
         assert replayed["block_hits"] > 0  # the conversations' prefixes come back
+    simulated = result["hit_ratio"]["simulated"]  # the simulator makes the daemon's decisions
+    assert simulated["single"] == pytest.approx(
+        result["hit_ratio"]["single"]["block_hit_ratio"], abs=0.01
+    )
     assert result["lookup"]["owners"] == pool.MEMBERS
     assert result["keys_moved"]["moved_to_the_new_member"] == result["keys_moved"]["moved"]
     assert len(result["targets"]) == len(gets) + 3
