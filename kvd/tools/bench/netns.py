@@ -35,7 +35,7 @@ NODES_MAX = 64
 # One `ip` command: milliseconds normally; a stuck one is a broken lab.
 IP_TIMEOUT_S = 10.0
 _CLONE_NEWNET = 0x40000000
-_NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)-")
+_NAME = re.compile(rf"^{PREFIX}(\d+)-")  # a lab's, or a probe's
 _sequence = itertools.count()
 _sequence_lock = threading.Lock()
 _probed: list[str] = []
