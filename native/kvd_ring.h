@@ -105,5 +105,6 @@ PyObject *recs_results(RingObject *self, int count);
 PyObject *Ring_submit_reads(RingObject *self, PyObject *records);
 PyObject *kvd_check_record_py(PyObject *module, PyObject *args);
 PyObject *kvd_xxh3_64_py(PyObject *module, PyObject *arg);
+PyObject *kvd_copy_many_py(PyObject *module, PyObject *args);
 
 #endif

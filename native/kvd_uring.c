@@ -391,6 +391,9 @@ static PyMethodDef module_methods[] = {
      "key) -> int: the checks a record read gets, on buffers in memory (0 when good)."},
     {"xxh3_64", (PyCFunction)kvd_xxh3_64_py, METH_O,
      "xxh3_64(buffer) -> int: xxHash's xxh3-64 (seed 0), as the record checks compute it."},
+    {"copy_many", (PyCFunction)kvd_copy_many_py, METH_VARARGS,
+     "copy_many(jobs, to_pages) -> list[int]: copy each (span, pages) job one way or the "
+     "other with the GIL released; the xxh3-64 of each job's bytes where they landed."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvd.config.addresses import parse_address
+from kvd.io.backend import CopyMany, native_copy_many
 from kvd.paths.bulk.server import BulkLimits, BulkServer
 from kvd.paths.metrics import Metrics, SnapshotCollector
 from kvd.paths.shm.channel import ShmChannel
@@ -71,6 +72,7 @@ class FastPaths:
             bound = await paths.bulk.start(host, port)
             paths.bulk_address = f"{host}:{bound}"
         ops.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
+        ops.copy_many = _region_copies(config.io_backend)
         ops.l2_direct_min_bytes = config.shm_l2_direct_min_bytes
         metrics.add_collector(
             SnapshotCollector(paths._snapshot, _FAST_PATH_GAUGES, _FAST_PATH_COUNTERS)
@@ -111,6 +113,18 @@ _FAST_PATH_GAUGES = {
 _FAST_PATH_COUNTERS = {
     "regions_reaped": ("kvd_regions_reaped", "Regions freed because their owner exited"),
 }
+
+
+def _region_copies(io_backend: str) -> CopyMany | None:
+    """The region copies' native batch, or None for numpy and xxhash; logged.
+    The threads I/O backend means no native code, as for the L2 record checks."""
+    native = native_copy_many()
+    if native is not None and io_backend != "threads":
+        log.info("region copies native", extra={"impl": "kvd.io._uring.copy_many"})
+        return native
+    reason = "io_backend threads" if native is not None else "kvd.io._uring is not built"
+    log.info("region copies in Python", extra={"impl": "numpy and xxhash", "reason": reason})
+    return None
 
 
 def _group_id(group: str) -> int:

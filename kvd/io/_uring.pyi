@@ -45,6 +45,10 @@ def check_record(
 def xxh3_64(data: Buffer, /) -> int:
     """xxHash's xxh3-64 (seed 0), as the record checks compute it."""
 
+def copy_many(jobs: Sequence[tuple[Buffer, Sequence[Buffer]]], to_pages: bool, /) -> list[int]:
+    """Copy each (span, pages) job, span -> pages when to_pages, else pages ->
+    span, with the GIL released; each job's xxh3-64 where its bytes landed."""
+
 class Ring:
     """A bounded io_uring instance: at most `depth` ops in flight."""
 

@@ -40,7 +40,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvd.util.aio import settle
 
@@ -482,6 +482,17 @@ def native_record_check() -> Callable[..., int] | None:
 def native_xxh3_64() -> Callable[[bytes | bytearray | memoryview], int] | None:
     """The native checks' xxh3-64, or None when not built."""
     return _uring.xxh3_64 if _uring_import_error is None else None
+
+
+# A batch of region copies: (span, pages) jobs, and which way; each job's xxh3-64.
+CopyMany = Callable[[Sequence[tuple[Any, Sequence[Any]]], bool], list[int]]
+
+
+def native_copy_many() -> CopyMany | None:
+    """The native batch of region copies (``kvd.io._uring.copy_many``: the
+    copies and their checksums in one call, without the GIL), or None when
+    not built."""
+    return _uring.copy_many if _uring_import_error is None else None
 
 
 def open_ring(depth: int) -> _uring.Ring:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvd.io.backend import CopyMany
 from kvd.l2.format import BLOCK_BYTES
 from kvd.paths.auth import Authenticator
 from kvd.paths.ops.items import (
@@ -88,6 +89,9 @@ class RegionOps:
         self.bulk_port = 0
         self.shm_socket = ""
         self.l2_direct_min_bytes = 0  # the shm_l2_direct_min_bytes setting; 0: off
+        # The copies' native batch (kvd.io.backend.native_copy_many), set by the
+        # daemon at start; None: numpy and xxhash.
+        self.copy_many: CopyMany | None = None
         self._copy_pool: ThreadPoolExecutor | None = None
 
     def enable_fast_paths(self, regions: RegionRegistry | None, bulk_port: int) -> None:
@@ -128,7 +132,7 @@ class RegionOps:
         total = sum(len(job.span) for job in jobs)
         pool = self._copy_pool
         if pool is None or self._copies_on_loop(total, self.inflight.requests - 1):
-            run_jobs(jobs, to_pages)
+            run_jobs(jobs, to_pages, self.copy_many)
             return
         copies = asyncio.ensure_future(self._copy_on_threads(pool, jobs, to_pages))
         # A cancelled call must not unpin pages that a worker still copies
@@ -136,9 +140,8 @@ class RegionOps:
         await settle([copies])
         copies.result()
 
-    @staticmethod
     async def _copy_on_threads(
-        pool: ThreadPoolExecutor, jobs: list[CopyJob], to_pages: bool
+        self, pool: ThreadPoolExecutor, jobs: list[CopyJob], to_pages: bool
     ) -> None:
         # A value under SPLIT_COPY_BYTES stays on one thread: two threads
         # copying halves of one 4 MiB value were slower here than one (12.8
@@ -154,7 +157,7 @@ class RegionOps:
             await all_done(loop.run_in_executor(pool, hash_job, job, to_pages) for job in jobs)
             return
         await all_done(
-            loop.run_in_executor(pool, run_jobs, group, to_pages)
+            loop.run_in_executor(pool, run_jobs, group, to_pages, self.copy_many)
             for group in grouped(jobs, COPY_THREADS)
         )
 
@@ -270,7 +273,7 @@ class RegionOps:
             return item_status(exc)
         job = CopyJob(0, region.span(item.offset, item.length), ticket.views, item.length)
         try:
-            run_jobs([job], to_pages=True)
+            run_jobs([job], True, self.copy_many)
             if is_late(deadline_ns):
                 results: list[ItemResult | None] = [None]
                 self._refuse_late("shm_put", [job], results)
@@ -362,7 +365,7 @@ class RegionOps:
         jobs: list[CopyJob] = []
         try:
             results: list[ItemResult | None] = [self._admit(0, item, reader, region, jobs)]
-            run_jobs(jobs, to_pages=False)
+            run_jobs(jobs, False, self.copy_many)
             self._check_copies(jobs, results)
         finally:
             reader.close()

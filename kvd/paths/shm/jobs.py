@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd.io.backend import CopyMany
 from kvd.paths.shm.regions import copy_from_pages, copy_to_pages, xxh3_of
 
 
@@ -34,7 +35,15 @@ class CopyJob:
     checksum: int = 0
 
 
-def run_jobs(jobs: list[CopyJob], to_pages: bool) -> None:
+def run_jobs(jobs: list[CopyJob], to_pages: bool, native: CopyMany | None = None) -> None:
+    """Copy and checksum ``jobs``: in one call of ``native``
+    (``kvd.io.backend.native_copy_many``) when given, else item by item with
+    numpy and xxhash."""
+    if native is not None:
+        checksums = native([(job.span, job.views) for job in jobs], to_pages)
+        for job, checksum in zip(jobs, checksums, strict=True):
+            job.checksum = checksum
+        return
     for job in jobs:
         if to_pages:
             job.checksum = copy_to_pages(job.span, job.views)
