@@ -244,24 +244,7 @@ class PeerReads:
         is read with a plain bulk GET."""
         assert self.nixl is not None
         async with self.bulk.connection(member, *way) as connection:
-            if member not in self._agents:
-                metadata = await connection.nixl_meta()
-                if metadata is None:
-                    log.warning(
-                        "peer offers no NIXL; its values are read over bulk TCP",
-                        extra={"peer": member},
-                    )
-                    self._agents[member] = None
-                else:
-                    old = self._loaded.get(member)
-                    if old is not None and old != metadata:
-                        self.nixl.forget(old)
-                    self._loaded[member] = metadata
-                    try:
-                        self._agents[member] = (metadata, self.nixl.remote(metadata))
-                    except NixlError as error:
-                        raise PeerError(f"{member}: {error}", "transfer") from None
-            offer = self._agents[member]
+            offer = await self._offer(member, connection)
             if offer is None:
                 return await self._get_bulk(member, connection, namespace, key)
             max_value_bytes = self.store.limits.max_value_bytes
@@ -274,6 +257,30 @@ class PeerReads:
             await connection.nixl_release(lease)  # (a failed read closes the connection,
             self.traffic.called(member, "nixl", answer.size)  # which ends its pins)
             return outcome
+
+    async def _offer(self, member: str, connection: BulkConnection) -> tuple[bytes, str] | None:
+        """The member's agent (metadata, name), asked once and loaded into this
+        agent; None where it offers no NIXL."""
+        assert self.nixl is not None
+        if member in self._agents:
+            return self._agents[member]
+        metadata = await connection.nixl_meta()
+        if metadata is None:
+            log.warning(
+                "peer offers no NIXL; its values are read over bulk TCP", extra={"peer": member}
+            )
+            self._agents[member] = None
+            return None
+        old = self._loaded.get(member)
+        if old is not None and old != metadata:
+            self.nixl.forget(old)
+        self._loaded[member] = metadata
+        try:
+            offer = (metadata, self.nixl.remote(metadata))
+        except NixlError as error:
+            raise PeerError(f"{member}: {error}", "transfer") from None
+        self._agents[member] = offer
+        return offer
 
     async def _land_nixl(
         self,
