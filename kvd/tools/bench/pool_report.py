@@ -102,7 +102,8 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     )
     lines += [
         "",
-        f"Members in {result['where']}. TCP ceiling: the best of three runs just before "
+        f"Members {'in' if result['where'] == 'network namespaces' else 'on'} "
+        f"{result['where']}. TCP ceiling: the best of three runs just before "
         f"each transport's gets, one connection, {moved / 2**20:.0f} MiB each ({ceilings} "
         f"GB/s). Remote gets ({gets}).",
         f"Replay: {hits['capacity_blocks']} blocks of {hits['block_bytes']} B "
