@@ -13,6 +13,8 @@ reference measured in the same run.
 - **Keys moved on a join**: the trace's blocks placed over 4 members, then 5.
 - **Lookup of a chain** spread over 4 members, asked of a member that holds
   only its own share, against one daemon that holds the whole chain.
+- **Faults** (``kvd.tools.bench.pool_faults``): an owner cut off, stopped,
+  killed; the engine's calls against their deadline.
 
 Members run in network namespaces when this is root (``kvd.tools.bench.netns``),
 on loopback otherwise (the report says which). No L2: the figures are the
@@ -34,7 +36,7 @@ from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.config.settings import SETTINGS_BY_NAME
 from kvd.store.eviction.policy import DEFAULT_POLICY
-from kvd.tools.bench import pool_ceiling
+from kvd.tools.bench import pool_ceiling, pool_faults
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.pool_nodes import Pool, write_tokens
 from kvd.tools.replay.report import head
@@ -373,6 +375,7 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
     gets = [remote_get(root, t, options, progress) for t in transports]
     lookup = chain_lookup(root, options, progress)
     ratio = hit_ratio(root, trace, options, progress)
+    faults = pool_faults.run(root, options.netns, progress)
     return {
         "trace": str(trace_path),
         "where": gets[0]["where"],
@@ -380,4 +383,5 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
         "lookup": lookup,
         "hit_ratio": ratio,
         "keys_moved": keys_moved(trace),
+        "faults": faults,
     }

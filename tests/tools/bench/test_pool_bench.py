@@ -55,4 +55,7 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     )
     assert result["lookup"]["owners"] == pool.MEMBERS
     assert result["keys_moved"]["moved_to_the_new_member"] == result["keys_moved"]["moved"]
-    assert len(result["targets"]) == len(gets) + 3
+    faults = result["faults"]["rows"]
+    assert [f["fault"] for f in faults][-2:] == ["SIGSTOP", "SIGKILL, restarted"]
+    assert all(f["wrong_bytes"] == 0 and f["errors"] == 0 and f["misses"] > 0 for f in faults)
+    assert len(result["targets"]) == len(gets) + 3 + len(faults)
