@@ -134,8 +134,12 @@ def test_dashboard_uses_only_exported_metrics(busy: DaemonProcess) -> None:
     exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     assert len(exprs) > 20
     used = {name for expr in exprs for name in re.findall(r"\bkvd_[a-z0-9_]+", expr)}
+    # A daemon in a pool exports the pool's panels' metrics: a real Prometheus
+    # scraping a pool answers each of those queries (tests/cluster/test_prometheus_pool.py).
+    pool_only = {name for name in used if name.startswith(("kvd_cluster_", "kvd_kv_events_"))}
+    assert pool_only, "the dashboard shows the pool"
     exported = names(scrape(busy))
-    assert used - exported == set(), "dashboard names metrics the daemon does not export"
+    assert used - pool_only - exported == set(), "dashboard names metrics no daemon exports"
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
 
