@@ -356,7 +356,8 @@ class Config:
     pool_peer_transport: str = _setting(
         "auto",
         help="how values are read from their owner: nixl (one-sided reads into L1 pages), "
-        "bulk (the owner's bulk TCP port), grpc; auto: nixl where it starts, else bulk",
+        "bulk (the owner's bulk TCP port), grpc; auto: nixl beside an RDMA device where it "
+        "starts, else bulk",
         choices=("auto", "nixl", "bulk", "grpc"),
     )
     pool_etcd_ttl_ms: int = _setting(
