@@ -113,8 +113,10 @@ class ChainPolicy(Generic[K]):
     def _became_inner(self, key: K, node: Node[K]) -> None:
         """A leaf got its first child. Its heap entry stays in the leaf heap
         and moves to the inner heap when a victim search meets it
-        (``_first_leaf``): that saves a push on every put of a chain (a
-        third of all pushes). A subclass with heaps of its own pushes here."""
+        (``_first_leaf``): that saves a push on every put of a chain (30 %
+        of all pushes: 705,009 -> 492,421 for ``density`` on the
+        conversation trace at 5 %). A subclass with heaps of its own pushes
+        here."""
 
     # -- EvictionPolicy -------------------------------------------------------
 
