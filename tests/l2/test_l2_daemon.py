@@ -17,6 +17,7 @@ import pytest
 from kvd.client import Client, ResourceExhausted, Unavailable
 from kvd.io.backend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
+from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
 MiB = 1 << 20
@@ -72,18 +73,23 @@ def test_durable_puts_survive_sigterm_restart(tmp_path: Path) -> None:
     with Client(daemon.target, timeout_s=30) as client:
         for key in keys:
             client.put("dur", key, value_for(key, 200_000), meta=b"m" + key, durable=True)
+        client.put("dur", b"cold", b"read before any lookup", durable=True)
         client.put("dur", b"gone", b"deleted before the restart", durable=True)
         assert client.delete("dur", [b"gone"]) == 1
     assert daemon.stop() == 0
     daemon = start(tmp_path)
     try:
-        assert any("l2_recovered=40" in line for line in daemon.log), daemon.log[-3:]
+        assert any("l2_recovered=41" in line for line in daemon.log), daemon.log[-3:]
         with Client(daemon.target, timeout_s=30) as client:
+            assert client.get("dur", b"cold") == b"read before any lookup"
             assert client.lookup_ex("dur", keys).l2_hits == 40
             for key in keys:
                 assert client.get("dur", key) == value_for(key, 200_000)
             assert client.get("dur", b"gone") is None
             assert client.exists("dur", [b"gone"]) == [False]
+        # Read back over the bulk TCP port from L2, and counted as L2 hits.
+        # A get of a value only on L2 over the bulk TCP port counts an L2 hit.
+        assert metric(daemon.metrics_port, 'kvd_hits_total{op="bulk_get",tier="l2"}') == 1
     finally:
         daemon.stop()
 

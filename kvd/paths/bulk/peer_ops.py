@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from kvd.cluster import scope
 from kvd.cluster.nixl_node import segments
 from kvd.paths.ops.calls import refused
+from kvd.store.index import TIER_NAMES
 from kvd.wire.bulk import (
     CODE_NOT_FOUND,
     CODE_RESOURCE_EXHAUSTED,
@@ -146,7 +147,7 @@ class PeerOps:
             OP_NIXL_PIN, rid, meta=reader.meta, length=len(payload), checksum=reader.checksum
         )
         await self._answer(head + payload)
-        self.values.served("bulk_get", "l1", reader.size)
+        self.values.served("bulk_get", TIER_NAMES[reader.tier], reader.size)
 
     def release(self, lease: int) -> None:
         """End a pin (idempotent: the member's release and the lease may both come)."""

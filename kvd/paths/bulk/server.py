@@ -67,7 +67,7 @@ from kvd.cluster import scope
 from kvd.paths.bulk.admission import Admission, Slot
 from kvd.paths.bulk.peer_ops import PeerOps
 from kvd.paths.ops.calls import refused
-from kvd.store.index import PutResult, PutTicket, Reader
+from kvd.store.index import TIER_NAMES, PutResult, PutTicket, Reader
 from kvd.util.aio import readable, settle
 from kvd.wire.bulk import (
     CODE_BY_NAME,
@@ -508,7 +508,7 @@ class _Connection:
         finally:
             if reader is not None:
                 reader.close()
-                self.values.served("bulk_get", "l1", reader.size)
+                self.values.served("bulk_get", TIER_NAMES[reader.tier], reader.size)
 
 
 def _refuse(sock: socket.socket, reason: str) -> None:
