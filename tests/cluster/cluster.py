@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
+from kvd.cluster.rendezvous import Placement
 from tests.support import DaemonProcess
 
 
@@ -41,3 +43,31 @@ def start_static_pool(
             daemon.kill()
         raise
     return daemons
+
+
+def labelled(port: int, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def keys_owned(placement: Placement, owner: str, count: int, suffix: bytes = b"") -> list[bytes]:
+    """``count`` keys of namespace ``ns`` ending in ``suffix`` that ``owner`` owns."""
+    keys = (b"k-%04d" % i + suffix for i in range(10_000))
+    return [k for k in keys if placement.owner("ns", k) == owner][:count]
+
+
+def recv_all(sock: socket.socket, size: int) -> bytes:
+    """Exactly ``size`` bytes; ConnectionError if the peer closes first."""
+    data = bytearray()
+    while len(data) < size:
+        piece = sock.recv(size - len(data))
+        if not piece:
+            raise ConnectionError("closed")
+        data += piece
+    return bytes(data)

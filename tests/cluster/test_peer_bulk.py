@@ -12,7 +12,6 @@ import os
 import socket
 import threading
 import time
-import urllib.request
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -26,31 +25,12 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.checksum import checksum
 from kvd.wire.grpc import SERVICE
-from tests.cluster.cluster import free_ports, start_static_pool
+from tests.cluster.cluster import free_ports, keys_owned, labelled, recv_all, start_static_pool
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
 PAGE = 64 * 1024
 SIZES = [1, PAGE, PAGE + 1, 4 * 1024 * 1024 + 3, 9 * 1024 * 1024]
-
-
-def labelled(port: int, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _keys_owned(placement: Placement, owner: str, count: int, suffix: bytes = b"") -> list[bytes]:
-    """``count`` keys ending in ``suffix`` that ``owner`` owns."""
-    keys = (b"k-%04d" % i + suffix for i in range(10_000))
-    return [k for k in keys if placement.owner("ns", k) == owner][:count]
 
 
 @pytest.mark.parametrize("transport", ["bulk", "grpc"])
@@ -59,7 +39,7 @@ def test_remote_gets_land_in_l1_with_their_bytes(tmp_path: Path, transport: str)
     owner, reader = daemons
     try:
         placement = Placement([d.target for d in daemons])
-        keys = _keys_owned(placement, owner.target, len(SIZES))
+        keys = keys_owned(placement, owner.target, len(SIZES))
         values = {key: os.urandom(size) for key, size in zip(keys, SIZES, strict=True)}
         with Client(owner.target, timeout_s=10) as client:
             for key, value in values.items():
@@ -146,11 +126,11 @@ class BadOwner:
         with sock:
             try:
                 while True:
-                    head = _recv_exact(sock, bulk.REQUEST.size)
+                    head = recv_all(sock, bulk.REQUEST.size)
                     request = bulk.decode_request(head, 1 << 30)
-                    tail = _recv_exact(sock, request.tail_bytes)
+                    tail = recv_all(sock, request.tail_bytes)
                     if request.op == bulk.OP_HELLO:
-                        _recv_exact(sock, request.length)
+                        recv_all(sock, request.length)
                         sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
                         continue
                     _, key, _, _ = bulk.split_tail(request, tail)
@@ -175,16 +155,6 @@ class BadOwner:
         return True
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        piece = sock.recv(size - len(data))
-        if not piece:
-            raise ConnectionError("closed")
-        data += piece
-    return bytes(data)
-
-
 def test_bad_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
     port, bad_port = free_ports(2)
     bad = BadOwner(bad_port)
@@ -198,7 +168,7 @@ def test_bad_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
         placement = Placement([daemon.target, peer])
         mport = daemon.metrics_port
         free_bytes = metric(mport, "kvd_pool_free_bytes")
-        corrupt = _keys_owned(placement, peer, 3, b"-corrupt")
+        corrupt = keys_owned(placement, peer, 3, b"-corrupt")
         for key in corrupt:
             assert client.get("ns", key) is None
         assert metric(mport, "kvd_cluster_checksum_mismatches_total") == len(corrupt)
@@ -209,7 +179,7 @@ def test_bad_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
         assert metric(mport, "kvd_pool_free_bytes") == free_bytes
 
         def failing(tag: bytes, kind: str) -> None:
-            key = _keys_owned(placement, peer, 1, tag)[0]
+            key = keys_owned(placement, peer, 1, tag)[0]
             errors = labelled(mport, "kvd_cluster_peer_call_errors_total", kind=kind)
             start = time.monotonic()
             # The peer may still be skipped after the last failure: a miss at once.
@@ -225,11 +195,11 @@ def test_bad_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
         failing(b"-short", "short")
         failing(b"-stall", "timeout")
         # A clean miss from the owner is no error.
-        missing = _keys_owned(placement, peer, 1, b"-none")[0]
+        missing = keys_owned(placement, peer, 1, b"-none")[0]
         assert wait_until(lambda: client.get("ns", missing) is None
                           and metric(mport, "kvd_cluster_remote_misses_total") >= 1)  # fmt: skip
         # Keys this daemon owns are served all along.
-        mine = _keys_owned(placement, daemon.target, 1, b"-mine")[0]
+        mine = keys_owned(placement, daemon.target, 1, b"-mine")[0]
         client.put("ns", mine, b"here")
         assert client.get("ns", mine) == b"here"
     finally:
@@ -248,14 +218,14 @@ def test_owner_with_another_protocol_version_is_refused(tmp_path: Path) -> None:
     client = Client(daemon.target, timeout_s=5)
     try:
         placement = Placement([daemon.target, peer])
-        key = _keys_owned(placement, peer, 1)[0]
+        key = keys_owned(placement, peer, 1)[0]
         assert client.get("ns", key) is None
         mport = daemon.metrics_port
         assert labelled(mport, "kvd_cluster_peer_call_errors_total", kind="version") == 1
         assert wait_until(
             lambda: any(f"bulk protocol version {bulk.VERSION + 1}" in line for line in daemon.log)
         )
-        mine = _keys_owned(placement, daemon.target, 1, b"-mine")[0]
+        mine = keys_owned(placement, daemon.target, 1, b"-mine")[0]
         client.put("ns", mine, b"here")
         assert client.get("ns", mine) == b"here"
     finally:
@@ -274,7 +244,7 @@ def test_unreachable_bulk_port_is_read_over_grpc(tmp_path: Path) -> None:
     client = Client(daemon.target, timeout_s=5)
     try:
         placement = Placement([daemon.target, peer])
-        keys = _keys_owned(placement, peer, 2)
+        keys = keys_owned(placement, peer, 2)
         assert [client.get("ns", k) for k in keys] == [k * 1000 for k in keys]
         mport = daemon.metrics_port
         assert labelled(mport, "kvd_cluster_peer_reads_total", transport="grpc") == 2

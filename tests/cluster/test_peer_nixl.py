@@ -14,7 +14,6 @@ import mmap
 import os
 import socket
 import threading
-import urllib.request
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.checksum import checksum
 from kvd.wire.grpc import SERVICE
-from tests.cluster.cluster import free_ports, start_static_pool
+from tests.cluster.cluster import free_ports, keys_owned, labelled, recv_all, start_static_pool
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -44,22 +43,6 @@ PAGE = 64 * 1024
 SIZES = [1, PAGE, PAGE + 1, 4 * 1024 * 1024 + 3, 9 * 1024 * 1024]
 
 
-def labelled(port: int, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _keys_owned(placement: Placement, owner: str, count: int, suffix: bytes = b"") -> list[bytes]:
-    keys = (b"k-%04d" % i + suffix for i in range(10_000))
-    return [k for k in keys if placement.owner("ns", k) == owner][:count]
-
-
 def test_nixl_reads_land_in_l1_with_their_bytes(tmp_path: Path) -> None:
     daemons = start_static_pool(tmp_path, 3, "--pool-peer-transport", "nixl",
                                 peer_timeout_ms=2000)  # fmt: skip
@@ -67,7 +50,7 @@ def test_nixl_reads_land_in_l1_with_their_bytes(tmp_path: Path) -> None:
     try:
         assert any("peer_transport=nixl" in line for line in reader.log), reader.log[-5:]
         placement = Placement([d.target for d in daemons])
-        keys = _keys_owned(placement, owner.target, len(SIZES))
+        keys = keys_owned(placement, owner.target, len(SIZES))
         values = {key: os.urandom(size) for key, size in zip(keys, SIZES, strict=True)}
         with Client(owner.target, timeout_s=10) as client:
             for key, value in values.items():
@@ -84,7 +67,7 @@ def test_nixl_reads_land_in_l1_with_their_bytes(tmp_path: Path) -> None:
         assert metric(port, "kvd_cluster_peer_errors_total") == 0
         # The owner killed: its keys are misses through the others, no error.
         owner.kill()
-        others = _keys_owned(placement, owner.target, 3, b"-late")
+        others = keys_owned(placement, owner.target, 3, b"-late")
         with Client(old.target, timeout_s=10) as client:
             free_old = metric(old.metrics_port, "kvd_pool_free_bytes")
             assert [client.get("ns", k) for k in others] == [None] * 3
@@ -106,7 +89,7 @@ def test_member_without_nixl_is_read_over_bulk(tmp_path: Path) -> None:
                                            "--pool-peer-transport", "bulk"], ssd="")  # fmt: skip
     try:
         placement = Placement([reader.target, owner.target])
-        key = _keys_owned(placement, owner.target, 1)[0]
+        key = keys_owned(placement, owner.target, 1)[0]
         value = os.urandom(PAGE * 3 + 7)
         with Client(owner.target, timeout_s=10) as client:
             client.put("ns", key, value)
@@ -180,11 +163,11 @@ class BadNixlOwner:
         with sock:
             try:
                 while True:
-                    head = _recv_exact(sock, bulk.REQUEST.size)
+                    head = recv_all(sock, bulk.REQUEST.size)
                     request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
-                    tail = _recv_exact(sock, request.tail_bytes)
+                    tail = recv_all(sock, request.tail_bytes)
                     if request.op == bulk.OP_HELLO:
-                        _recv_exact(sock, request.length)
+                        recv_all(sock, request.length)
                     sock.sendall(self._answer(request, tail))
             except (OSError, ConnectionError):
                 return
@@ -208,16 +191,6 @@ class BadNixlOwner:
         return head + payload
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        piece = sock.recv(size - len(data))
-        if not piece:
-            raise ConnectionError("closed")
-        data += piece
-    return bytes(data)
-
-
 def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
     port, bad_port = free_ports(2)
     bad = BadNixlOwner(bad_port)
@@ -233,13 +206,13 @@ def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
         placement = Placement([daemon.target, peer])
         mport = daemon.metrics_port
         free_bytes = metric(mport, "kvd_pool_free_bytes")
-        corrupt = _keys_owned(placement, peer, 2, b"-corrupt")
+        corrupt = keys_owned(placement, peer, 2, b"-corrupt")
         for key in corrupt:
             assert client.get("ns", key) is None
         assert metric(mport, "kvd_cluster_checksum_mismatches_total") == len(corrupt)
         assert labelled(mport, "kvd_cluster_peer_reads_total", transport="nixl") == 0
         assert metric(mport, "kvd_pool_free_bytes") == free_bytes
-        outside = _keys_owned(placement, peer, 1, b"-outside")[0]
+        outside = keys_owned(placement, peer, 1, b"-outside")[0]
         assert wait_until(
             lambda: (
                 client.get("ns", outside) is None
@@ -302,6 +275,6 @@ def _keys_owned_in(placement: Placement, ns: str, owner: str) -> bytes:
 
 def _answer(sock: socket.socket) -> tuple[int, int]:
     """(code, length) of the next answer; its meta and message are read and dropped."""
-    head = bulk.RESPONSE.unpack(_recv_exact(sock, bulk.RESPONSE.size))
-    _recv_exact(sock, head[6] + head[7])
+    head = bulk.RESPONSE.unpack(recv_all(sock, bulk.RESPONSE.size))
+    recv_all(sock, head[6] + head[7])
     return head[5], head[8]
