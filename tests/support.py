@@ -11,6 +11,7 @@ know, and a test daemon gets none of the caller's)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,3 +43,16 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel shows it stopped: the signal
+    is delivered asynchronously, and a test that races a still-running
+    daemon sees it answer."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("T", "t")
+
+    assert wait_until(stopped, timeout_s), f"process {pid} did not stop"

@@ -31,7 +31,7 @@ import pytest
 from kvd.client import Client
 from kvd.connectors.common import bytes_key
 from kvd.connectors.lease_locks import LockTable
-from tests.support import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, stop_process, wait_until
 
 lmcache = pytest.importorskip("lmcache", reason="LMCache is not installed")
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -351,7 +351,7 @@ def test_stopped_daemon_is_a_miss_through_the_server(daemon_factory: DaemonFacto
         assert server.store(tokens, chunks_of(4, 2), "store-4")
         assert wait_until(lambda: server.in_kvd(daemon, tokens) == 2)
         server.drop_l1()
-        daemon.proc.send_signal(signal.SIGSTOP)
+        stop_process(daemon.proc.pid)
         try:
             start = time.monotonic()
             assert server.lookup(tokens, "stopped-4") == 0  # a miss, not an error
@@ -452,7 +452,7 @@ def stopped_or_gone(daemon: DaemonProcess, url: str) -> None:
 
 def test_stopped_daemon_fails_tasks_in_bounded_time(daemon_factory: DaemonFactory) -> None:
     daemon = daemon_factory()
-    daemon.proc.send_signal(signal.SIGSTOP)
+    stop_process(daemon.proc.pid)
     try:
         stopped_or_gone(daemon, f"kvd://{daemon.socket}")
     finally:
@@ -472,7 +472,7 @@ def test_full_queue_answers_at_once(
     monkeypatch.setattr("kvd.connectors.lmcache_mp.LOAD_QUEUE_MAX", 1)
     daemon = daemon_factory()
     adapter = make_adapter(f"kvd://{daemon.socket}", timeout_s=0.5)
-    daemon.proc.send_signal(signal.SIGSTOP)
+    stop_process(daemon.proc.pid)  # no load may finish while the tasks go in
     try:
         keys = [object_key(400)]
         tasks = [

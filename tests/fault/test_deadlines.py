@@ -30,7 +30,7 @@ import pytest
 from kvd.client import Client, KvdError
 from kvd.connectors.sglang import KvdHiCacheStorage
 from kvd.connectors.vllm import KvdConnector
-from tests.support import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, stop_process, wait_until
 
 pytestmark = pytest.mark.fault
 
@@ -153,7 +153,7 @@ def test_stalled_daemon_fails_fast_and_recovers(daemon_factory: DaemonFactory) -
         ("lookup_lease", lambda c, i: c.lookup(NS, keys, lease_ms=LEASE_MS)),
     ]
     misses: list[object] = []
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    stop_process(daemon.proc.pid)
     try:
         for i in range(CALLS):
             for name, op in ops:
@@ -227,7 +227,7 @@ def test_daemon_stopped_before_first_call(tmp_path: Path, daemon_factory: Daemon
     """A client whose very first call (fast-path discovery included) meets a
     stopped daemon fails within its deadline too."""
     daemon = daemon_factory()
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    stop_process(daemon.proc.pid)
     try:
         timings = Timings()
         for target in (daemon.target, daemon.socket_target):
