@@ -22,6 +22,7 @@ import os
 import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -469,22 +470,33 @@ def test_gone_daemon_fails_tasks_at_once(daemon_factory: DaemonFactory) -> None:
 def test_full_queue_answers_at_once(
     daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A load that finds its lane's queue full is answered (a miss) at once,
+    never waited for. The lane's thread is held by a load of its own first
+    (as by a slow daemon), so the queue's state is known, not raced."""
     monkeypatch.setattr("kvd.connectors.lmcache_mp.LOAD_QUEUE_MAX", 1)
     daemon = daemon_factory()
     adapter = make_adapter(f"kvd://{daemon.socket}", timeout_s=0.5)
-    stop_process(daemon.proc.pid)  # no load may finish while the tasks go in
+    busy, go = threading.Event(), threading.Event()
+
+    def held_load() -> None:
+        busy.set()
+        go.wait(WAIT_S)
+
     try:
+        assert adapter._loads.tasks.maxsize == 1, adapter.report_status()
+        assert adapter._loads.submit(held_load) and busy.wait(WAIT_S)
         keys = [object_key(400)]
-        tasks = [
-            adapter.submit_load_task(keys, [memory_obj(torch.zeros(CHUNK_SHAPE))]) for _ in range(4)
-        ]
-        # One is loading, one waits, the others were refused at once.
-        refused = adapter.query_load_result(tasks[-1])
+        waiting = adapter.submit_load_task(keys, [memory_obj(torch.zeros(CHUNK_SHAPE))])
+        start = time.monotonic()
+        full = adapter.submit_load_task(keys, [memory_obj(torch.zeros(CHUNK_SHAPE))])
+        refused = adapter.query_load_result(full)
+        assert time.monotonic() - start < 0.5
         assert refused is not None and bits(refused) == []
-        for task in tasks[:-1]:
-            assert bits(wait_result(lambda t=task: adapter.query_load_result(t))) == []
+        assert adapter.query_load_result(waiting) is None  # still in the queue
+        go.set()
+        assert bits(wait_result(lambda: adapter.query_load_result(waiting))) == []  # not stored
     finally:
-        daemon.proc.send_signal(signal.SIGCONT)
+        go.set()
         adapter.close()
 
 
