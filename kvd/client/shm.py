@@ -28,18 +28,16 @@ A get whose copy had begun may still land after it: its region is retired
 
 from __future__ import annotations
 
-import fcntl
-import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvd.client.bulk import Answer
+from kvd.client.regions import Call, ClientRegion, address_of, close_region, create_region
 from kvd.client.shm_socket import RegionOps
 from kvd.client.spans import ALIGN_BYTES, Spans
 from kvd.v1 import kvd_pb2 as pb
@@ -63,12 +61,8 @@ STAGING_BYTES = 64 << 20
 GET_ROOM_BYTES = 4 << 20
 BATCH_ITEMS_MAX = 256
 
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
-
-Call = Callable[[Any, Any], Any]
-Attach = Callable[[int, int], tuple[int, bytes]]
 
 
 def _error(result: pb.RegionItemResult) -> KvdError:
@@ -81,70 +75,6 @@ def _item_error(result: pb.RegionItemResult, room: int) -> KvdError:
     if result.code == _RESOURCE_EXHAUSTED and result.size > room:
         return InvalidArgument(f"buffer of {room} bytes is too small for {result.size}")
     return _error(result)
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
-
-
-@dataclass(eq=False)
-class ClientRegion:
-    region_id: int
-    token: bytes
-    size: int
-    fd: int
-    lock_fd: int  # holds the shared flock; never passed to the daemon
-    mapping: mmap.mmap
-    view: memoryview
-    address: int
-
-    def contains(self, address: int, nbytes: int) -> bool:
-        return self.address <= address and address + nbytes <= self.address + self.size
-
-
-def create_region(size: int, attach: Attach) -> ClientRegion:
-    """Create, allocate, seal, lock, map and attach a memfd region."""
-    fd = os.memfd_create("kvd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    lock_fd = -1
-    try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        # The lock sits on a file description of its own: the daemon's copy
-        # of ``fd`` shares that one, and its liveness test must not see its
-        # own lock.
-        lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        fcntl.flock(lock_fd, fcntl.LOCK_SH)
-        # The pages are allocated above; mapping them all now (~8 ms for 64 MiB
-        # here) is cheaper than faulting them in one at a time on first use.
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        try:
-            region_id, token = attach(fd, size)
-        except BaseException:
-            mapping.close()
-            raise
-    except BaseException:
-        os.close(fd)
-        if lock_fd >= 0:
-            os.close(lock_fd)
-        raise
-    view = memoryview(mapping)
-    return ClientRegion(region_id, token, size, fd, lock_fd, mapping, view, _address(view))
-
-
-def close_region(region: ClientRegion, detach: Call | None) -> None:
-    if detach is not None:
-        try:
-            detach(pb.DetachRegionRequest(region_id=region.region_id, token=region.token), None)
-        except KvdError:
-            pass  # the daemon is gone or already freed it; closing the fd frees it too
-    region.view.release()
-    try:
-        region.mapping.close()
-    except BufferError:
-        pass  # a buffer() the caller still holds keeps the mapping; GC unmaps it
-    os.close(region.fd)
-    os.close(region.lock_fd)
 
 
 class ShmPath:
@@ -330,7 +260,7 @@ class ShmPath:
         return region.view[:nbytes]
 
     def locate(self, view: memoryview) -> tuple[ClientRegion, int] | None:
-        address = _address(view)
+        address = address_of(view)
         with self._lock:
             for region in self._regions:
                 if region.contains(address, len(view)):

@@ -9,7 +9,7 @@ import mmap
 import os
 from typing import Any
 
-from kvd.client.shm import SEALS
+from kvd.client.regions import SEALS
 from kvd.client.shm_socket import RegionOps
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub

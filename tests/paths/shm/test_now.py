@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client.shm import SEALS
+from kvd.client.regions import SEALS
 from kvd.config.settings import Config
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.paths.bulk.server import (
