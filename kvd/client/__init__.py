@@ -1,11 +1,12 @@
-"""The thin client: ``Client`` and ``AsyncClient`` (``clients``), which pick
-the shared-memory path (``shm``, ``shm_socket``) or the bulk TCP path
-(``bulk``) for large values on their own, and chained keys (``keys``).
-Imports only ``kvd.wire`` and ``kvd.util``: never daemon code."""
+"""The thin client: ``Client`` (``clients``), which picks the shared-memory
+path (``shm``, ``shm_socket``) or the bulk TCP path (``bulk``) for large
+values on its own, ``AsyncClient`` (``async_client``, gRPC only), and
+chained keys (``keys``). Imports only ``kvd.wire`` and ``kvd.util``: never
+daemon code."""
 
+from kvd.client.async_client import AsyncClient
 from kvd.client.clients import (
     AlreadyExists,
-    AsyncClient,
     Client,
     DataLoss,
     DeadlineExceeded,
