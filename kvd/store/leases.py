@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.l2 import L2Record, L2Tier
+from kvd.store.index import Entry
 from kvd.wire.errors import ResourceExhausted
 
 # Stale heap rows tolerated beyond twice the live leases before a rebuild.
@@ -91,3 +93,22 @@ class LeaseTable:
         if len(heap) > 2 * len(self._leases) + _HEAP_SLACK:
             self._expiry = [(lease.expires_at, lid) for lid, lease in self._leases.items()]
             heapq.heapify(self._expiry)
+
+
+def pin_leased(l2: L2Tier | None, items: list[Entry | L2Record]) -> None:
+    """A lease's pins: an L1 entry is kept from eviction, an L2 record from reclaim."""
+    for item in items:
+        if isinstance(item, Entry):
+            item.leases += 1
+        elif l2 is not None:
+            l2.pin(item)
+
+
+def unpin_leased(l2: L2Tier | None, items: list[Entry | L2Record]) -> None:
+    """``pin_leased`` undone, when the lease is released or expires."""
+    for item in items:
+        if isinstance(item, Entry):
+            item.leases -= 1
+            assert item.leases >= 0
+        elif l2 is not None:
+            l2.unpin(item)

@@ -58,7 +58,7 @@ from kvd.store.index import (
     check_put_names,
 )
 from kvd.store.learning import DeferredPolicy, policy_key
-from kvd.store.leases import LeaseTable
+from kvd.store.leases import LeaseTable, pin_leased, unpin_leased
 from kvd.store.placement import Placement
 from kvd.store.prefetch import Prefetcher
 from kvd.store.uploads import Uploads
@@ -88,7 +88,9 @@ class Store:
         self.policy: EvictionPolicy[Any] = policy if policy is not None else make_policy("lru")
         self.counters = StoreCounters()
         self._clock = clock
-        self.leases = LeaseTable(self.limits.max_leases, clock, self._pin, self._unpin_lease)
+        self.leases = LeaseTable(
+            self.limits.max_leases, clock, partial(pin_leased, l2), partial(unpin_leased, l2)
+        )
         # Every policy call goes through this: lookups teach it after answering.
         self.learning: DeferredPolicy[Any] = DeferredPolicy(self.policy)
         self.entries = Entries(
@@ -525,21 +527,6 @@ class Store:
         check_keys(keys, self.limits.max_lookup_keys)
 
     # ---- leases ----------------------------------------------------------------
-    def _pin(self, items: list[Entry | L2Record]) -> None:
-        for item in items:
-            if isinstance(item, Entry):
-                item.leases += 1
-            elif self.l2 is not None:
-                self.l2.pin(item)
-
-    def _unpin_lease(self, items: list[Entry | L2Record]) -> None:
-        for item in items:
-            if isinstance(item, Entry):
-                item.leases -= 1
-                assert item.leases >= 0
-            elif self.l2 is not None:
-                self.l2.unpin(item)
-
     def release(self, lease_id: int, ns_name: str | None = None) -> bool:
         """Drop a lease; False when it expired, was released, or is another namespace's."""
         if ns_name is not None and self.leases.namespace_of(lease_id) != ns_name:
