@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from kvd.config.addresses import parse_address
 from kvd.io.backend import CopyMany, native_copy_many
-from kvd.paths.bulk.server import BulkLimits, BulkServer
+from kvd.paths.bulk.limits import BulkLimits
+from kvd.paths.bulk.server import BulkServer
 from kvd.paths.metrics import Metrics, SnapshotCollector
 from kvd.paths.shm.channel import ShmChannel
 from kvd.paths.shm.regions import RegionLimits, RegionRegistry

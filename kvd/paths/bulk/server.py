@@ -60,11 +60,11 @@ import logging
 import socket
 import struct
 import termios
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd.cluster import scope
 from kvd.paths.bulk.admission import Admission, Slot
+from kvd.paths.bulk.limits import BulkLimits
 from kvd.paths.bulk.peer_ops import PeerOps
 from kvd.paths.ops.calls import refused
 from kvd.store.index import TIER_NAMES, PutResult, PutTicket, Reader
@@ -109,7 +109,6 @@ from kvd.wire.send import Sender
 
 if TYPE_CHECKING:
     from kvd.cluster.nixl_node import NixlNode
-    from kvd.config.settings import Config
     from kvd.paths.auth import Authenticator, Principal
     from kvd.paths.ops.values import ValueOps
 
@@ -162,31 +161,6 @@ def _buffered(sock: socket.socket) -> int:
     """Bytes waiting in the socket's receive queue (FIONREAD, ~1 µs)."""
     queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
     return queued
-
-
-@dataclass(frozen=True)
-class BulkLimits:
-    """The bulk port's limits; their defaults are the settings' (``from_config``)."""
-
-    max_connections: int
-    inflight_bytes: int
-    frame_timeout_s: float
-    idle_timeout_s: float
-    max_connections_per_peer: int
-    max_unauthenticated: int
-    hello_timeout_s: float
-
-    @classmethod
-    def from_config(cls, config: Config) -> BulkLimits:
-        return cls(
-            max_connections=config.bulk_max_connections,
-            inflight_bytes=config.bulk_inflight_bytes,
-            frame_timeout_s=config.bulk_frame_timeout_ms / 1000,
-            idle_timeout_s=config.bulk_idle_timeout_ms / 1000,
-            max_connections_per_peer=config.bulk_max_connections_per_peer,
-            max_unauthenticated=config.bulk_max_unauthenticated,
-            hello_timeout_s=config.bulk_hello_timeout_ms / 1000,
-        )
 
 
 class _Connection:

@@ -91,7 +91,7 @@ from kvd.wire.shm import (
 
 if TYPE_CHECKING:
     from kvd.paths.auth import Principal
-    from kvd.paths.bulk.server import BulkLimits
+    from kvd.paths.bulk.limits import BulkLimits
     from kvd.paths.ops.region_ops import RegionOps
 
 log = logging.getLogger("kvd.paths.shm.regions")
