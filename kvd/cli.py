@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvd import __version__
-from kvd.config.settings import SETTINGS, ConfigError, Setting, config_from_environment
+from kvd.config.loading import config_from_environment
+from kvd.config.settings import SETTINGS, ConfigError, Setting
 from kvd.wire.limits import KEY_BYTES_MAX
 
 if TYPE_CHECKING:

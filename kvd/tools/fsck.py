@@ -41,7 +41,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvd.config.settings import SETTINGS_BY_NAME, ConfigError, load_config
+from kvd.config.loading import load_config
+from kvd.config.settings import SETTINGS_BY_NAME, ConfigError
 from kvd.config.sizes import SizeError, format_size, parse_size
 from kvd.io.backend import IoBackend, IoError, OpKind, open_backend
 from kvd.l2.devices import AlignedBuffer, DeviceError, DeviceSet

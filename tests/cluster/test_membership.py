@@ -7,8 +7,9 @@ import logging
 import pytest
 
 from kvd.cluster.membership import Membership, parse_member
+from kvd.config.loading import load_config
 from kvd.config.pool_members import parse_spec
-from kvd.config.settings import ConfigError, load_config
+from kvd.config.settings import ConfigError
 
 
 def test_static_spec() -> None:

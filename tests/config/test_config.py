@@ -7,7 +7,8 @@ import pytest
 
 from kvd.config.addresses import is_loopback_host, parse_address
 from kvd.config.docs import settings_markdown
-from kvd.config.settings import SETTINGS, Config, ConfigError, load_config
+from kvd.config.loading import load_config
+from kvd.config.settings import SETTINGS, Config, ConfigError
 from kvd.config.sizes import SizeError, format_size, parse_size
 
 GiB = 1 << 30

@@ -18,7 +18,8 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.client import AsyncClient, Client, InvalidArgument, Tls, Unavailable
-from kvd.config.settings import ConfigError, load_config
+from kvd.config.loading import load_config
+from kvd.config.settings import ConfigError
 from kvd.connectors.common import tls_config
 from kvd.daemon.tls import ServerTls
 from kvd.v1 import kvd_pb2 as pb

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kvd.config.loading import load_config
 from kvd.config.pool_members import parse_spec
-from kvd.config.settings import load_config
 from kvd.config.sizes import parse_size
 from tests.support import REPO
 

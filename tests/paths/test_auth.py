@@ -16,7 +16,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvd.client import Client, PermissionDenied, Unauthenticated
 from kvd.client.bulk import BulkClient
-from kvd.config.settings import ConfigError, load_config
+from kvd.config.loading import load_config
+from kvd.config.settings import ConfigError
 from kvd.paths.auth import (
     Authenticator,
     Principal,
