@@ -73,6 +73,11 @@ TIER_SHIFT = 8
 PIPELINE_FRAMES = 16
 
 
+def region_ref_bytes(flags: int) -> int:
+    """Bytes of a region op's reference and, with ``FLAG_DEADLINE``, its deadline."""
+    return REGION_REF.size + (DEADLINE.size if flags & FLAG_DEADLINE else 0)
+
+
 def join_keys(keys: Sequence[bytes]) -> tuple[int, bytes] | None:
     """A LOOKUP's keys as (width, bytes); None when they differ in length
     (or there are none): such a chain goes over gRPC."""

@@ -58,7 +58,14 @@ from typing import TYPE_CHECKING, TypeVar
 from kvd.paths.ops.calls import Tally, refused
 from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
 from kvd.paths.shm import get_many
-from kvd.paths.shm.index_ops import INDEX_OPS, OP_NAMES, index_now, index_rest_bytes, lookup
+from kvd.paths.shm.index_ops import (
+    INDEX_OPS,
+    OP_NAMES,
+    index_now,
+    index_rest_bytes,
+    lookup,
+    refusal,
+)
 from kvd.paths.shm.regions import Caller
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
 from kvd.util.aio import readable
@@ -75,7 +82,7 @@ from kvd.wire.bulk import (
     decode_request,
     encode_response,
 )
-from kvd.wire.errors import InvalidArgument, KvdError, error_number
+from kvd.wire.errors import InvalidArgument, KvdError
 from kvd.wire.shm import (
     ATTACHED,
     DEADLINE,
@@ -87,6 +94,7 @@ from kvd.wire.shm import (
     PIPELINE_FRAMES,
     REGION_REF,
     TIER_SHIFT,
+    region_ref_bytes,
 )
 
 if TYPE_CHECKING:
@@ -309,7 +317,7 @@ class ShmChannel:
                 finally:
                     _close_all(fds)
         except KvdError as exc:
-            return _refusal(request, exc)
+            return refusal(request, exc)
         return encode_response(
             OP_REGION_ATTACH,
             request.request_id,
@@ -421,7 +429,7 @@ class ShmChannel:
                 else:
                     results = await self.ops.put_from_region(batch, caller)
         except KvdError as exc:
-            return _refusal(request, exc)
+            return refusal(request, exc)
         return _answer_of(request, results[0])
 
     def _op_now(self, request: Request, rest: bytes, caller: Caller) -> bytes | None:
@@ -450,7 +458,7 @@ class ShmChannel:
                 if result is None:
                     tally.drop()  # the op's task counts it
         except KvdError as exc:
-            return _refusal(request, exc)
+            return refusal(request, exc)
         if result is None:
             return None
         return _answer_of(request, result)
@@ -461,7 +469,7 @@ class ShmChannel:
             return index_rest_bytes(request, self.ops.store.limits.max_lookup_keys)
         if request.op == OP_REGION_GET_MANY:
             return get_many.rest_bytes(request, self.ops.limits.max_batch_items)
-        return _ref_bytes(request) + request.tail_bytes
+        return region_ref_bytes(request.flags) + request.tail_bytes
 
     def _batch(self, request: Request, rest: bytes, caller: Caller) -> RegionBatch:
         """The op's region, namespace and one item, once its namespace is authorized."""
@@ -492,11 +500,6 @@ class ShmChannel:
         return RegionBatch(region_id, token, ns, (item,), deadline_ns, durable=durable)
 
 
-def _refusal(request: Request, exc: KvdError) -> bytes:
-    """The answer of an op refused with ``exc`` (its ``Tally`` counted it)."""
-    return encode_response(request.op, request.request_id, error_number(exc), message=str(exc))
-
-
 def _answer_of(request: Request, result: ItemResult) -> bytes:
     flags = (FLAG_EXISTED if result.existed else 0) | (result.tier << TIER_SHIFT)
     return encode_response(
@@ -509,11 +512,6 @@ def _answer_of(request: Request, result: ItemResult) -> bytes:
         length=result.size,
         checksum=result.checksum,
     )
-
-
-def _ref_bytes(request: Request) -> int:
-    """Bytes between a region op's header and its names."""
-    return REGION_REF.size + (DEADLINE.size if request.flags & FLAG_DEADLINE else 0)
 
 
 async def _queue(queue: asyncio.Queue[T], item: T, consumer: asyncio.Task[None]) -> bool:

@@ -28,6 +28,7 @@ from kvd.wire.shm import (
     OP_REGION_GET_MANY,
     REGION_REF,
     TIER_SHIFT,
+    region_ref_bytes,
 )
 
 if TYPE_CHECKING:
@@ -36,8 +37,7 @@ if TYPE_CHECKING:
 
 def _refs_bytes(request: Request) -> int:
     """Bytes between the header and the namespace."""
-    deadline = DEADLINE.size if request.flags & FLAG_DEADLINE else 0
-    return REGION_REF.size + deadline + MANY_REF.size
+    return region_ref_bytes(request.flags) + MANY_REF.size
 
 
 def rest_bytes(request: Request, max_items: int) -> int:

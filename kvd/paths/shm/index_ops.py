@@ -63,7 +63,7 @@ def index_now(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> 
                 tally.drop()  # the channel's task counts it
                 return None
     except KvdError as exc:
-        return _refusal(request, exc)
+        return refusal(request, exc)
     return _lookup_answer(request, found)
 
 
@@ -105,6 +105,6 @@ def _lookup_answer(request: Request, found: LookupResult) -> bytes:
     return encode_response(OP_LOOKUP, request.request_id, meta=meta)
 
 
-def _refusal(request: Request, exc: KvdError) -> bytes:
+def refusal(request: Request, exc: KvdError) -> bytes:
     """The answer of an op refused with ``exc`` (its ``Tally`` counted it)."""
     return encode_response(request.op, request.request_id, error_number(exc), message=str(exc))
