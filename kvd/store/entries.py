@@ -8,6 +8,14 @@ cannot make at once is waited for through ``wait_write_back`` (write-back
 unpinning values); expired leases let go first (``expire_leases``). Nothing
 here knows the store, the L2 tier or write-back: the store hands this index
 the callables above, and hands its ``pin``/``unpin`` to them. Imports neither grpc nor metrics.
+
+Guests. In a pool, a member also holds copies of values other members own:
+a put it forwards to the owner, a value it fetched from one. The owner keeps
+the value; the copy only saves a network round trip. Guests stay out of
+the eviction policy (it learns and plans for the member's own share) and
+are evicted first, oldest first, so a copy never costs an owned value its
+place: four members then hold what one daemon of their total size would
+(kvd bench pool).
 """
 
 from __future__ import annotations
@@ -21,6 +29,10 @@ from kvd.store.eviction.policy import EvictionPolicy
 from kvd.store.index import Entry, Namespace, PolicyKey, StoreCounters, check_namespace
 from kvd.wire.errors import ResourceExhausted
 from kvd.wire.limits import NAMESPACES_MAX
+
+# Guests looked at per eviction before the policy is asked instead: pinned
+# ones (being read, or waiting to be forwarded) go to the back of the line.
+GUEST_SCAN_MAX = 64
 
 
 class Entries:
@@ -47,6 +59,7 @@ class Entries:
         self._by_id: dict[int, Namespace] = {}
         self._ids = itertools.count(1)
         self.count = 0
+        self.guests: dict[PolicyKey, Entry] = {}  # oldest first
         # Told of each value linked into and unlinked from L1 (the pool's KV events).
         self.on_link: Callable[[Entry], None] | None = None
         self.on_unlink: Callable[[Entry], None] | None = None
@@ -78,8 +91,11 @@ class Entries:
         ns.entries[entry.key] = entry
         ns.bytes_stored += entry.size
         self.count += 1
-        parent_pk = (ns.id, entry.parent) if entry.parent else None
-        self.policy.insert((ns.id, entry.key), parent_pk)
+        if entry.guest:
+            self.guests[(ns.id, entry.key)] = entry
+        else:
+            parent_pk = (ns.id, entry.parent) if entry.parent else None
+            self.policy.insert((ns.id, entry.key), parent_pk)
         if self.on_link is not None:
             self.on_link(entry)
 
@@ -90,7 +106,10 @@ class Entries:
         ns.bytes_stored -= entry.size
         self.count -= 1
         entry.linked = False
-        self.policy.remove((ns.id, entry.key))
+        if entry.guest:
+            del self.guests[(ns.id, entry.key)]
+        else:
+            self.policy.remove((ns.id, entry.key))
         if self.on_unlink is not None:
             self.on_unlink(entry)
         if entry.readers == 0:
@@ -134,7 +153,22 @@ class Entries:
         self.counters.evictions += 1
         return True
 
+    def _evict_guest(self) -> bool:
+        """Evict the oldest guest that can go; False when none of the first
+        ``GUEST_SCAN_MAX`` can."""
+        guests = self.guests
+        for _ in range(min(len(guests), GUEST_SCAN_MAX)):
+            pk, entry = next(iter(guests.items()))
+            if self.evictable(entry):
+                self.evict(entry)
+                return True
+            del guests[pk]  # pinned: to the back of the line
+            guests[pk] = entry
+        return False
+
     def _evict_one(self) -> bool:
+        if self.guests and self._evict_guest():
+            return True
         pk = self.policy.victim(self._pinned)
         if pk is None:
             return False

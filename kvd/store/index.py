@@ -73,6 +73,9 @@ class Entry:
     deleted: bool = False  # unlinked by a delete (not by eviction)
     dirty: bool = False  # not yet on L2 (only when there is an L2)
     l2: L2Record | None = None
+    # A pool member's copy of a value another member owns (Entries.guests):
+    # outside the eviction policy, and the first to go.
+    guest: bool = False
 
 
 @dataclass(eq=False, slots=True)

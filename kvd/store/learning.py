@@ -45,17 +45,24 @@ class DeferredPolicy(Generic[K]):
         self.policy = policy
         self.name = policy.name
         self.schedule = schedule
-        self._pending: list[tuple[list[Any], list[Any], int, Callable[[Any], K] | None]] = []
+        self._pending: list[
+            tuple[list[Any], list[Any], int, Callable[[Any], K] | None, Sequence[bool] | None]
+        ] = []
         self._pending_keys = 0
 
     def defer_lookup(
-        self, touched: list[K], chain: list[K], hits: int, key_of: Callable[[Any], K] | None = None
+        self,
+        touched: list[K],
+        chain: list[K],
+        hits: int,
+        key_of: Callable[[Any], K] | None = None,
+        mine: Sequence[bool] | None = None,
     ) -> None:
         """A lookup's calls: ``touch`` of each of ``touched``, then
-        ``on_lookup(chain, hits)``; with ``key_of``, the policy's keys are
-        ``key_of(k)`` of those given, made only when the calls are told."""
+        ``on_lookup(chain, hits, mine)``; with ``key_of``, the policy's keys
+        are ``key_of(k)`` of those given, made only when the calls are told."""
         first = not self._pending
-        self._pending.append((touched, chain, hits, key_of))
+        self._pending.append((touched, chain, hits, key_of, mine))
         self._pending_keys += len(touched) + len(chain)
         if self._pending_keys > PENDING_KEYS_MAX:
             self.settle()
@@ -68,12 +75,12 @@ class DeferredPolicy(Generic[K]):
             return
         pending, self._pending, self._pending_keys = self._pending, [], 0
         policy = self.policy
-        for touched, chain, hits, key_of in pending:
+        for touched, chain, hits, key_of, mine in pending:
             if key_of is not None:
                 touched, chain = list(map(key_of, touched)), list(map(key_of, chain))
             for key in touched:
                 policy.touch(key)
-            policy.on_lookup(chain, hits)
+            policy.on_lookup(chain, hits, mine)
 
     # The policy's calls (EvictionPolicy), each after the queued ones.
     def insert(self, key: K, parent: K | None) -> None:
@@ -92,9 +99,9 @@ class DeferredPolicy(Generic[K]):
         self.settle()
         return self.policy.victim(skip)
 
-    def on_lookup(self, keys: Sequence[K], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         self.settle()
-        self.policy.on_lookup(keys, hits)
+        self.policy.on_lookup(keys, hits, mine)
 
     def __len__(self) -> int:
         self.settle()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -112,6 +113,8 @@ class Store:
         # The pool's hooks (kvd.cluster.router): a miss asks the owner; a put goes to it.
         self.on_miss: Callable[[str, bytes], Awaitable[Reader | None]] | None = None
         self.on_put: Callable[[Entry], None] | None = None
+        # Whether a key is another member's (its copy here is a guest: Entries).
+        self.guest_of: Callable[[str, bytes], bool] | None = None
         if l2 is not None:
             self.writeback = WriteBack(
                 l2, pool, self.entries.pin, self.entries.unpin,
@@ -262,10 +265,12 @@ class Store:
         entry = Entry(
             ns, ticket.key, ticket.size, checksum, ticket.meta, ticket.runs, ticket.parent
         )
+        entry.guest = self.guest_of is not None and self.guest_of(ns.name, entry.key)
         self.entries.link(entry)
         self.counters.puts += 1
         self.counters.bytes_in += entry.size
-        if self.writeback is not None:
+        # A guest is its owner's to keep on disk: only a durable put writes one here.
+        if self.writeback is not None and not (entry.guest and queue):
             entry.dirty = True
             if queue:
                 self.writeback.enqueue(entry)
@@ -483,8 +488,16 @@ class Store:
         self._check_keys(keys)
         return [self._has(ns_name, key) != 0 for key in keys]
 
-    def lookup(self, ns_name: str, keys: Sequence[bytes], lease_ms: int = 0) -> LookupResult:
-        """Longest stored prefix of a chain; with ``lease_ms`` its values are pinned."""
+    def lookup(
+        self,
+        ns_name: str,
+        keys: Sequence[bytes],
+        lease_ms: int = 0,
+        mine: Sequence[bool] | None = None,
+    ) -> LookupResult:
+        """Longest stored prefix of a chain; with ``lease_ms`` its values are
+        pinned. ``mine``: in a pool, which keys this member owns (the policy
+        learns only of those: ``EvictionPolicy.on_lookup``)."""
         if not keys:
             raise InvalidArgument("lookup of no keys")
         self._check_keys(keys)
@@ -512,7 +525,8 @@ class Store:
         if l1_hits < len(pins):  # an L2 hit among them: the L1 run before the first
             leading_l1 = next(i for i, p in enumerate(pins) if not isinstance(p, Entry))
         # The policy learns how each chain's lookup went (the first of a namespace too).
-        self.learning.defer_lookup(touched, list(keys), leading_l1, partial(policy_key, ns.id))
+        key_of = partial(policy_key, ns.id)
+        self.learning.defer_lookup(touched, list(keys), leading_l1, key_of, mine)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         if self.prefetcher is not None and self.placement is not None and l1_hits < len(pins):
             prefetch = self.placement.prefetch
@@ -522,6 +536,43 @@ class Store:
         return LookupResult(
             len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0
         )
+
+    def learn_chain(
+        self, ns_name: str, keys: Sequence[bytes], length: int, positions: Sequence[int]
+    ) -> None:
+        """A pool member's share of a chain another member looked up: ``keys``
+        at ``positions`` (increasing) of a chain of ``length`` keys. The
+        policy learns of them as if the lookup had been made here (the other
+        positions are other members' keys: ``EvictionPolicy.on_lookup``'s
+        ``mine``). Its hits are the chain's leading keys that are another
+        member's or held here; nothing is leased."""
+        self._check_keys(keys)
+        if not 0 < length <= self.limits.max_lookup_keys or len(positions) != len(keys):
+            raise InvalidArgument(
+                f"a chain share of {len(keys)} keys at {len(positions)} positions "
+                f"of a chain of {length}"
+            )
+        if any(not 0 <= p < length for p in positions) or any(
+            a >= b for a, b in itertools.pairwise(positions)
+        ):
+            raise InvalidArgument("chain positions must increase and lie within the chain")
+        ns = self.entries.namespace(ns_name)
+        # Other members' keys stand in as placeholders the policy never keeps.
+        chain: list[bytes] = [b""] * length
+        mine = [False] * length
+        touched: list[bytes] = []
+        hits = length
+        for key, position in zip(keys, positions, strict=True):
+            chain[position] = key
+            mine[position] = True
+            if hits < length:
+                continue
+            if key in ns.entries:
+                touched.append(key)
+            elif self.l2 is None or self.l2.lookup(ns_name, key) is None:
+                hits = position
+        key_of = partial(policy_key, ns.id)
+        self.learning.defer_lookup(touched, chain, hits, key_of, mine)
 
     def _check_keys(self, keys: Sequence[bytes]) -> None:
         check_keys(keys, self.limits.max_lookup_keys)
@@ -578,6 +629,7 @@ class Store:
             "upload_bytes": self.upload_bytes,
             "page_bytes": PAGE_BYTES,
             "entries": self.entry_count,
+            "guests": len(self.entries.guests),
             "namespaces": len(self.entries.by_name),
             "leases_active": len(self.leases),
             "leases_granted": self.leases.granted,

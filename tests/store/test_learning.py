@@ -27,6 +27,7 @@ class Recorded:
         self.policy = policy
         self.name = policy.name
         self.calls: list[tuple[Any, ...]] = []
+        self.mines: list[list[bool] | None] = []  # on_lookup's, in order
 
     def insert(self, key: Any, parent: Any) -> None:
         self.calls.append(("insert", key, parent))
@@ -45,9 +46,10 @@ class Recorded:
         self.calls.append(("victim", key))
         return key
 
-    def on_lookup(self, keys: Sequence[Any], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[Any], hits: int, mine: Sequence[bool] | None = None) -> None:
         self.calls.append(("on_lookup", tuple(keys), hits))
-        self.policy.on_lookup(keys, hits)
+        self.mines.append(None if mine is None else list(mine))
+        self.policy.on_lookup(keys, hits, mine)
 
     def __len__(self) -> int:
         return len(self.policy)

@@ -174,9 +174,11 @@ class ChainPolicy(Generic[K]):
             self._leaf_heap.clear()
             self._inner_heap.clear()
 
-    def on_lookup(self, keys: Sequence[K], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         """A lookup of the chain ``keys`` found its first ``hits`` resident
-        (already touched); the rest are about to be put. Only ``pred`` uses it."""
+        (already touched); the rest are about to be put. With ``mine``, only
+        the keys where it is true are this policy's (a pool member's share).
+        The lookup-driven policies override it."""
 
     def victim(self, skip: Callable[[K], bool]) -> K | None:
         key = self._first_leaf(skip)

@@ -232,7 +232,7 @@ class DensityPolicy(ChainPolicy[K]):
 
     # -- EvictionPolicy -------------------------------------------------------
 
-    def on_lookup(self, keys: Sequence[K], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         self._now += 1
         now = self._now
         n = len(keys)
@@ -247,6 +247,8 @@ class DensityPolicy(ChainPolicy[K]):
         length_bucket = bisect_left(_LENGTH_EDGES, n)  # one per chain
         bound = now + _RETENTION_MAX  # the deadline of the block before
         for position, key in enumerate(keys):
+            if mine is not None and not mine[position]:
+                continue  # another member's: its length and position still count
             node = nodes.get(key)
             if isinstance(node, _DensityNode):
                 gap = self._ended(node.klass, node.gap, node.tick)

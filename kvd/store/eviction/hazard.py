@@ -184,7 +184,7 @@ class HazardPolicy(ChainPolicy[K]):
 
     # -- EvictionPolicy -------------------------------------------------------
 
-    def on_lookup(self, keys: Sequence[K], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         self._now += 1
         now = self._now
         n = len(keys)
@@ -216,15 +216,16 @@ class HazardPolicy(ChainPolicy[K]):
             depth, klass = repeat.depth, repeat.klass
         else:
             klass = turn_class(depth, n - known, n)
-        for key in keys[:hits]:
-            node = self._nodes.get(key)
+        for position, key in enumerate(keys[:hits]):
+            node = self._nodes.get(key) if mine is None or mine[position] else None
             if isinstance(node, _HazardNode):
                 node.klass = klass
                 node.depth = depth
                 node.priority = self._extended(node)
                 self._push(key, node)
         for position in range(hits, n):
-            self._pending[keys[position]] = (_LAST if position == n - 1 else klass, depth)
+            if mine is None or mine[position]:
+                self._pending[keys[position]] = (_LAST if position == n - 1 else klass, depth)
         while len(self._pending) > _PENDING_MAX:
             del self._pending[next(iter(self._pending))]
         if n >= 2:

@@ -27,6 +27,12 @@ import it. Priorities differ per policy:
   long such turns wait for their next turn.
 * ``s3fifo`` (kvd/store/eviction/s3fifo.py) -- S3-FIFO's small, main and ghost
   queues, leaves first within each: the scan-resistant baseline.
+``on_lookup``'s ``mine`` is for a member of a pool: the chain is the whole
+chain an engine looked up, but this member holds only the keys it owns
+(``mine[i]`` true); the policy learns from the chain as a whole (its length,
+each key's position) and keeps state only for its own keys, so the members
+of a pool together learn what one daemon would.
+
 * ``density`` (the default, kvd/store/eviction/density.py) -- a deadline per
   block: its last reference plus a retention learned per class of block
   reference (gap since the previous reference x references so far x chain
@@ -75,7 +81,9 @@ class EvictionPolicy(Protocol[K]):
 
     def victim(self, skip: Callable[[K], bool]) -> K | None: ...
 
-    def on_lookup(self, keys: Sequence[K], hits: int) -> None: ...
+    def on_lookup(
+        self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None
+    ) -> None: ...
 
     def __len__(self) -> int: ...
 

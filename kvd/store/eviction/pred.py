@@ -100,14 +100,14 @@ class PredPolicy(ChainPolicy[K]):
             node.open = False
             self._reuses[node.klass] += 1.0
 
-    def on_lookup(self, keys: Sequence[K], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         depth = 0
         if hits:
             tail = self._nodes.get(keys[hits - 1])
             depth = tail.depth + 1 if isinstance(tail, _PredNode) else 1
         klass = _lookup_class(depth, len(keys) - hits, len(keys))
-        for key in keys[:hits]:
-            node = self._nodes.get(key)
+        for position, key in enumerate(keys[:hits]):
+            node = self._nodes.get(key) if mine is None or mine[position] else None
             if not isinstance(node, _PredNode):
                 continue
             if self._children.get(key, 0) >= _SHARED_CHILDREN:
@@ -121,7 +121,8 @@ class PredPolicy(ChainPolicy[K]):
             self._push(key, node)
         last = len(keys) - 1
         for position in range(hits, len(keys)):
-            self._pending[keys[position]] = (klass, depth, position == last)
+            if mine is None or mine[position]:
+                self._pending[keys[position]] = (klass, depth, position == last)
         while len(self._pending) > _PENDING_MAX:
             del self._pending[next(iter(self._pending))]
 

@@ -83,7 +83,8 @@ class CallLog:
         self._add(_VICTIM, len(self.pins) - 1, _NONE if key is None else key)
         return key
 
-    def on_lookup(self, keys: Sequence[int], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[int], hits: int, mine: Sequence[bool] | None = None) -> None:
+        assert mine is None, "the cost replay is of one daemon"
         self.chains.append(keys)
         self._add(_LOOKUP, len(self.chains) - 1, hits)
         self.inner.on_lookup(keys, hits)
@@ -114,7 +115,7 @@ class _NullPolicy:
     def victim(self, skip: Callable[[int], bool]) -> int | None:
         return None
 
-    def on_lookup(self, keys: Sequence[int], hits: int) -> None:
+    def on_lookup(self, keys: Sequence[int], hits: int, mine: Sequence[bool] | None = None) -> None:
         pass
 
     def __len__(self) -> int:
