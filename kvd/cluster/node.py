@@ -78,6 +78,10 @@ POOL_COUNTERS = {
         "kvd_cluster_forwards_dropped",
         "Puts not handed to their owner: the forward queue was full",
     ),
+    "tells_dropped": (
+        "kvd_cluster_tells_dropped",
+        "Lookups not told to an owner for its eviction policy: too many in flight",
+    ),
 }
 
 

@@ -23,6 +23,7 @@ import grpc
 from kvd.cluster.scope import HOP_HEADER
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
+from kvd.wire.lookup import ChainShare
 
 log = logging.getLogger("kvd.cluster.peers")
 
@@ -141,10 +142,16 @@ class Peers:
         return PeerPaths(reply.bulk_port, reply.bulk_version)
 
     async def exists(
-        self, member: str, namespace: str, keys: list[bytes], timeout_s: float
-    ) -> list[bool]:
+        self, member: str, namespace: str, keys: list[bytes], timeout_s: float,
+        *, chain: ChainShare | None = None,
+    ) -> list[bool]:  # fmt: skip
+        """Which of ``keys`` the member holds; with ``chain``, ``keys`` are
+        its share of a chain being looked up, and its policy learns from it."""
         stub = self._stub(member)
         request = pb.ExistsRequest(namespace=namespace, keys=keys)
+        if chain is not None:
+            request.chain_length = chain.length
+            request.chain_positions.extend(chain.positions)
         call = stub.Exists(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
         reply = await self._call(member, "Exists", timeout_s, call)
         if len(reply.exists) != len(keys):

@@ -4,19 +4,28 @@ put handed on to its owner.
 
 - **Lookup**: the chain's local prefix first (``Store.lookup``, leases
   included). For the rest, up to the first key this daemon owns itself (it
-  would hold that one), each owner gets one Exists of its keys, all owners
-  at once; the answer's prefix runs on through the keys found. Remote keys
-  count as ``l2_hits`` (held, not in local memory) and are not leased.
+  would hold that one), each owner of a key there gets one Exists of the
+  whole chain, all owners at once; the answer's prefix runs on through the
+  keys found. Remote keys count as ``l2_hits`` (held, not in local memory)
+  and are not leased. Every other owner of a key of the chain gets the same
+  call in the background (at most ``TELLS_MAX`` at once). Such an Exists is
+  marked ``chain``: the owner's eviction policy learns from the lookup of its
+  own keys, and this daemon's policy learns only of the keys it owns, so
+  the members together learn what one daemon serving every engine would.
 - **Get**: a local miss asks the key's owner (``Store.on_miss``); the value
   is read into local L1 pages over the owner's bulk TCP port (or gRPC:
   ``kvd.cluster.peer_reads``), checked against the checksum the owner sent
   before it becomes visible (a second get is local), and returned from
-  there. Concurrent gets of one key share one peer read.
+  there. Concurrent gets of one key share one peer read. The local copy is a
+  guest (``kvd.store.entries``): evicted before any value this daemon owns.
 - **Put**: lands here first and is answered from here (an engine's get after
   its own put stays on its node, and the put waits on no network); if
   another member owns the key the value is then handed to it in the
   background, so a lookup from any node finds it (a bounded queue:
   ``FORWARD_QUEUE_MAX``; past it the owner does not get the value, counted).
+  The copy here is a guest, pinned until it went to the owner (up to a
+  quarter of L1 pinned so; past that a forward reads it when its turn
+  comes, if it is still here).
 
 A dead, slow or partitioned peer is a miss within the caller's deadline
 (kvd.cluster.scope): a peer error, a timeout or a checksum mismatch is
@@ -28,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from kvd.cluster import scope
@@ -37,7 +47,7 @@ from kvd.cluster.peers import PeerError, Peers
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
 from kvd.wire.errors import KvdError
-from kvd.wire.lookup import LookupResult
+from kvd.wire.lookup import ChainShare, LookupResult
 
 log = logging.getLogger("kvd.cluster")
 
@@ -58,6 +68,11 @@ PEER_DOWN_S = 1.0
 FETCH_PARALLEL_MAX = 32
 # Peer errors logged per member before the rest are only counted.
 ERRORS_LOGGED_MAX = 10
+# Background lookups told to owners at once (for their policies' learning);
+# past it a lookup is not told, and counted.
+TELLS_MAX = 64
+# Part of L1 that values waiting for their forward may keep pinned.
+FORWARD_PIN_FRACTION = 0.25
 
 
 @dataclass
@@ -75,6 +90,7 @@ class PoolCounters:
     forwards: int = 0
     forward_errors: int = 0
     forwards_dropped: int = 0
+    tells_dropped: int = 0  # lookups an owner was not told of (TELLS_MAX in flight)
 
 
 class PoolRouter:
@@ -95,9 +111,12 @@ class PoolRouter:
         self.peer_timeout_s = peer_timeout_s
         self.counters = PoolCounters()
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
-        self._forward_queue: asyncio.Queue[tuple[str, bytes, str]] = asyncio.Queue(
+        self._forward_queue: asyncio.Queue[tuple[str, bytes, str, Reader | None]] = asyncio.Queue(
             FORWARD_QUEUE_MAX
         )
+        self._forward_pinned = 0  # bytes of the values in the queue it pins
+        self._forward_pin_max = int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION)
+        self._tells: set[asyncio.Task[list[bool]]] = set()
         self._workers: list[asyncio.Task[None]] = []
         self._errors_logged: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
@@ -107,6 +126,7 @@ class PoolRouter:
         """Take the store's miss and put hooks; start the forwarders (on the loop)."""
         self.store.on_miss = self.fetch_remote
         self.store.on_put = self._put_done
+        self.store.guest_of = self._is_guest
         self._workers = [
             asyncio.create_task(self._forward_loop(), name=f"kvd-pool-forward-{i}")
             for i in range(FORWARD_WORKERS)
@@ -115,10 +135,15 @@ class PoolRouter:
     async def close(self) -> None:
         self.store.on_miss = None
         self.store.on_put = None
-        tasks = [*self._workers, *self._fetching.values()]
+        self.store.guest_of = None
+        tasks = [*self._workers, *self._fetching.values(), *self._tells]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        while not self._forward_queue.empty():
+            reader = self._forward_queue.get_nowait()[3]
+            if reader is not None:
+                self._unpin_forward(reader)
         self.reads.close()
         await self.peers.close()
 
@@ -142,6 +167,9 @@ class PoolRouter:
             return None
         owner = self.membership.placement.owner(namespace, key)
         return None if owner == self.membership.advertise else owner
+
+    def _is_guest(self, namespace: str, key: bytes) -> bool:
+        return self._remote_owner(namespace, key) is not None
 
     def _is_down(self, member: str) -> bool:
         until = self._down_until.get(member)
@@ -168,22 +196,34 @@ class PoolRouter:
     # ---- lookup and exists ------------------------------------------------------
     async def lookup(self, namespace: str, keys: list[bytes], lease_ms: int) -> LookupResult:
         """The chain's longest prefix held anywhere in the pool (one Exists per owner)."""
-        local = self.store.lookup(namespace, keys, lease_ms)
-        if local.prefix_len == len(keys) or scope.current().hop:
+        members = self.membership.members
+        if len(members) == 1 or scope.current().hop:
+            return self.store.lookup(namespace, keys, lease_ms)
+        me = self.membership.advertise
+        owners = self.membership.placement.owners(namespace, keys)
+        mine = [owner == me for owner in owners]
+        local = self.store.lookup(namespace, keys, lease_ms, mine)
+        shares: dict[str, list[int]] = {}  # each other owner's positions in the chain
+        for position, (owner, own) in enumerate(zip(owners, mine, strict=True)):
+            if not own:
+                shares.setdefault(owner, []).append(position)
+        if local.prefix_len == len(keys):
+            self._tell(namespace, keys, shares, list(shares))
             return local
         # Past the local prefix a key may still be here (this daemon owns it, or
-        # kept a copy); the others go to their owners.
+        # kept a copy); the others are asked of their owners, up to the first
+        # key this daemon owns and does not hold: the chain ends there.
         start = local.prefix_len
         found = [False] * start + self.store.exists(namespace, keys[start:])
-        asks: dict[str, list[int]] = {}
+        asks: dict[str, None] = {}
         for i in range(start, len(keys)):
             if found[i]:
                 continue
-            owner = self._remote_owner(namespace, keys[i])
-            if owner is None:
-                break  # this daemon owns it and does not hold it: the chain ends here
-            asks.setdefault(owner, []).append(i)
-        await self._ask_owners(namespace, keys, asks, found)
+            if mine[i]:
+                break
+            asks[owners[i]] = None
+        self._tell(namespace, keys, shares, [owner for owner in shares if owner not in asks])
+        await self._ask_owners(namespace, keys, shares, list(asks), found)
         extra = 0
         for i in range(start, len(keys)):
             if not found[i]:
@@ -200,29 +240,28 @@ class PoolRouter:
             local.lease_ms,
         )
 
-    async def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
-        """Which keys the pool holds: here, else asked of their owners (one call each)."""
+    async def exists(
+        self, namespace: str, keys: list[bytes], *, chain: ChainShare | None = None
+    ) -> list[bool]:
+        """Which keys the pool holds: here, else asked of their owners (one call
+        each). A peer's ``chain`` (its lookup) teaches this member's policy."""
         found = self.store.exists(namespace, keys)
-        if all(found) or scope.current().hop:
+        if scope.current().hop:
+            if chain is not None:
+                self.store.learn_chain(namespace, keys, chain.length, chain.positions)
+            return found
+        if all(found):
             return found
         asks: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             owner = None if found[i] else self._remote_owner(namespace, key)
             if owner is not None:
                 asks.setdefault(owner, []).append(i)
-        await self._ask_owners(namespace, keys, asks, found)
-        return found
-
-    async def _ask_owners(
-        self, namespace: str, keys: list[bytes], asks: dict[str, list[int]], found: list[bool]
-    ) -> None:
-        """Ask each owner, all at once, about its keys (indices into ``keys``);
-        set ``found`` for those it holds. An owner that fails holds none."""
         for owner in [owner for owner in asks if self._is_down(owner)]:
             del asks[owner]
         budget_s = scope.budget_s(self.peer_timeout_s)
         if not asks or budget_s <= 0:
-            return  # no time left is a miss, and no fault of the owners
+            return found  # no time left is a miss, and no fault of the owners
         self.counters.remote_lookups += 1
         answers = await asyncio.gather(
             *(self._exists(owner, namespace, [keys[i] for i in idx], budget_s)
@@ -231,12 +270,57 @@ class PoolRouter:
         for idx, answer in zip(asks.values(), answers, strict=True):
             for i, held in zip(idx, answer, strict=True):
                 found[i] = found[i] or held
+        return found
+
+    async def _ask_owners(
+        self, namespace: str, keys: list[bytes], shares: dict[str, list[int]],
+        asks: list[str], found: list[bool],
+    ) -> None:  # fmt: skip
+        """Ask each owner in ``asks``, all at once, about its share of the
+        chain ``keys`` (its positions, ``shares``); set ``found`` for the keys
+        it holds. An owner that fails holds none."""
+        asks = [owner for owner in asks if not self._is_down(owner)]
+        budget_s = scope.budget_s(self.peer_timeout_s)
+        if not asks or budget_s <= 0:
+            return  # no time left is a miss, and no fault of the owners
+        self.counters.remote_lookups += 1
+        answers = await asyncio.gather(
+            *(self._share(owner, namespace, keys, shares[owner], budget_s) for owner in asks)
+        )
+        for owner, answer in zip(asks, answers, strict=True):
+            for position, held in zip(shares[owner], answer, strict=True):
+                found[position] = found[position] or held
+
+    async def _share(
+        self, owner: str, namespace: str, keys: list[bytes], positions: list[int],
+        budget_s: float,
+    ) -> list[bool]:  # fmt: skip
+        share = ChainShare(len(keys), positions)
+        return await self._exists(owner, namespace, [keys[p] for p in positions], budget_s, share)
+
+    def _tell(
+        self, namespace: str, keys: list[bytes], shares: dict[str, list[int]],
+        owners: Iterable[str],
+    ) -> None:  # fmt: skip
+        """Let ``owners`` learn of a lookup they were not asked about (background)."""
+        for owner in owners:
+            if self._is_down(owner):
+                continue
+            if len(self._tells) >= TELLS_MAX:
+                self.counters.tells_dropped += 1
+                continue
+            task = asyncio.get_running_loop().create_task(
+                self._share(owner, namespace, keys, shares[owner], self.peer_timeout_s)
+            )
+            self._tells.add(task)
+            task.add_done_callback(self._tells.discard)
 
     async def _exists(
-        self, member: str, namespace: str, keys: list[bytes], budget_s: float
-    ) -> list[bool]:
+        self, member: str, namespace: str, keys: list[bytes], budget_s: float,
+        chain: ChainShare | None = None,
+    ) -> list[bool]:  # fmt: skip
         try:
-            return await self.peers.exists(member, namespace, keys, budget_s)
+            return await self.peers.exists(member, namespace, keys, budget_s, chain=chain)
         except PeerError as error:
             self._peer_failed(error, member)
             return [False] * len(keys)
@@ -322,25 +406,44 @@ class PoolRouter:
         owner = self._remote_owner(entry.ns.name, entry.key)
         if owner is None:
             return
+        reader = None
+        if self._forward_pinned + entry.size <= self._forward_pin_max:
+            # A guest goes first: pinned, it waits for its forward.
+            reader = self.store.peek(entry.ns.name, entry.key)
+            self._forward_pinned += entry.size
         try:
-            self._forward_queue.put_nowait((entry.ns.name, entry.key, owner))
+            self._forward_queue.put_nowait((entry.ns.name, entry.key, owner, reader))
         except asyncio.QueueFull:
             self.counters.forwards_dropped += 1
+            if reader is not None:
+                self._unpin_forward(reader)
+
+    def _unpin_forward(self, reader: Reader) -> None:
+        self._forward_pinned -= reader.entry.size
+        reader.close()
+
+    def _close_forward(self, reader: Reader, pinned: Reader | None) -> None:
+        if pinned is not None:
+            self._unpin_forward(pinned)
+        else:
+            reader.close()
 
     async def _forward_loop(self) -> None:
         while True:
-            namespace, key, owner = await self._forward_queue.get()
-            reader = self.store.peek(namespace, key)
-            if reader is None or self._is_down(owner):
-                if reader is not None:
-                    reader.close()
-                self.counters.forward_errors += reader is not None
-                continue  # evicted or deleted before its turn, or the owner is down
+            namespace, key, owner, pinned = await self._forward_queue.get()
+            reader = pinned if pinned is not None else self.store.peek(namespace, key)
+            if reader is None:
+                continue  # evicted or deleted before its turn
+            if not reader.entry.linked or self._is_down(owner):
+                # Deleted while it waited (not an error), or the owner is down.
+                self.counters.forward_errors += reader.entry.linked
+                self._close_forward(reader, pinned)
+                continue
             try:
                 value = b"".join(reader.views)
                 sum_, meta, parent = reader.checksum, reader.meta, reader.entry.parent
             finally:
-                reader.close()
+                self._close_forward(reader, pinned)
             try:
                 await self.peers.put(
                     owner, namespace, key, value, meta, parent, sum_, FORWARD_TIMEOUT_S

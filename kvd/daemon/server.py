@@ -77,6 +77,7 @@ _STORE_GAUGES = {
     "pool_used_bytes": ("kvd_pool_used_bytes", "DRAM pool bytes holding values"),
     "pool_free_bytes": ("kvd_pool_free_bytes", "DRAM pool bytes free"),
     "entries": ("kvd_entries", "Values stored"),
+    "guests": ("kvd_guest_entries", "Values held for the pool member that owns them"),
     "namespaces": ("kvd_namespaces", "Namespaces with values"),
     "leases_active": ("kvd_leases_active", "Leases from Lookup not yet released or expired"),
     "inflight_bytes": ("kvd_inflight_bytes", "Value bytes held by requests in progress"),

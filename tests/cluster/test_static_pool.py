@@ -14,7 +14,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
-from tests.cluster.cluster import start_static_pool
+from tests.cluster.cluster import labelled, start_static_pool
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -105,6 +105,41 @@ def test_a_value_read_from_its_owner_is_kept_in_l1(pool: list[DaemonProcess]) ->
     assert [b.get("kept", key) for key in remote] == [value_of(key) for key in remote]
     # The second round came from b's own L1: one peer read per key in all.
     assert metric(pool[1].metrics_port, "kvd_cluster_remote_gets_total") - before == len(remote)
+
+
+def test_copies_of_other_members_values_are_guests(pool: list[DaemonProcess]) -> None:
+    a, b, _ = clients(pool)
+    guests = [metric(d.metrics_port, "kvd_guest_entries") for d in pool]
+    keys = chain("guests", 40)
+    store_chain(a, "guests", keys)
+    assert wait_until(lambda: b.lookup("guests", keys) == len(keys))
+    not_a = len(keys) - len(_owned_by(pool, "guests", keys, 0))
+    # a keeps its copies of what b and c own as guests (first to go); the
+    # owners hold theirs as their own.
+    assert metric(pool[0].metrics_port, "kvd_guest_entries") - guests[0] == not_a
+    assert metric(pool[2].metrics_port, "kvd_guest_entries") == guests[2]
+    of_c = _owned_by(pool, "guests", keys, 2)
+    assert [b.get("guests", key) for key in of_c] == [value_of(key) for key in of_c]
+    assert metric(pool[1].metrics_port, "kvd_guest_entries") - guests[1] == len(of_c)
+
+
+def test_every_owner_hears_of_a_lookup(pool: list[DaemonProcess]) -> None:
+    """A lookup through a member that holds the whole chain (its own keys
+    and guests) still tells the other owners, for their policies."""
+    a, _, _ = clients(pool)
+    keys = chain("told", 30)
+    store_chain(a, "told", keys)
+    assert wait_until(lambda: a.lookup("told", keys) == len(keys))
+    owners = {1, 2} & {i for i in range(3) if _owned_by(pool, "told", keys, i)}
+    assert owners
+    before = {i: labelled(pool[i].metrics_port, "kvd_requests_total", op="exists") for i in owners}
+    assert a.lookup("told", keys) == len(keys)
+    for i in owners:
+        assert wait_until(
+            lambda i=i: (
+                labelled(pool[i].metrics_port, "kvd_requests_total", op="exists") > before[i]
+            )
+        )
 
 
 def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[DaemonProcess]) -> None:

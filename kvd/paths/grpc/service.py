@@ -61,6 +61,7 @@ from kvd.store.store import Store
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import DeadlineExceeded, InvalidArgument, KvdError
+from kvd.wire.lookup import ChainShare
 from kvd.wire.shm import SHM_OPS, pid_namespace
 
 # 1 MiB messages: server-streamed 1 MiB chunks carry ~0.9 GB/s here, against
@@ -270,7 +271,11 @@ class KVStoreService:
     # ---- index -----------------------------------------------------------------
     @_unary("exists")
     async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
-        return pb.ExistsResponse(exists=await self.values.exists(request.namespace, request.keys))
+        chain = None
+        if request.chain_length:
+            chain = ChainShare(request.chain_length, list(request.chain_positions))
+        found = await self.values.exists(request.namespace, request.keys, chain=chain)
+        return pb.ExistsResponse(exists=found)
 
     @_unary("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:

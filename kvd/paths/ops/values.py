@@ -37,7 +37,7 @@ from kvd.wire.errors import InvalidArgument, KvdError
 
 if TYPE_CHECKING:
     from kvd.store.index import Namespace
-    from kvd.wire.lookup import LookupResult
+    from kvd.wire.lookup import ChainShare, LookupResult
 
 
 class PoolQueries(Protocol):
@@ -45,7 +45,9 @@ class PoolQueries(Protocol):
 
     async def lookup(self, namespace: str, keys: list[bytes], lease_ms: int) -> LookupResult: ...
 
-    async def exists(self, namespace: str, keys: list[bytes]) -> list[bool]: ...
+    async def exists(
+        self, namespace: str, keys: list[bytes], *, chain: ChainShare | None = None
+    ) -> list[bool]: ...
 
     async def fetch_many(self, namespace: str, keys: list[bytes]) -> None: ...
 
@@ -250,9 +252,12 @@ class ValueOps:
             self.metrics.misses.labels(op).inc()
         return result
 
-    async def exists(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+    async def exists(
+        self, ns: str, keys: Sequence[bytes], *, chain: ChainShare | None = None
+    ) -> list[bool]:
+        """Which keys are held; ``chain`` is a pool peer's lookup (PoolQueries)."""
         if self.pool is not None:
-            return await self.pool.exists(ns, list(keys))
+            return await self.pool.exists(ns, list(keys), chain=chain)
         return self.store.exists(ns, keys)
 
     def release(self, lease_id: int, ns: str) -> bool:

@@ -39,6 +39,7 @@ from kvd.store.eviction.policy import DEFAULT_POLICY
 from kvd.tools.bench import pool_ceiling, pool_faults
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.pool_nodes import Pool, write_tokens
+from kvd.tools.replay.pool_sim import simulate_pool
 from kvd.tools.replay.report import head
 from kvd.tools.replay.run import (
     ReplayStats,
@@ -313,6 +314,8 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         forwards = sum(m.metric("kvd_cluster_forwards_total") for m in pool.members)
         dropped = sum(m.metric("kvd_cluster_forwards_dropped_total") for m in pool.members)
         peer_errors = sum(m.metric("kvd_cluster_peer_errors_total") for m in pool.members)
+        guests = sum(m.metric("kvd_guest_entries") for m in pool.members)
+        addresses = [m.address for m in pool.members]
         where = pool.where
     progress(f"pool: the same replay on one daemon of {capacity} blocks")
     single = root / "replay-single"
@@ -331,6 +334,10 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         "policy": DEFAULT_POLICY,
         "single": simulate(trace, DEFAULT_POLICY, capacity).block_hit_ratio,
         "one_member_alone": simulate(trace, DEFAULT_POLICY, capacity // MEMBERS).block_hit_ratio,
+        # The pool's decisions over the same members (kvd.tools.replay.pool_sim).
+        "pool": simulate_pool(
+            trace, DEFAULT_POLICY, addresses, capacity // MEMBERS
+        ).block_hit_ratio,
     }
     return {
         "requests": len(trace),
@@ -342,6 +349,7 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         "forwards": forwards,
         "forwards_dropped": dropped,
         "peer_errors": peer_errors,
+        "guests_at_end": guests,
         "pool": _replay_figures(spread),
         "single": _replay_figures(alone),
         "simulated": simulated,

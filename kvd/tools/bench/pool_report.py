@@ -129,6 +129,9 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"{hits['pool']['seconds']} s, "
         f"single {hits['single']['seconds']} s. Simulated ({hits['simulated']['policy']}): one "
         f"daemon of the pool's size {100 * hits['simulated']['single']:.2f} %, one member alone "
-        f"{100 * hits['simulated']['one_member_alone']:.2f} %. Wrong bytes or blocks: {wrong}.",
+        f"{100 * hits['simulated']['one_member_alone']:.2f} %, the pool "
+        f"{100 * hits['simulated'].get('pool', 0.0):.2f} % (measured "
+        f"{100 * hits['pool']['block_hit_ratio']:.2f} %); guests held at the end: "
+        f"{hits.get('guests_at_end', 0):.0f}. Wrong bytes or blocks: {wrong}.",
     ]
     return "\n".join(lines)

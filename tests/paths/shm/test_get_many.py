@@ -88,12 +88,16 @@ def test_each_item_gets_its_own_result(daemon: DaemonProcess) -> None:
             one_by_one.close()
         finally:
             ops.close()
-    assert many == single == [
-        (0, 5),
-        (CODES["NOT_FOUND"], 0),
-        (CODES["RESOURCE_EXHAUSTED"], 5),
-        (CODES["INVALID_ARGUMENT"], 0),
-    ]
+    assert (
+        many
+        == single
+        == [
+            (0, 5),
+            (CODES["NOT_FOUND"], 0),
+            (CODES["RESOURCE_EXHAUSTED"], 5),
+            (CODES["INVALID_ARGUMENT"], 0),
+        ]
+    )
     assert region.map[4096:4101] == b"hello"
 
 

@@ -1,0 +1,186 @@
+"""The pool's replay simulator: a trace over the members of a pool, each with
+its own L1 and policy, making the decisions ``kvd.cluster.router`` makes.
+
+Request ``i`` goes through member ``i mod N`` (``kvd bench pool`` sends it
+there), and each key is owned by its rendezvous owner
+(``kvd.cluster.rendezvous``, over the members' addresses). Per request, on
+top of ``kvd.tools.replay.sim``'s single-daemon semantics:
+
+1. **Lookup.** The local prefix is the chain's leading keys held by the
+   member (its own or guests). Its policy learns of the keys it owns
+   (``on_lookup(chain, hits, mine)``), and so does every other owner of a
+   key of the chain (the router's ``chain`` Exists, answered or told in the
+   background), its hits being the chain's leading keys that are another
+   member's or held by it. Past the local prefix a key is found where
+   the member holds it or its owner does, up to the first key the member
+   owns and lacks.
+2. **Get** of each key found: held by the member, a hit there; else its
+   owner's hit, and the member keeps a guest copy.
+3. **Put** of the rest: a key the member does not own becomes a guest copy
+   there and a put at its owner (the forward: at once here, in the
+   background in the daemon).
+
+Guests stay out of the policy and are evicted first, oldest first
+(``kvd.store.entries``). The local prefix is pinned, as the lease pins it.
+The simulator and a real pool differ in timing only (forwards and tells are
+background work in the daemon), so their hit ratios agree closely but not
+exactly (``kvd bench pool`` reports both). With one member it makes exactly
+``simulate``'s decisions (tests/tools/test_pool_sim.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvd.cluster.rendezvous import Placement
+from kvd.store.eviction.policy import POLICIES, EvictionPolicy, make_policy
+from kvd.tools.replay.run import block_key
+from kvd.tools.replay.sim import SimError, SimResult, _token_hits
+from kvd.tools.replay.trace import Trace
+
+
+@dataclass
+class _Member:
+    """One member's L1: what it holds, its policy and its guests (oldest first)."""
+
+    policy: EvictionPolicy[int]
+    capacity: int
+    held: set[int] = field(default_factory=set)
+    guests: dict[int, None] = field(default_factory=dict)
+    pinned: set[int] = field(default_factory=set)
+    evictions: int = 0
+
+    def _evict_one(self) -> bool:
+        for key in self.guests:
+            if key not in self.pinned:
+                del self.guests[key]
+                self.held.discard(key)
+                self.evictions += 1
+                return True
+        victim = self.policy.victim(self.pinned.__contains__)
+        if victim is None:
+            return False
+        self.policy.remove(victim)
+        self.held.discard(victim)
+        self.evictions += 1
+        return True
+
+    def store(self, key: int, parent: int | None, guest: bool) -> bool:
+        """A put (or a fetched copy) of ``key``; a held one is touched. False
+        when it could not be stored: everything else is pinned."""
+        if key in self.held:
+            self.policy.touch(key)  # a guest is not the policy's: a no-op
+            return True
+        while len(self.held) >= self.capacity:
+            if not self._evict_one():
+                return False
+        self.held.add(key)
+        if guest:
+            self.guests[key] = None
+        else:
+            self.policy.insert(key, parent)
+        return True
+
+    def learn(self, chain: list[int], hits: int, mine: list[bool], touched: Sequence[int]) -> None:
+        for key in touched:
+            self.policy.touch(key)
+        self.policy.on_lookup(chain, hits, mine)
+
+
+def owners_of(trace: Trace, members: Sequence[str], namespace: str) -> list[int]:
+    """Each block's owner, an index into ``members``."""
+    placement = Placement(members)
+    index = {member: i for i, member in enumerate(members)}
+    return [index[placement.owner(namespace, block_key(b))] for b in range(trace.n_unique)]
+
+
+def simulate_pool(
+    trace: Trace,
+    policy_name: str,
+    members: Sequence[str],
+    capacity_blocks: int,
+    *,
+    namespace: str = "replay",
+    wrap: Callable[[EvictionPolicy[int]], EvictionPolicy[int]] | None = None,
+) -> SimResult:
+    """Replay ``trace`` over ``members`` of ``capacity_blocks`` each (module doc);
+    the result's capacity is the pool's total."""
+    if policy_name not in POLICIES:
+        raise SimError(f"unknown policy {policy_name!r}; expected one of {POLICIES}")
+    if not members or len(set(members)) != len(members):
+        raise SimError(f"members must be distinct and at least one: {list(members)}")
+    if capacity_blocks < 0:
+        raise SimError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    policies = [make_policy(policy_name) for _ in members]
+    nodes = [_Member(wrap(p) if wrap else p, capacity_blocks) for p in policies]
+    n_members = len(nodes)
+    owner = owners_of(trace, members, namespace)
+    blocks: list[int] = trace.blocks.tolist()
+    offsets: list[int] = trace.offsets.tolist()
+    inputs: list[int] = trace.input_tokens.tolist()
+    block_hits = token_hits = 0
+    started = time.perf_counter()
+    for request in range(len(offsets) - 1):
+        chain = blocks[offsets[request] : offsets[request + 1]]
+        n = len(chain)
+        me = request % n_members
+        here = nodes[me]
+        owners = [owner[key] for key in chain]
+        local = 0
+        while local < n and chain[local] in here.held:
+            local += 1
+        others = set(owners) - {me}
+        if n_members == 1:
+            here.learn(chain, local, [True] * n, chain[:local])
+        else:
+            here.learn(chain, local, [o == me for o in owners], chain[:local])
+            for other in sorted(others):
+                node = nodes[other]
+                hits = 0
+                touched = []
+                for key, o in zip(chain, owners, strict=True):
+                    if o == other:
+                        if key not in node.held:
+                            break
+                        touched.append(key)
+                    hits += 1
+                node.learn(chain, hits, [o == other for o in owners], touched)
+        found = local
+        while found < n:
+            key = chain[found]
+            if key in here.held or (owners[found] != me and key in nodes[owners[found]].held):
+                found += 1
+                continue
+            break
+        here.pinned = set(chain[:local])
+        parent = None
+        for key, o in zip(chain[:found], owners[:found], strict=True):
+            if key in here.held:
+                here.policy.touch(key)  # the get
+            else:
+                nodes[o].policy.touch(key)  # the owner's get, then a guest copy here
+                here.store(key, parent, guest=True)
+            parent = key
+        for key, o in zip(chain[found:], owners[found:], strict=True):
+            if o != me:
+                nodes[o].store(key, parent, guest=False)
+            if not here.store(key, parent, guest=o != me):
+                break  # as simulate: the rest of the chain is not stored
+            parent = key
+        here.pinned = set()
+        block_hits += found
+        token_hits += _token_hits(found, n, inputs[request], trace.block_tokens)
+    return SimResult(
+        policy=policy_name,
+        capacity_blocks=capacity_blocks * n_members,
+        requests=len(trace),
+        block_refs=trace.n_refs,
+        block_hits=block_hits,
+        token_refs=int(trace.input_tokens.sum()),
+        token_hits=token_hits,
+        evictions=sum(node.evictions for node in nodes),
+        policy_ops=0,
+        elapsed_s=time.perf_counter() - started,
+    )
