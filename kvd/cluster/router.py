@@ -48,6 +48,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from functools import partial
 
 from kvd.cluster import scope
 from kvd.cluster.membership import Membership
@@ -83,9 +84,8 @@ TELLS_MAX = 64
 # Chain links waiting for their parent's owner, and how long a batch waits.
 LINKS_PENDING_MAX = 65_536
 LINKS_DELAY_S = 0.002
-# Links per Links call, and Links calls in flight at once (past it: dropped).
+# Links per Links call (one call in flight per member).
 LINKS_BATCH_MAX = 4096
-LINKS_SENDING_MAX = 16
 # Owners remembered (kvd.cluster.rendezvous is ~0.35 us a key and member);
 # all are forgotten when the members change or past this many (~10 MB).
 OWNERS_CACHED_MAX = 65_536
@@ -139,8 +139,8 @@ class PoolRouter:
         self._tells: set[asyncio.Task[list[bool]]] = set()
         self._links: dict[str, dict[str, list[tuple[bytes, bytes, bool]]]] = {}
         self._links_pending = 0
-        self._links_flush: asyncio.TimerHandle | None = None
-        self._links_sending: set[asyncio.Task[None]] = set()
+        self._links_flush: asyncio.Handle | None = None
+        self._links_sending: dict[str, asyncio.Task[None]] = {}  # per member, at most one
         self._links_refused: set[str] = set()  # members without Links (older daemons)
         self._owners: dict[tuple[str, bytes], str] = {}
         self._owners_placement: object = None  # the placement _owners is of
@@ -167,7 +167,12 @@ class PoolRouter:
         self.store.entries.on_chain = None
         if self._links_flush is not None:
             self._links_flush.cancel()
-        tasks = [*self._workers, *self._fetching.values(), *self._tells, *self._links_sending]
+        tasks = [
+            *self._workers,
+            *self._fetching.values(),
+            *self._tells,
+            *self._links_sending.values(),
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -459,16 +464,27 @@ class PoolRouter:
             self._links_flush = loop.call_later(LINKS_DELAY_S, self._send_links)
 
     def _send_links(self) -> None:
+        """Send each member its waiting links; one call in flight per member, so
+        a child's link and unlink reach it in the order they happened."""
         self._links_flush = None
-        batches, self._links, self._links_pending = self._links, {}, 0
-        for owner, by_ns in batches.items():
+        loop = asyncio.get_running_loop()
+        for owner in list(self._links):
+            if owner in self._links_sending:
+                continue  # its call in flight sends these next
+            by_ns = self._links.pop(owner)
             count = sum(len(links) for links in by_ns.values())
-            if self._is_down(owner) or len(self._links_sending) >= LINKS_SENDING_MAX:
+            self._links_pending -= count
+            if self._is_down(owner):
                 self.counters.links_dropped += count
                 continue
-            task = asyncio.get_running_loop().create_task(self._tell_links(owner, by_ns))
-            self._links_sending.add(task)
-            task.add_done_callback(self._links_sending.discard)
+            task = loop.create_task(self._tell_links(owner, by_ns))
+            self._links_sending[owner] = task
+            task.add_done_callback(partial(self._links_sent, owner))
+
+    def _links_sent(self, owner: str, _: object) -> None:
+        del self._links_sending[owner]
+        if self._links.get(owner) and self._links_flush is None:
+            self._links_flush = asyncio.get_running_loop().call_soon(self._send_links)
 
     async def _tell_links(
         self, owner: str, by_ns: dict[str, list[tuple[bytes, bytes, bool]]]

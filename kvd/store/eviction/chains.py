@@ -23,7 +23,7 @@ block's child is often on another member. That member tells this one
 (``link_remote`` when the child arrives, ``unlink_remote`` when it goes,
 kvd.cluster.router), and the block counts as having a child meanwhile: the
 members together eat a chain tail first as one daemon would. At most
-``REMOTE_LINKS_MIN`` + the tracked blocks such links are kept, the oldest
+``REMOTE_LINKS_MIN`` + two per tracked block such links are kept, the oldest
 forgotten first, so links whose end never came (a member that died) age out.
 
 Cost: ``insert``/``touch``/``remove`` are O(log n) (one heap push) and
@@ -58,8 +58,10 @@ HEAP_SLACK = 1024
 _HEAP_CHECK = 64
 
 
-# Links to children on other members kept beyond one per tracked block.
-REMOTE_LINKS_MIN = 65_536
+# Links to children on other members kept: two per tracked block and this
+# many more. A chain's block has about one child, so that holds the live
+# links and lets those whose unlink never came (a member died) age out.
+REMOTE_LINKS_MIN = 1024
 
 
 def heap_entries_max(live: int) -> int:
@@ -202,7 +204,7 @@ class ChainPolicy(Generic[K]):
             parent_node = self._nodes.get(parent)
             if parent_node is not None:
                 self._became_inner(parent, parent_node)
-        while len(self._remote) > REMOTE_LINKS_MIN + len(self._nodes):
+        while len(self._remote) > REMOTE_LINKS_MIN + 2 * len(self._nodes):
             self.unlink_remote(next(iter(self._remote)))
 
     def unlink_remote(self, child: K) -> None:

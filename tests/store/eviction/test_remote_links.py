@@ -50,13 +50,13 @@ def test_a_parent_linked_before_it_arrives_is_no_leaf() -> None:
 
 
 def test_links_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(chains, "REMOTE_LINKS_MIN", 2)
+    monkeypatch.setattr(chains, "REMOTE_LINKS_MIN", 0)
     policy = make_policy("lru")
     insert_chain(policy, ["p1"])
     insert_chain(policy, ["p2"])
     for i, parent in enumerate(["p1", "p2", "p1", "p2", "p1"]):
         policy.link_remote(f"c{i}", parent)
-    # Two links plus one per tracked block (2) are kept: c0 was forgotten,
+    # Two links per tracked block (2 blocks) are kept: c0 was forgotten,
     # p1 still has c2 and c4, p2 has c1 and c3.
     assert len(policy._remote) == 4  # type: ignore[attr-defined]
     assert "c0" not in policy._remote  # type: ignore[attr-defined]
