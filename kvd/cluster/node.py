@@ -78,14 +78,6 @@ POOL_COUNTERS = {
         "kvd_cluster_forwards_dropped",
         "Puts not handed to their owner: the forward queue was full",
     ),
-    "links_sent": (
-        "kvd_cluster_links_sent",
-        "Chain links told to the member owning the parent (for its eviction policy)",
-    ),
-    "links_dropped": (
-        "kvd_cluster_links_dropped",
-        "Chain links not told: queue full, member down or the call failed",
-    ),
     "tells_dropped": (
         "kvd_cluster_tells_dropped",
         "Lookups not told to an owner for its eviction policy: too many in flight",

@@ -160,21 +160,6 @@ class Peers:
             )
         return list(reply.exists)
 
-    async def links(
-        self, member: str, namespace: str, links: list[tuple[bytes, bytes, bool]],
-        timeout_s: float,
-    ) -> None:  # fmt: skip
-        """Tell the member of children linked or unlinked here: (parent, child, linked)."""
-        stub = self._stub(member)
-        request = pb.LinksRequest(
-            namespace=namespace,
-            parents=[p for p, _, _ in links],
-            children=[c for _, c, _ in links],
-            linked=[linked for _, _, linked in links],
-        )
-        call = stub.Links(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
-        await self._call(member, "Links", timeout_s, call)
-
     async def get(
         self, member: str, namespace: str, key: bytes, timeout_s: float
     ) -> PeerValue | None:

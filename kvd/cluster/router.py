@@ -27,15 +27,6 @@ put handed on to its owner.
   quarter of L1 pinned so; past that a forward reads it when its turn
   comes, if it is still here).
 
-- **Chain links**: a value this daemon owns whose parent another member owns
-  is told to that member when it enters L1 and when it leaves (a Links call,
-  batched per member every ``LINKS_DELAY_S``), so the parent's policy counts
-  it as a child there: a chain split over members is evicted tail first as
-  one daemon would (``EvictionPolicy.link_remote``). At most
-  ``LINKS_PENDING_MAX`` wait; past that, or to a member that is down, they
-  are dropped and counted (a lost link only makes the parent evictable
-  sooner; a lost unlink ages out of the parent's policy).
-
 A dead, slow or partitioned peer is a miss within the caller's deadline
 (kvd.cluster.scope): a peer error, a timeout or a checksum mismatch is
 counted and answered as "not found", never as an error or as its bytes.
@@ -48,7 +39,6 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from functools import partial
 
 from kvd.cluster import scope
 from kvd.cluster.membership import Membership
@@ -81,11 +71,6 @@ ERRORS_LOGGED_MAX = 10
 # Background lookups told to owners at once (for their policies' learning);
 # past it a lookup is not told, and counted.
 TELLS_MAX = 64
-# Chain links waiting for their parent's owner, and how long a batch waits.
-LINKS_PENDING_MAX = 65_536
-LINKS_DELAY_S = 0.002
-# Links per Links call (one call in flight per member).
-LINKS_BATCH_MAX = 4096
 # Owners remembered (kvd.cluster.rendezvous is ~0.35 us a key and member);
 # all are forgotten when the members change or past this many (~10 MB).
 OWNERS_CACHED_MAX = 65_536
@@ -109,8 +94,6 @@ class PoolCounters:
     forward_errors: int = 0
     forwards_dropped: int = 0
     tells_dropped: int = 0  # lookups an owner was not told of (TELLS_MAX in flight)
-    links_sent: int = 0  # chain links told to the parent's owner
-    links_dropped: int = 0  # chain links not told (queue full, owner down, call failed)
 
 
 class PoolRouter:
@@ -137,11 +120,6 @@ class PoolRouter:
         self._forward_pinned = 0  # bytes of the values in the queue it pins
         self._forward_pin_max = int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION)
         self._tells: set[asyncio.Task[list[bool]]] = set()
-        self._links: dict[str, dict[str, list[tuple[bytes, bytes, bool]]]] = {}
-        self._links_pending = 0
-        self._links_flush: asyncio.Handle | None = None
-        self._links_sending: dict[str, asyncio.Task[None]] = {}  # per member, at most one
-        self._links_refused: set[str] = set()  # members without Links (older daemons)
         self._owners: dict[tuple[str, bytes], str] = {}
         self._owners_placement: object = None  # the placement _owners is of
         self._workers: list[asyncio.Task[None]] = []
@@ -154,7 +132,6 @@ class PoolRouter:
         self.store.on_miss = self.fetch_remote
         self.store.on_put = self._put_done
         self.store.guest_of = self._is_guest
-        self.store.entries.on_chain = self._chain_changed
         self._workers = [
             asyncio.create_task(self._forward_loop(), name=f"kvd-pool-forward-{i}")
             for i in range(FORWARD_WORKERS)
@@ -164,15 +141,7 @@ class PoolRouter:
         self.store.on_miss = None
         self.store.on_put = None
         self.store.guest_of = None
-        self.store.entries.on_chain = None
-        if self._links_flush is not None:
-            self._links_flush.cancel()
-        tasks = [
-            *self._workers,
-            *self._fetching.values(),
-            *self._tells,
-            *self._links_sending.values(),
-        ]
+        tasks = [*self._workers, *self._fetching.values(), *self._tells]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -296,7 +265,7 @@ class PoolRouter:
         found = self.store.exists(namespace, keys)
         if scope.current().hop:
             if chain is not None:
-                self.store.shares.learn_chain(namespace, keys, chain.length, chain.positions)
+                self.store.learn_chain(namespace, keys, chain.length, chain.positions)
             return found
         if all(found):
             return found
@@ -445,65 +414,6 @@ class PoolRouter:
         elif outcome == HIT:
             self.counters.remote_hits += 1
         return outcome == HIT
-
-    # ---- chain links -------------------------------------------------------------
-    def _chain_changed(self, entry: Entry, linked: bool) -> None:
-        """Entries' hook: an owned value with a parent entered or left L1."""
-        assert entry.parent is not None
-        owner = self._remote_owner(entry.ns.name, entry.parent)
-        if owner is None or owner in self._links_refused:
-            return
-        if self._links_pending >= LINKS_PENDING_MAX:
-            self.counters.links_dropped += 1
-            return
-        by_ns = self._links.setdefault(owner, {})
-        by_ns.setdefault(entry.ns.name, []).append((entry.parent, entry.key, linked))
-        self._links_pending += 1
-        if self._links_flush is None:
-            loop = asyncio.get_running_loop()
-            self._links_flush = loop.call_later(LINKS_DELAY_S, self._send_links)
-
-    def _send_links(self) -> None:
-        """Send each member its waiting links; one call in flight per member, so
-        a child's link and unlink reach it in the order they happened."""
-        self._links_flush = None
-        loop = asyncio.get_running_loop()
-        for owner in list(self._links):
-            if owner in self._links_sending:
-                continue  # its call in flight sends these next
-            by_ns = self._links.pop(owner)
-            count = sum(len(links) for links in by_ns.values())
-            self._links_pending -= count
-            if self._is_down(owner):
-                self.counters.links_dropped += count
-                continue
-            task = loop.create_task(self._tell_links(owner, by_ns))
-            self._links_sending[owner] = task
-            task.add_done_callback(partial(self._links_sent, owner))
-
-    def _links_sent(self, owner: str, _: object) -> None:
-        del self._links_sending[owner]
-        if self._links.get(owner) and self._links_flush is None:
-            self._links_flush = asyncio.get_running_loop().call_soon(self._send_links)
-
-    async def _tell_links(
-        self, owner: str, by_ns: dict[str, list[tuple[bytes, bytes, bool]]]
-    ) -> None:
-        left = sum(len(links) for links in by_ns.values())
-        try:
-            for namespace, links in by_ns.items():
-                for start in range(0, len(links), LINKS_BATCH_MAX):
-                    chunk = links[start : start + LINKS_BATCH_MAX]
-                    await self.peers.links(owner, namespace, chunk, self.peer_timeout_s)
-                    self.counters.links_sent += len(chunk)
-                    left -= len(chunk)
-        except PeerError as error:
-            self.counters.links_dropped += left
-            if error.status == "UNIMPLEMENTED":
-                self._links_refused.add(owner)
-                log.warning("peer takes no chain links (an older kvd)", extra={"peer": owner})
-            else:
-                self._peer_failed(error, owner)
 
     # ---- put -------------------------------------------------------------------
     def _put_done(self, entry: Entry) -> None:

@@ -63,9 +63,6 @@ class Entries:
         # Told of each value linked into and unlinked from L1 (the pool's KV events).
         self.on_link: Callable[[Entry], None] | None = None
         self.on_unlink: Callable[[Entry], None] | None = None
-        # Told of each owned value with a parent linked (True) and unlinked
-        # (False): the pool tells the parent's owner (kvd.cluster.router).
-        self.on_chain: Callable[[Entry, bool], None] | None = None
 
     # ---- namespaces and lookups ----------------------------------------------
     def namespace(self, name: str) -> Namespace:
@@ -99,8 +96,6 @@ class Entries:
         else:
             parent_pk = (ns.id, entry.parent) if entry.parent else None
             self.policy.insert((ns.id, entry.key), parent_pk)
-            if parent_pk is not None and self.on_chain is not None:
-                self.on_chain(entry, True)
         if self.on_link is not None:
             self.on_link(entry)
 
@@ -115,8 +110,6 @@ class Entries:
             del self.guests[(ns.id, entry.key)]
         else:
             self.policy.remove((ns.id, entry.key))
-            if entry.parent and self.on_chain is not None:
-                self.on_chain(entry, False)
         if self.on_unlink is not None:
             self.on_unlink(entry)
         if entry.readers == 0:

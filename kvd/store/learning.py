@@ -99,14 +99,6 @@ class DeferredPolicy(Generic[K]):
         self.settle()
         return self.policy.victim(skip)
 
-    def link_remote(self, child: K, parent: K) -> None:
-        self.settle()
-        self.policy.link_remote(child, parent)
-
-    def unlink_remote(self, child: K) -> None:
-        self.settle()
-        self.policy.unlink_remote(child)
-
     def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         self.settle()
         self.policy.on_lookup(keys, hits, mine)

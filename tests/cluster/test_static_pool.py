@@ -10,13 +10,10 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
-from kvd.v1 import kvd_pb2 as pb
-from kvd.wire.grpc import KVStoreStub
 from tests.cluster.cluster import labelled, start_static_pool
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
@@ -143,40 +140,6 @@ def test_every_owner_hears_of_a_lookup(pool: list[DaemonProcess]) -> None:
                 labelled(pool[i].metrics_port, "kvd_requests_total", op="exists") > before[i]
             )
         )
-
-
-def test_chain_links_reach_the_parents_owner(pool: list[DaemonProcess]) -> None:
-    a, b, _ = clients(pool)
-    keys = chain("links", 40)
-    owners = placement(pool).owners("links", keys)
-    # Each key whose parent another member owns is a link to tell.
-    crossing = sum(owners[i] != owners[i - 1] for i in range(1, len(keys)))
-    assert crossing
-    before = sum(metric(d.metrics_port, "kvd_cluster_links_sent_total") for d in pool)
-    for i, key in enumerate(keys):
-        a.put("links", key, value_of(key), parent=keys[i - 1] if i else None)
-    assert wait_until(lambda: b.lookup("links", keys) == len(keys))
-    assert wait_until(
-        lambda: (
-            sum(metric(d.metrics_port, "kvd_cluster_links_sent_total") for d in pool) - before
-            >= crossing
-        )
-    )
-    told = sum(labelled(d.metrics_port, "kvd_requests_total", op="links", code="OK") for d in pool)
-    assert told > 0
-
-
-def test_links_from_a_client_are_refused(pool: list[DaemonProcess]) -> None:
-    channel = grpc.insecure_channel(pool[0].target)
-    try:
-        with pytest.raises(grpc.RpcError) as refused:
-            KVStoreStub(channel).Links(
-                pb.LinksRequest(namespace="links", parents=[b"p"], children=[b"c"], linked=[True]),
-                timeout=CLIENT_TIMEOUT_S,
-            )
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    finally:
-        channel.close()
 
 
 def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[DaemonProcess]) -> None:

@@ -1,7 +1,7 @@
 """Guests (kvd.store.entries): a pool member's copies of values other members
 own stay out of the eviction policy, go first (oldest first, pinned ones
 skipped) and are not written to L2 unless a put is durable; and a member's
-policy learns of a chain only the keys it owns (``ChainShares.learn_chain``,
+policy learns of a chain only the keys it owns (``Store.learn_chain``,
 ``Store.lookup``'s ``mine``)."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_learn_chain_teaches_only_the_owned_keys_hits() -> None:
     put(store, b"c", VALUE)
     recorded.calls.clear()
     # This member's share of a 5-key chain a ? c d ?: a, c and d.
-    store.shares.learn_chain("ns", [b"a", b"c", b"d"], 5, [0, 2, 3])
+    store.learn_chain("ns", [b"a", b"c", b"d"], 5, [0, 2, 3])
     store.learning.settle()
     ns_id = store.entries.by_name["ns"].id
     # Hits: a (held), the other member's key, c (held); d is this member's and missing.
@@ -145,7 +145,7 @@ def test_learn_chain_teaches_only_the_owned_keys_hits() -> None:
 def test_a_bad_chain_share_is_refused(keys: list[bytes], length: int, positions: list[int]) -> None:
     store, recorded = _recording_store()
     with pytest.raises(InvalidArgument):
-        store.shares.learn_chain("ns", keys, length, positions)
+        store.learn_chain("ns", keys, length, positions)
     store.learning.settle()
     assert not _lookups(recorded)
 
@@ -184,17 +184,3 @@ def test_density_keeps_nothing_for_keys_not_mine() -> None:
     policy = make_policy("density")
     policy.on_lookup(["x", "y", "z"], 0, [True, False, True])
     assert set(policy._pending) == {"x", "z"}  # type: ignore[attr-defined]
-
-
-def test_link_remote_reaches_the_policy_and_checks_its_lists() -> None:
-    store, recorded = _recording_store()
-    put(store, b"p", VALUE)
-    store.shares.link_remote("ns", [b"p", b"p"], [b"c1", b"c2"], [True, False])
-    store.learning.settle()
-    ns_id = store.entries.by_name["ns"].id
-    assert recorded.calls[-2:] == [
-        ("link_remote", (ns_id, b"c1"), (ns_id, b"p")),
-        ("unlink_remote", (ns_id, b"c2")),
-    ]
-    with pytest.raises(InvalidArgument):
-        store.shares.link_remote("ns", [b"p"], [b"c1", b"c2"], [True])

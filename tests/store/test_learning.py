@@ -51,14 +51,6 @@ class Recorded:
         self.mines.append(None if mine is None else list(mine))
         self.policy.on_lookup(keys, hits, mine)
 
-    def link_remote(self, child: Any, parent: Any) -> None:
-        self.calls.append(("link_remote", child, parent))
-        self.policy.link_remote(child, parent)
-
-    def unlink_remote(self, child: Any) -> None:
-        self.calls.append(("unlink_remote", child))
-        self.policy.unlink_remote(child)
-
     def __len__(self) -> int:
         return len(self.policy)
 

@@ -60,7 +60,7 @@ from kvd.store.index import TIER_L1, TIER_L2, TIER_NAMES, PutResult
 from kvd.store.store import Store
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import Hasher
-from kvd.wire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, KvdError
+from kvd.wire.errors import DeadlineExceeded, InvalidArgument, KvdError
 from kvd.wire.lookup import ChainShare
 from kvd.wire.shm import SHM_OPS, pid_namespace
 
@@ -276,13 +276,6 @@ class KVStoreService:
             chain = ChainShare(request.chain_length, list(request.chain_positions))
         found = await self.values.exists(request.namespace, request.keys, chain=chain)
         return pb.ExistsResponse(exists=found)
-
-    @_unary("links")
-    async def Links(self, request: pb.LinksRequest, context: Any) -> pb.LinksResponse:
-        if not scope.current().hop:
-            raise FailedPrecondition("Links is a call between members of a pool")
-        self.values.links(request.namespace, request.parents, request.children, request.linked)
-        return pb.LinksResponse()
 
     @_unary("lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:

@@ -260,13 +260,6 @@ class ValueOps:
             return await self.pool.exists(ns, list(keys), chain=chain)
         return self.store.exists(ns, keys)
 
-    def links(
-        self, ns: str, parents: Sequence[bytes], children: Sequence[bytes], linked: Sequence[bool]
-    ) -> None:
-        """A peer's chain links (``ChainShares.link_remote``); ignored outside a pool."""
-        if self.pool is not None:
-            self.store.shares.link_remote(ns, parents, children, linked)
-
     def release(self, lease_id: int, ns: str) -> bool:
         return self.store.release(lease_id, ns)
 

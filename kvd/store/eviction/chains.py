@@ -18,14 +18,6 @@ it is evictable. Links are kept by key, so a child inserted before its parent
 (or whose parent was evicted and came back) is adopted when the parent is
 inserted.
 
-Across a pool. A member of a pool holds only the blocks it owns, so a
-block's child is often on another member. That member tells this one
-(``link_remote`` when the child arrives, ``unlink_remote`` when it goes,
-kvd.cluster.router), and the block counts as having a child meanwhile: the
-members together eat a chain tail first as one daemon would. At most
-``REMOTE_LINKS_MIN`` + two per tracked block such links are kept, the oldest
-forgotten first, so links whose end never came (a member that died) age out.
-
 Cost: ``insert``/``touch``/``remove`` are O(log n) (one heap push) and
 ``victim`` is O(log n) amortised plus O(p log n) for p pinned keys it steps
 over. Stale heap entries are dropped lazily and the heaps are rebuilt when
@@ -56,12 +48,6 @@ HEAP_SLACK = 1024
 # The bound is checked every _HEAP_CHECK pushes (three len() calls a push
 # were ~3 % of a policy's CPU), so it can be passed by that many entries.
 _HEAP_CHECK = 64
-
-
-# Links to children on other members kept: two per tracked block and this
-# many more. A chain's block has about one child, so that holds the live
-# links and lets those whose unlink never came (a member died) age out.
-REMOTE_LINKS_MIN = 1024
 
 
 def heap_entries_max(live: int) -> int:
@@ -105,7 +91,6 @@ class ChainPolicy(Generic[K]):
         # Tracked children per parent key, whether or not the parent itself is
         # tracked (that is what lets a re-inserted parent adopt its children).
         self._children: dict[K, int] = {}
-        self._remote: dict[K, K] = {}  # child on another member -> its parent here
         self._leaf_heap: list[tuple[float, int, K]] = []
         self._inner_heap: list[tuple[float, int, K]] = []
         self._seq = 0
@@ -177,41 +162,17 @@ class ChainPolicy(Generic[K]):
         self._on_remove(key, node, evicted)
         parent = node.parent
         if parent is not None and parent != key:
-            self._child_gone(parent)
+            count = self._children[parent] - 1
+            if count:
+                self._children[parent] = count
+            else:
+                del self._children[parent]
+                parent_node = self._nodes.get(parent)
+                if parent_node is not None:
+                    self._push(parent, parent_node)  # parent became a leaf
         if not self._nodes:
             self._leaf_heap.clear()
             self._inner_heap.clear()
-
-    def _child_gone(self, parent: K) -> None:
-        count = self._children[parent] - 1
-        if count:
-            self._children[parent] = count
-        else:
-            del self._children[parent]
-            parent_node = self._nodes.get(parent)
-            if parent_node is not None:
-                self._push(parent, parent_node)  # parent became a leaf
-
-    def link_remote(self, child: K, parent: K) -> None:
-        """``child``, on another member of a pool, names ``parent`` (tracked
-        here or not) as its parent: the parent is not a leaf while it lasts."""
-        if child in self._remote or child == parent:
-            return
-        self._remote[child] = parent
-        count = self._children.get(parent, 0)
-        self._children[parent] = count + 1
-        if count == 0:
-            parent_node = self._nodes.get(parent)
-            if parent_node is not None:
-                self._became_inner(parent, parent_node)
-        while len(self._remote) > REMOTE_LINKS_MIN + 2 * len(self._nodes):
-            self.unlink_remote(next(iter(self._remote)))
-
-    def unlink_remote(self, child: K) -> None:
-        """The child ``link_remote`` named left its member (a no-op if unknown)."""
-        parent = self._remote.pop(child, None)
-        if parent is not None:
-            self._child_gone(parent)
 
     def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         """A lookup of the chain ``keys`` found its first ``hits`` resident

@@ -89,12 +89,6 @@ class CallLog:
         self._add(_LOOKUP, len(self.chains) - 1, hits)
         self.inner.on_lookup(keys, hits)
 
-    def link_remote(self, child: int, parent: int) -> None:
-        raise AssertionError("the cost replay is of one daemon")
-
-    def unlink_remote(self, child: int) -> None:
-        raise AssertionError("the cost replay is of one daemon")
-
     def __len__(self) -> int:
         return len(self.inner)
 
@@ -122,12 +116,6 @@ class _NullPolicy:
         return None
 
     def on_lookup(self, keys: Sequence[int], hits: int, mine: Sequence[bool] | None = None) -> None:
-        pass
-
-    def link_remote(self, child: int, parent: int) -> None:
-        pass
-
-    def unlink_remote(self, child: int) -> None:
         pass
 
     def __len__(self) -> int:

@@ -22,9 +22,6 @@ top of ``kvd.tools.replay.sim``'s single-daemon semantics:
 
 Guests stay out of the policy and are evicted first, oldest first
 (``kvd.store.entries``). The local prefix is pinned, as the lease pins it.
-A block a member owns whose parent another member owns is linked there as
-the parent's child while it is held (``EvictionPolicy.link_remote``: the
-router's Links calls, at once here, batched every 2 ms in the daemon).
 The simulator and a real pool differ in timing only (forwards and tells are
 background work in the daemon), so their hit ratios agree closely but not
 exactly (``kvd bench pool`` reports both). With one member it makes exactly
@@ -36,7 +33,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvd.cluster.rendezvous import Placement
 from kvd.store.eviction.policy import POLICIES, EvictionPolicy, make_policy
@@ -55,8 +51,6 @@ class _Member:
     guests: dict[int, None] = field(default_factory=dict)
     pinned: set[int] = field(default_factory=set)
     evictions: int = 0
-    # Told of each owned block that enters (True) or leaves (False) its L1.
-    on_chain: Callable[[int, bool], Any] | None = None
 
     def _evict_one(self) -> bool:
         for key in self.guests:
@@ -71,8 +65,6 @@ class _Member:
         self.policy.remove(victim)
         self.held.discard(victim)
         self.evictions += 1
-        if self.on_chain is not None:
-            self.on_chain(victim, False)
         return True
 
     def store(self, key: int, parent: int | None, guest: bool) -> bool:
@@ -89,8 +81,6 @@ class _Member:
             self.guests[key] = None
         else:
             self.policy.insert(key, parent)
-            if self.on_chain is not None:
-                self.on_chain(key, True)
         return True
 
     def learn(self, chain: list[int], hits: int, mine: list[bool], touched: Sequence[int]) -> None:
@@ -127,24 +117,6 @@ def simulate_pool(
     nodes = [_Member(wrap(p) if wrap else p, capacity_blocks) for p in policies]
     n_members = len(nodes)
     owner = owners_of(trace, members, namespace)
-    parents: list[int] = trace.parents.tolist()
-
-    def chain_links(member: int) -> Callable[[int, bool], None]:
-        def changed(key: int, held: bool) -> None:
-            parent = parents[key]
-            if parent < 0 or owner[parent] == member:
-                return
-            policy = nodes[owner[parent]].policy
-            if held:
-                policy.link_remote(key, parent)
-            else:
-                policy.unlink_remote(key)
-
-        return changed
-
-    if len(nodes) > 1:
-        for i, node in enumerate(nodes):
-            node.on_chain = chain_links(i)
     blocks: list[int] = trace.blocks.tolist()
     offsets: list[int] = trace.offsets.tolist()
     inputs: list[int] = trace.input_tokens.tolist()
