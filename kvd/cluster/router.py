@@ -4,14 +4,15 @@ put handed on to its owner.
 
 - **Lookup**: the chain's local prefix first (``Store.lookup``, leases
   included). For the rest, up to the first key this daemon owns itself (it
-  would hold that one), each owner of a key there gets one Exists of the
-  whole chain, all owners at once; the answer's prefix runs on through the
-  keys found. Remote keys count as ``l2_hits`` (held, not in local memory)
-  and are not leased. Every other owner of a key of the chain gets the same
-  call in the background (at most ``TELLS_MAX`` at once). Such an Exists is
-  marked ``chain``: the owner's eviction policy learns from the lookup of its
-  own keys, and this daemon's policy learns only of the keys it owns, so
-  the members together learn what one daemon serving every engine would.
+  would hold that one), each owner of a key there gets one Exists of its
+  share of the chain (its keys, their positions, the chain's length:
+  ``ChainShare``), all owners at once; the answer's prefix runs on through
+  the keys found. Remote keys count as ``l2_hits`` (held, not in local
+  memory) and are not leased. Every other owner of a key of the chain gets
+  its share in the background (at most ``TELLS_MAX`` at once). An owner's
+  eviction policy learns from its share as if the lookup had been made
+  there, and this daemon's policy learns only of the keys it owns, so the
+  members together learn what one daemon serving every engine would.
 - **Get**: a local miss asks the key's owner (``Store.on_miss``); the value
   is read into local L1 pages over the owner's bulk TCP port (or gRPC:
   ``kvd.cluster.peer_reads``), checked against the checksum the owner sent
@@ -265,7 +266,7 @@ class PoolRouter:
         found = self.store.exists(namespace, keys)
         if scope.current().hop:
             if chain is not None:
-                self.store.learn_chain(namespace, keys, chain.length, chain.positions)
+                self.store.shares.learn_chain(namespace, keys, chain.length, chain.positions)
             return found
         if all(found):
             return found

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -62,6 +61,7 @@ from kvd.store.learning import DeferredPolicy, policy_key
 from kvd.store.leases import LeaseTable, pin_leased, unpin_leased
 from kvd.store.placement import Placement
 from kvd.store.prefetch import Prefetcher
+from kvd.store.shares import ChainShares
 from kvd.store.uploads import Uploads
 from kvd.store.writeback import WriteBack
 from kvd.util import crashpoints
@@ -107,6 +107,8 @@ class Store:
         alloc_now = self.entries.alloc_now
         self.uploads = Uploads(pool, limits.uploads_max_bytes, self.entries.quota_room, alloc_now)
         self.l2 = l2
+        # What this member learns of the chains other members of a pool look up.
+        self.shares = ChainShares(self.entries, self.learning, l2, limits)
         self.writeback: WriteBack | None = None
         self.placement: Placement | None = None
         self.prefetcher: Prefetcher | None = None
@@ -536,43 +538,6 @@ class Store:
         return LookupResult(
             len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0
         )
-
-    def learn_chain(
-        self, ns_name: str, keys: Sequence[bytes], length: int, positions: Sequence[int]
-    ) -> None:
-        """A pool member's share of a chain another member looked up: ``keys``
-        at ``positions`` (increasing) of a chain of ``length`` keys. The
-        policy learns of them as if the lookup had been made here (the other
-        positions are other members' keys: ``EvictionPolicy.on_lookup``'s
-        ``mine``). Its hits are the chain's leading keys that are another
-        member's or held here; nothing is leased."""
-        self._check_keys(keys)
-        if not 0 < length <= self.limits.max_lookup_keys or len(positions) != len(keys):
-            raise InvalidArgument(
-                f"a chain share of {len(keys)} keys at {len(positions)} positions "
-                f"of a chain of {length}"
-            )
-        if any(not 0 <= p < length for p in positions) or any(
-            a >= b for a, b in itertools.pairwise(positions)
-        ):
-            raise InvalidArgument("chain positions must increase and lie within the chain")
-        ns = self.entries.namespace(ns_name)
-        # Other members' keys stand in as placeholders the policy never keeps.
-        chain: list[bytes] = [b""] * length
-        mine = [False] * length
-        touched: list[bytes] = []
-        hits = length
-        for key, position in zip(keys, positions, strict=True):
-            chain[position] = key
-            mine[position] = True
-            if hits < length:
-                continue
-            if key in ns.entries:
-                touched.append(key)
-            elif self.l2 is None or self.l2.lookup(ns_name, key) is None:
-                hits = position
-        key_of = partial(policy_key, ns.id)
-        self.learning.defer_lookup(touched, chain, hits, key_of, mine)
 
     def _check_keys(self, keys: Sequence[bytes]) -> None:
         check_keys(keys, self.limits.max_lookup_keys)

@@ -1,15 +1,17 @@
 """What the store's tests share: a store over a small pool with the
-settings' limits and a clock the test turns, and blocking put / read."""
+settings' limits and a clock the test turns, blocking put / read, and a
+policy that records the calls it is told."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvd.config.settings import Config
 from kvd.l1.pool import PAGE_BYTES, Pool
+from kvd.store.eviction.policy import EvictionPolicy
 from kvd.store.index import PutResult, StoreLimits
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
@@ -57,3 +59,38 @@ def read(store: Store, key: bytes, ns: str = "ns") -> bytes | None:
         return b"".join(reader.views)
     finally:
         reader.close()
+
+
+class Recorded:
+    """A real policy, and the calls it was told, in order."""
+
+    def __init__(self, policy: EvictionPolicy[Any]) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.calls: list[tuple[Any, ...]] = []
+        self.mines: list[list[bool] | None] = []  # on_lookup's, in order
+
+    def insert(self, key: Any, parent: Any) -> None:
+        self.calls.append(("insert", key, parent))
+        self.policy.insert(key, parent)
+
+    def touch(self, key: Any) -> None:
+        self.calls.append(("touch", key))
+        self.policy.touch(key)
+
+    def remove(self, key: Any) -> None:
+        self.calls.append(("remove", key))
+        self.policy.remove(key)
+
+    def victim(self, skip: Callable[[Any], bool]) -> Any:
+        key = self.policy.victim(skip)
+        self.calls.append(("victim", key))
+        return key
+
+    def on_lookup(self, keys: Sequence[Any], hits: int, mine: Sequence[bool] | None = None) -> None:
+        self.calls.append(("on_lookup", tuple(keys), hits))
+        self.mines.append(None if mine is None else list(mine))
+        self.policy.on_lookup(keys, hits, mine)
+
+    def __len__(self) -> int:
+        return len(self.policy)

@@ -1,7 +1,7 @@
 """Guests (kvd.store.entries): a pool member's copies of values other members
 own stay out of the eviction policy, go first (oldest first, pinned ones
 skipped) and are not written to L2 unless a put is durable; and a member's
-policy learns of a chain only the keys it owns (``Store.learn_chain``,
+policy learns of a chain only the keys it owns (``ChainShares.learn_chain``,
 ``Store.lookup``'s ``mine``)."""
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import InvalidArgument
 from tests.l2 import MiB, open_devices
-from tests.store.support import make_store, put, read, run, store_limits
-from tests.store.test_learning import Recorded
+from tests.store.support import Recorded, make_store, put, read, run, store_limits
 
 VALUE = b"v" * PAGE_BYTES  # one page each
 
@@ -119,7 +118,7 @@ def test_learn_chain_teaches_only_the_owned_keys_hits() -> None:
     put(store, b"c", VALUE)
     recorded.calls.clear()
     # This member's share of a 5-key chain a ? c d ?: a, c and d.
-    store.learn_chain("ns", [b"a", b"c", b"d"], 5, [0, 2, 3])
+    store.shares.learn_chain("ns", [b"a", b"c", b"d"], 5, [0, 2, 3])
     store.learning.settle()
     ns_id = store.entries.by_name["ns"].id
     # Hits: a (held), the other member's key, c (held); d is this member's and missing.
@@ -145,7 +144,7 @@ def test_learn_chain_teaches_only_the_owned_keys_hits() -> None:
 def test_a_bad_chain_share_is_refused(keys: list[bytes], length: int, positions: list[int]) -> None:
     store, recorded = _recording_store()
     with pytest.raises(InvalidArgument):
-        store.learn_chain("ns", keys, length, positions)
+        store.shares.learn_chain("ns", keys, length, positions)
     store.learning.settle()
     assert not _lookups(recorded)
 

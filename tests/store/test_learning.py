@@ -7,52 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import pytest
 
 from kvd.l1.pool import PAGE_BYTES, Pool
-from kvd.store.eviction.policy import EvictionPolicy, make_policy
+from kvd.store.eviction.policy import make_policy
 from kvd.store.learning import PENDING_KEYS_MAX, DeferredPolicy
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
-from tests.store.support import put, read, store_limits
-
-
-class Recorded:
-    """A real policy, and the calls it was told, in order."""
-
-    def __init__(self, policy: EvictionPolicy[Any]) -> None:
-        self.policy = policy
-        self.name = policy.name
-        self.calls: list[tuple[Any, ...]] = []
-        self.mines: list[list[bool] | None] = []  # on_lookup's, in order
-
-    def insert(self, key: Any, parent: Any) -> None:
-        self.calls.append(("insert", key, parent))
-        self.policy.insert(key, parent)
-
-    def touch(self, key: Any) -> None:
-        self.calls.append(("touch", key))
-        self.policy.touch(key)
-
-    def remove(self, key: Any) -> None:
-        self.calls.append(("remove", key))
-        self.policy.remove(key)
-
-    def victim(self, skip: Callable[[Any], bool]) -> Any:
-        key = self.policy.victim(skip)
-        self.calls.append(("victim", key))
-        return key
-
-    def on_lookup(self, keys: Sequence[Any], hits: int, mine: Sequence[bool] | None = None) -> None:
-        self.calls.append(("on_lookup", tuple(keys), hits))
-        self.mines.append(None if mine is None else list(mine))
-        self.policy.on_lookup(keys, hits, mine)
-
-    def __len__(self) -> int:
-        return len(self.policy)
+from tests.store.support import Recorded, put, read, store_limits
 
 
 def test_queued_calls_reach_the_policy_before_any_other() -> None:

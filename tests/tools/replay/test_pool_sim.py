@@ -14,7 +14,7 @@ from kvd.tools.replay.pool_sim import owners_of, simulate_pool
 from kvd.tools.replay.report import head
 from kvd.tools.replay.sim import SimError, belady, simulate, unbounded
 from kvd.tools.replay.trace import Trace, load_trace
-from tests.tools.replay.test_sim import TRACE_PATH, trace_from_words, words
+from tests.tools.replay.support import TRACE_PATH, trace_from_words, words
 
 MEMBERS = ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051", "10.0.0.4:50051"]
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,23 +17,8 @@ from kvd.tools.replay.sim import (
     sweep,
     unbounded,
 )
-from kvd.tools.replay.trace import Trace, load_trace, parse_trace
-
-TRACE_PATH = (
-    Path(__file__).resolve().parents[3]
-    / ".."
-    / "shared"
-    / "traces"
-    / "mooncake_conversation_trace.jsonl"
-)
-
-
-def make_trace(requests: list[tuple[list[int], int]]) -> Trace:
-    return parse_trace(
-        json.dumps({"timestamp": i, "input_length": n, "output_length": 1, "hash_ids": ids})
-        for i, (ids, n) in enumerate(requests)
-    )
-
+from kvd.tools.replay.trace import Trace, load_trace
+from tests.tools.replay.support import TRACE_PATH, make_trace, trace_from_words, words
 
 # a-b-c, then a-b-d, then a-b-c again (ids: a=1 b=2 c=3 d=4)
 TINY = [([1, 2, 3], 1500), ([1, 2, 4], 1300), ([1, 2, 3], 1500)]
@@ -92,23 +74,6 @@ def test_sweep_and_table() -> None:
     assert names == ["plain-lru", *POLICIES, "belady"] * 2 + ["unbounded"]
     table = format_table(trace, results)
     assert "| belady |" in table and "50% (2)" in table
-
-
-words = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=40)
-
-
-def trace_from_words(requests: list[list[int]]) -> Trace:
-    """Each request is a word; block i of it stands for the word's prefix of length i+1."""
-    ids: dict[tuple[int, ...], int] = {}
-    chains = []
-    for word in requests:
-        chains.append(
-            (
-                [ids.setdefault(tuple(word[: i + 1]), len(ids)) for i in range(len(word))],
-                512 * len(word) - 7,
-            )
-        )
-    return make_trace(chains)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,0 +1,70 @@
+"""What a member of a pool learns of the chains other members look up: its
+share of a chain (``learn_chain``: the policy learns of the member's own
+keys as if the lookup had been made here). It reaches the policy through
+the store's ``DeferredPolicy``, in order with the store's own calls, and
+comes from peers (kvd.cluster.router), never from an engine. Imports
+neither grpc nor metrics."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+from kvd.l2 import L2Tier
+from kvd.store.entries import Entries
+from kvd.store.index import StoreLimits, check_keys
+from kvd.store.learning import DeferredPolicy, policy_key
+from kvd.wire.errors import InvalidArgument
+
+
+class ChainShares:
+    def __init__(
+        self,
+        entries: Entries,
+        learning: DeferredPolicy[Any],
+        l2: L2Tier | None,
+        limits: StoreLimits,
+    ) -> None:
+        self._entries = entries
+        self._learning = learning
+        self._l2 = l2
+        self._limits = limits
+
+    def learn_chain(
+        self, ns_name: str, keys: Sequence[bytes], length: int, positions: Sequence[int]
+    ) -> None:
+        """A pool member's share of a chain another member looked up: ``keys``
+        at ``positions`` (increasing) of a chain of ``length`` keys. The
+        policy learns of them as if the lookup had been made here (the other
+        positions are other members' keys: ``EvictionPolicy.on_lookup``'s
+        ``mine``). Its hits are the chain's leading keys that are another
+        member's or held here; nothing is leased."""
+        check_keys(keys, self._limits.max_lookup_keys)
+        if not 0 < length <= self._limits.max_lookup_keys or len(positions) != len(keys):
+            raise InvalidArgument(
+                f"a chain share of {len(keys)} keys at {len(positions)} positions "
+                f"of a chain of {length}"
+            )
+        if any(not 0 <= p < length for p in positions) or any(
+            a >= b for a, b in itertools.pairwise(positions)
+        ):
+            raise InvalidArgument("chain positions must increase and lie within the chain")
+        ns = self._entries.namespace(ns_name)
+        # Other members' keys stand in as placeholders the policy never keeps.
+        chain: list[bytes] = [b""] * length
+        mine = [False] * length
+        touched: list[bytes] = []
+        hits = length
+        for key, position in zip(keys, positions, strict=True):
+            chain[position] = key
+            mine[position] = True
+            if hits < length:
+                continue
+            if key in ns.entries:
+                touched.append(key)
+            elif self._l2 is None or self._l2.lookup(ns_name, key) is None:
+                hits = position
+        key_of = partial(policy_key, ns.id)
+        self._learning.defer_lookup(touched, chain, hits, key_of, mine)
