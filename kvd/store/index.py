@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvd.l1.pool import Run
+from kvd.l1.pool import Pool, Run, pages_for
 from kvd.l2.records import L2Record
 from kvd.wire.errors import InvalidArgument
 from kvd.wire.limits import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
@@ -190,11 +190,26 @@ def check_keys(keys: Sequence[bytes], max_keys: int) -> None:
             check_key(key)  # says which key and why
 
 
-def check_put_names(ns_name: str, key: bytes, parent: bytes | None, meta: bytes) -> None:
-    """A put's namespace, key, parent key and meta are within their limits."""
+def check_put(
+    ns_name: str,
+    key: bytes,
+    parent: bytes | None,
+    meta: bytes,
+    size: int,
+    max_value_bytes: int,
+    pool: Pool,
+) -> None:
+    """A put's namespace, key, parent key, meta and size are within their
+    limits, and its value fits in ``pool``."""
     check_namespace(ns_name)
     check_key(key)
     if parent is not None and len(parent) > KEY_BYTES_MAX:
         raise InvalidArgument(f"parent key longer than {KEY_BYTES_MAX} bytes")
     if len(meta) > META_BYTES_MAX:
         raise InvalidArgument(f"meta of {len(meta)} bytes is over {META_BYTES_MAX}")
+    if size < 0 or size > max_value_bytes:
+        raise InvalidArgument(f"value of {size} bytes is over max_value_bytes={max_value_bytes}")
+    if pages_for(size) > pool.page_count:
+        raise InvalidArgument(
+            f"value of {size} bytes is larger than the pool ({pool.capacity_bytes} bytes)"
+        )

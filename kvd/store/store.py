@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
-from kvd.l1.pool import PAGE_BYTES, Pool, pages_for
+from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2 import L2Record, L2Tier
 from kvd.store.entries import Entries
 from kvd.store.eviction.policy import EvictionPolicy, make_policy
@@ -55,7 +55,7 @@ from kvd.store.index import (
     StoreLimits,
     check_key,
     check_keys,
-    check_put_names,
+    check_put,
 )
 from kvd.store.learning import DeferredPolicy, policy_key
 from kvd.store.leases import LeaseTable, pin_leased, unpin_leased
@@ -223,15 +223,7 @@ class Store:
         checksum: int | None,
     ) -> PutResult | None:
         """Validate a put; its answer when the key already holds these bytes."""
-        check_put_names(ns_name, key, parent, meta)
-        if size < 0 or size > self.limits.max_value_bytes:
-            raise InvalidArgument(
-                f"value of {size} bytes is over max_value_bytes={self.limits.max_value_bytes}"
-            )
-        if pages_for(size) > self.pool.page_count:
-            raise InvalidArgument(
-                f"value of {size} bytes is larger than the pool ({self.pool.capacity_bytes} bytes)"
-            )
+        check_put(ns_name, key, parent, meta, size, self.limits.max_value_bytes, self.pool)
         if checksum is not None:
             stored = self._stored_checksum(ns_name, key)
             if stored is not None:
