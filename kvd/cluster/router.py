@@ -149,7 +149,7 @@ class PoolRouter:
         while not self._forward_queue.empty():
             reader = self._forward_queue.get_nowait()[3]
             if reader is not None:
-                self._unpin_forward(reader)
+                self._release_forward(reader, pinned=True)
         self.reads.close()
         await self.peers.close()
 
@@ -268,42 +268,29 @@ class PoolRouter:
             if chain is not None:
                 self.store.shares.learn_chain(namespace, keys, chain.length, chain.positions)
             return found
-        if all(found):
-            return found
-        asks: dict[str, list[int]] = {}
+        shares: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             owner = None if found[i] else self._remote_owner(namespace, key)
             if owner is not None:
-                asks.setdefault(owner, []).append(i)
-        for owner in [owner for owner in asks if self._is_down(owner)]:
-            del asks[owner]
-        budget_s = scope.budget_s(self.peer_timeout_s)
-        if not asks or budget_s <= 0:
-            return found  # no time left is a miss, and no fault of the owners
-        self.counters.remote_lookups += 1
-        answers = await asyncio.gather(
-            *(self._exists(owner, namespace, [keys[i] for i in idx], budget_s)
-              for owner, idx in asks.items())
-        )  # fmt: skip
-        for idx, answer in zip(asks.values(), answers, strict=True):
-            for i, held in zip(idx, answer, strict=True):
-                found[i] = found[i] or held
+                shares.setdefault(owner, []).append(i)
+        await self._ask_owners(namespace, keys, shares, list(shares), found, chain=False)
         return found
 
     async def _ask_owners(
         self, namespace: str, keys: list[bytes], shares: dict[str, list[int]],
-        asks: list[str], found: list[bool],
+        asks: list[str], found: list[bool], *, chain: bool = True,
     ) -> None:  # fmt: skip
-        """Ask each owner in ``asks``, all at once, about its share of the
-        chain ``keys`` (its positions, ``shares``); set ``found`` for the keys
-        it holds. An owner that fails holds none."""
+        """Ask each owner in ``asks``, all at once, about its keys (its
+        positions in ``keys``, ``shares``; with ``chain``, as its share of a
+        chain being looked up); set ``found`` for the keys it holds. An owner
+        that fails holds none."""
         asks = [owner for owner in asks if not self._is_down(owner)]
         budget_s = scope.budget_s(self.peer_timeout_s)
         if not asks or budget_s <= 0:
             return  # no time left is a miss, and no fault of the owners
         self.counters.remote_lookups += 1
         answers = await asyncio.gather(
-            *(self._share(owner, namespace, keys, shares[owner], budget_s) for owner in asks)
+            *(self._share(owner, namespace, keys, shares[owner], budget_s, chain) for owner in asks)
         )
         for owner, answer in zip(asks, answers, strict=True):
             for position, held in zip(shares[owner], answer, strict=True):
@@ -311,9 +298,9 @@ class PoolRouter:
 
     async def _share(
         self, owner: str, namespace: str, keys: list[bytes], positions: list[int],
-        budget_s: float,
+        budget_s: float, chain: bool = True,
     ) -> list[bool]:  # fmt: skip
-        share = ChainShare(len(keys), positions)
+        share = ChainShare(len(keys), positions) if chain else None
         return await self._exists(owner, namespace, [keys[p] for p in positions], budget_s, share)
 
     def _tell(
@@ -434,17 +421,13 @@ class PoolRouter:
         except asyncio.QueueFull:
             self.counters.forwards_dropped += 1
             if reader is not None:
-                self._unpin_forward(reader)
+                self._release_forward(reader, pinned=True)
 
-    def _unpin_forward(self, reader: Reader) -> None:
-        self._forward_pinned -= reader.entry.size
+    def _release_forward(self, reader: Reader, *, pinned: bool) -> None:
+        """Close a forward's reader; one pinned since the put gives its bytes back."""
+        if pinned:
+            self._forward_pinned -= reader.entry.size
         reader.close()
-
-    def _close_forward(self, reader: Reader, pinned: Reader | None) -> None:
-        if pinned is not None:
-            self._unpin_forward(pinned)
-        else:
-            reader.close()
 
     async def _forward_loop(self) -> None:
         while True:
@@ -455,13 +438,13 @@ class PoolRouter:
             if not reader.entry.linked or self._is_down(owner):
                 # Deleted while it waited (not an error), or the owner is down.
                 self.counters.forward_errors += reader.entry.linked
-                self._close_forward(reader, pinned)
+                self._release_forward(reader, pinned=pinned is not None)
                 continue
             try:
                 value = b"".join(reader.views)
                 sum_, meta, parent = reader.checksum, reader.meta, reader.entry.parent
             finally:
-                self._close_forward(reader, pinned)
+                self._release_forward(reader, pinned=pinned is not None)
             try:
                 await self.peers.put(
                     owner, namespace, key, value, meta, parent, sum_, FORWARD_TIMEOUT_S
