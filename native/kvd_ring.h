@@ -70,6 +70,7 @@ typedef struct {
     struct io_uring ring;
     int ring_ready;       /* queue_init done and queue_exit not yet called */
     int depth;
+    unsigned setup_flags; /* the IORING_SETUP_* flags the kernel took */
     int inflight;         /* slots in use: accepted and not yet reaped */
     int busy;             /* a thread is inside the ring with the GIL released */
     int event_fd;         /* -1 until eventfd() */

@@ -60,8 +60,24 @@ Ring_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->free_head = 0;
     recs_init(self);
     /* CQ is 2x SQ by default; with at most `depth` ops in flight it can
-     * never overflow. */
-    int ret = io_uring_queue_init((unsigned)depth, &self->ring, 0);
+     * never overflow.
+     *
+     * COOP_TASKRUN: a completion's task work runs when this thread next
+     * enters or leaves the kernel (or wakes it when it sleeps) instead of
+     * interrupting it with an IPI. Each op completes on the device's CPU
+     * (a loop device's worker, an NVMe interrupt); without it every
+     * completion sent an IPI to the loop thread. On this 2-vCPU VM with a
+     * RAM-backed loop device, 64 KiB reads at QD32 through the bare ring
+     * went from 3.2-3.9 to 6.2-8.2 GB/s (fio: 5.5-7.8 GB/s). TASKRUN_FLAG
+     * tells liburing when task work is waiting, so a peek for completions
+     * enters the kernel to run it. Kernels before 5.19 refuse the flags
+     * (EINVAL): the ring then runs without them. */
+    unsigned flags = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
+    int ret = io_uring_queue_init((unsigned)depth, &self->ring, flags);
+    if (ret == -EINVAL) {
+        flags = 0;
+        ret = io_uring_queue_init((unsigned)depth, &self->ring, flags);
+    }
     if (ret < 0) {
         errno = -ret;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -69,6 +85,7 @@ Ring_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     self->ring_ready = 1;
+    self->setup_flags = flags;
     return (PyObject *)self;
 }
 
@@ -337,6 +354,12 @@ Ring_get_unsubmitted(RingObject *self, void *Py_UNUSED(closure))
 }
 
 static PyObject *
+Ring_get_cooperative(RingObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong((self->setup_flags & IORING_SETUP_COOP_TASKRUN) != 0);
+}
+
+static PyObject *
 Ring_get_closed(RingObject *self, void *Py_UNUSED(closure))
 {
     return PyBool_FromLong(!self->ring_ready);
@@ -370,6 +393,8 @@ static PyGetSetDef Ring_getset[] = {
     {"unsubmitted", (getter)Ring_get_unsubmitted, NULL,
      "SQEs queued but not yet taken by the kernel", NULL},
     {"closed", (getter)Ring_get_closed, NULL, "whether close() has finished", NULL},
+    {"cooperative", (getter)Ring_get_cooperative, NULL,
+     "whether completions run as cooperative task work (IORING_SETUP_COOP_TASKRUN)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

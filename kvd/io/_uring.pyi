@@ -61,6 +61,9 @@ class Ring:
     def unsubmitted(self) -> int: ...
     @property
     def closed(self) -> bool: ...
+    @property
+    def cooperative(self) -> bool:
+        """Whether completions run as cooperative task work (no IPI per completion)."""
     def submit(self, ops: Sequence[Op], /) -> int:
         """Queue a prefix of ops (up to depth - inflight); return its length."""
     def submit_reads(self, records: Sequence[Record], /) -> int:

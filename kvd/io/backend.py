@@ -273,6 +273,9 @@ class UringBackend(_BackendBase):
         if _uring_import_error is not None:
             raise RuntimeError(_uring_import_error)
         self._ring = _uring.Ring(depth)
+        # Completions as task work run when the loop thread enters the kernel
+        # (no IPI per completion): see native/kvd_uring.c.
+        self.cooperative = self._ring.cooperative
         self._efd = self._ring.eventfd()
         self._waiting: dict[int, asyncio.Future[int]] = {}
         # user_data -> (batch, index in it, slots held) of each record read in flight
@@ -526,8 +529,11 @@ def open_backend(kind: str = "auto", *, depth: int = 64, threads: int = 8) -> Io
     if kind in ("auto", "uring"):
         ok, reason = native_available()
         if ok:
-            logger.info("io backend uring (depth=%d): %s", depth, reason)
-            return UringBackend(depth)
+            backend = UringBackend(depth)
+            completions = "cooperative" if backend.cooperative else "interrupting (kernel < 5.19)"
+            logger.info("io backend uring (depth=%d, %s completions): %s", depth, completions,
+                        reason)  # fmt: skip
+            return backend
         if kind == "uring":
             raise RuntimeError(f"io backend uring unavailable: {reason}")
         logger.info("io backend threads (depth=%d threads=%d): %s", depth, threads, reason)

@@ -308,6 +308,35 @@ def test_cancelled_uring_read_waits_for_the_kernel(arena: memoryview) -> None:
         os.close(wfd)
 
 
+@needs_native
+def test_uring_completions_wake_a_sleeping_loop(arena: memoryview) -> None:
+    # Completions run as task work on the loop thread (cooperatively where the
+    # kernel has COOP_TASKRUN, 5.19+); one that arrives while the loop sleeps
+    # in epoll must still wake it through the eventfd.
+    ring = iobackend.open_ring(2)
+    try:
+        release = os.uname().release.split(".")
+        kernel = (int(release[0]), int("".join(c for c in release[1] if c.isdigit()) or 0))
+        assert ring.cooperative is (kernel >= (5, 19))
+    finally:
+        ring.close()
+    rfd, wfd = os.pipe()
+    buf = pages(arena, 0, 1)
+    writer = threading.Timer(0.05, os.write, (wfd, b"from another thread"))
+
+    async def body(backend: IoBackend) -> None:
+        writer.start()
+        got = await asyncio.wait_for(backend.read(rfd, 0, [buf]), TEST_TIMEOUT_S)
+        assert bytes(buf[:got]) == b"from another thread"
+
+    try:
+        run_with("uring", body)
+    finally:
+        writer.cancel()
+        os.close(rfd)
+        os.close(wfd)
+
+
 def test_cancelled_threads_read_waits_for_the_worker(direct_fd: int, arena: memoryview) -> None:
     data = fill_random(pages(arena, 0, 2), seed=6)
     os.pwritev(direct_fd, [pages(arena, 0, 2)], 0)
