@@ -33,17 +33,33 @@
 
 enum { OP_READ = 0, OP_WRITE = 1, OP_FSYNC = 2, OP_FDATASYNC = 3 };
 
+/* iovecs a slot holds without an allocation: a record's header and payload
+ * on one device, with the payload in up to three runs of pool pages. */
+#define KVD_INLINE_IOVS 4
+/* The most paths one stripe layout spans (the ssd_path setting's bound). */
+#define KVD_LAYOUT_PATHS_MAX 64
+/* A record header: 4 KiB, or 8 KiB with a large meta (kvd/l2/format.py). */
+#define KVD_HEADER_BYTES_MAX 8192
+/* A record's payload buffers: a 64 GiB value (max_value_bytes' bound) in
+ * 64 KiB pool pages. */
+#define KVD_PAYLOAD_BUFS_MAX (1 << 20)
+/* One op of a record read moves at most this much (below MAX_RW_COUNT);
+ * kvd/io/ops.py's OP_BYTES_MAX cuts the same way. */
+#define KVD_RECORD_OP_BYTES_MAX (1LL << 30)
+
 typedef struct {
     long long user_data;
-    Py_buffer *views;     /* nviews exported buffers (views == &inline_view when nviews == 1) */
-    struct iovec *iovs;   /* nviews entries, read by the kernel until completion */
+    Py_buffer *views;     /* nviews exported buffers (views == &inline_view when nviews == 1);
+                           * NULL for a record's op: the record holds its buffers */
+    struct iovec *iovs;   /* niovs entries, read by the kernel until completion */
     int nviews;
+    int niovs;
     int next_free;        /* free-list link, -1 at the end */
     int in_use;
     int record;           /* the record read this op belongs to, or -1 */
     long long want_bytes; /* bytes asked for (a record op moving fewer is short) */
     Py_buffer inline_view;
-    struct iovec inline_iov;
+    struct iovec inline_iovs[KVD_INLINE_IOVS];
 } kvd_slot;
 
 /* One record read in flight: its ops' slots point at it. */
@@ -53,17 +69,27 @@ typedef struct {
     int status;           /* KVD_READ_* or -errno; the first failure wins */
     int next_free;
     int in_use;
-    Py_buffer header;     /* where the header lands (also exported by an op) */
-    int has_header;
+    uint8_t *header;      /* KVD_HEADER_BYTES_MAX, 4 KiB-aligned, owned by the ring: the
+                           * header lands here (allocated at first use, kept) */
+    size_t header_len;
     Py_buffer *payload;   /* npayload buffers in logical order */
     kvd_span *spans;      /* the same, for the checks without the GIL */
     int npayload;
     Py_buffer inline_payload;
     kvd_span inline_span;
-    PyObject *ns;         /* bytes, referenced until released */
+    PyObject *ns;         /* str or bytes, referenced until released */
     PyObject *key;
     kvd_expect expect;
 } kvd_rec;
+
+/* Where a logical segment's bytes live: stripes of stripe_bytes dealt
+ * round-robin over the paths (kvd/io/layout.py's StripeLayout). */
+typedef struct {
+    int fds[KVD_LAYOUT_PATHS_MAX];
+    int npaths;
+    long long segment_bytes;  /* per path */
+    long long stripe_bytes;
+} kvd_layout;
 
 typedef struct {
     PyObject_HEAD
@@ -103,7 +129,8 @@ int ring_harvest(RingObject *self, int max);
 void recs_init(RingObject *self);
 int recs_account(RingObject *self, int count, int check);
 PyObject *recs_results(RingObject *self, int count);
-PyObject *Ring_submit_reads(RingObject *self, PyObject *records);
+PyObject *Ring_submit_records(RingObject *self, PyObject *args);
+void recs_free(RingObject *self);
 PyObject *kvd_check_record_py(PyObject *module, PyObject *args);
 PyObject *kvd_xxh3_64_py(PyObject *module, PyObject *arg);
 PyObject *kvd_copy_many_py(PyObject *module, PyObject *args);

@@ -34,11 +34,12 @@ slot_release(RingObject *self, int idx)
         PyBuffer_Release(&slot->views[i]);
     if (slot->views != &slot->inline_view)
         PyMem_Free(slot->views);
-    if (slot->iovs != &slot->inline_iov)
+    if (slot->iovs != slot->inline_iovs)
         PyMem_Free(slot->iovs);
     slot->views = NULL;
     slot->iovs = NULL;
     slot->nviews = 0;
+    slot->niovs = 0;
     slot->in_use = 0;
     slot->next_free = self->free_head;
     self->free_head = idx;
@@ -70,7 +71,7 @@ slot_export(kvd_slot *slot, PyObject *bufobj, int writable)
     }
     if (n == 1) {
         slot->views = &slot->inline_view;
-        slot->iovs = &slot->inline_iov;
+        slot->iovs = slot->inline_iovs;
     } else {
         slot->views = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
         slot->iovs = PyMem_Calloc((size_t)n, sizeof(struct iovec));
@@ -100,6 +101,7 @@ slot_export(kvd_slot *slot, PyObject *bufobj, int writable)
         }
     }
     slot->nviews = (int)n;
+    slot->niovs = (int)n;
     slot->want_bytes = total_bytes;
     return 0;
 fail:
@@ -107,7 +109,7 @@ fail:
         PyBuffer_Release(&slot->views[i]);
     if (slot->views != &slot->inline_view)
         PyMem_Free(slot->views);
-    if (slot->iovs != &slot->inline_iov)
+    if (slot->iovs != slot->inline_iovs)
         PyMem_Free(slot->iovs);
     slot->views = NULL;
     slot->iovs = NULL;
@@ -144,7 +146,8 @@ op_parse(RingObject *self, PyObject *op, int idx, kvd_op_head *head)
             return -1;
         }
         slot->views = &slot->inline_view;
-        slot->iovs = &slot->inline_iov;
+        slot->iovs = slot->inline_iovs;
+        slot->niovs = 0;
         return 0;
     default:
         PyErr_Format(PyExc_ValueError, "unknown opcode %d", head->opcode);
@@ -163,18 +166,18 @@ op_prep(RingObject *self, int idx, const kvd_op_head *head)
     __u64 off = (__u64)head->offset;
     switch (head->opcode) {
     case OP_READ:
-        if (slot->nviews == 1)
+        if (slot->niovs == 1)
             io_uring_prep_read(sqe, head->fd, slot->iovs[0].iov_base,
                                (unsigned)slot->iovs[0].iov_len, off);
         else
-            io_uring_prep_readv(sqe, head->fd, slot->iovs, (unsigned)slot->nviews, off);
+            io_uring_prep_readv(sqe, head->fd, slot->iovs, (unsigned)slot->niovs, off);
         break;
     case OP_WRITE:
-        if (slot->nviews == 1)
+        if (slot->niovs == 1)
             io_uring_prep_write(sqe, head->fd, slot->iovs[0].iov_base,
                                 (unsigned)slot->iovs[0].iov_len, off);
         else
-            io_uring_prep_writev(sqe, head->fd, slot->iovs, (unsigned)slot->nviews, off);
+            io_uring_prep_writev(sqe, head->fd, slot->iovs, (unsigned)slot->niovs, off);
         break;
     case OP_FSYNC:
         io_uring_prep_fsync(sqe, head->fd, 0);
@@ -227,6 +230,7 @@ void
 slot_unpop(RingObject *self, int idx)
 {
     self->slots[idx].nviews = 0;
+    self->slots[idx].niovs = 0;
     self->slots[idx].views = NULL;
     self->slots[idx].iovs = NULL;
     slot_release(self, idx);

@@ -324,6 +324,8 @@ Ring_dealloc(RingObject *self)
         leak = 1;
     }
     if (!leak) {
+        if (self->recs != NULL)
+            recs_free(self);
         PyMem_Free(self->slots);
         PyMem_Free(self->done_idx);
         PyMem_Free(self->done_res);
@@ -373,13 +375,15 @@ static PyMethodDef Ring_methods[] = {
      "reap(max, wait_nr=0, timeout_ms=-1) -> list[(user_data, result)]: result is "
      "bytes moved or -errno. Waits (GIL released) for wait_nr completions, capped "
      "at the number in flight."},
-    {"submit_reads", (PyCFunction)Ring_submit_reads, METH_O,
-     "submit_reads(records) -> int: queue L2 record reads and return how many were "
-     "accepted (a prefix whose ops fit in depth - inflight). Each record is (user_data, "
-     "ops, header, payload, payload_bytes, checksum, seq, generation, namespace, key) "
-     "with ops a list of (fd, offset, buffer(s)); reap() yields (user_data, status) "
-     "once its last op completed and it was checked: 0, READ_SHORT, READ_BAD_HEADER, "
-     "READ_BAD_CHECKSUM or -errno."},
+    {"submit_records", (PyCFunction)Ring_submit_records, METH_VARARGS,
+     "submit_records(layout, records, start, user_data) -> int: queue the L2 record reads "
+     "records[start:] and return how many were accepted (a prefix whose ops fit in "
+     "depth - inflight); records[start + i] gets user_data + i. layout is (fds, "
+     "segment_bytes, stripe_bytes); each record is (segment, offset, header_bytes, "
+     "payload, payload_bytes, checksum, seq, generation, namespace, key): its header "
+     "lands in a buffer of the ring's, its payload in the payload buffers. "
+     "reap() yields (user_data, status) once its last op completed and it was checked: "
+     "0, READ_SHORT, READ_BAD_HEADER, READ_BAD_CHECKSUM or -errno."},
     {"eventfd", (PyCFunction)Ring_eventfd, METH_NOARGS,
      "eventfd() -> int: a non-blocking eventfd the kernel signals on each completion."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS,

@@ -21,13 +21,11 @@ READ_BAD_CHECKSUM: Final[int]
 
 # (opcode, fd, offset, buffer | list/tuple of buffers | None for fsync, user_data)
 Op: TypeAlias = tuple[int, int, int, Buffer | Sequence[Buffer] | None, int]
-# (fd, offset, buffer | list/tuple of buffers): one read op of a record
-RecordOp: TypeAlias = tuple[int, int, Buffer | Sequence[Buffer]]
-# (user_data, ops, header, payload, payload_bytes, checksum, seq, generation,
-#  namespace, key)
-Record: TypeAlias = tuple[
-    int, Sequence[RecordOp], Buffer, Sequence[Buffer], int, int, int, int, bytes, bytes
-]
+# (fds, segment_bytes, stripe_bytes): kvd.io.ops.StripeLayout.native
+Layout: TypeAlias = tuple[tuple[int, ...], int, int]
+# (segment, offset, header_bytes, payload, payload_bytes, checksum, seq, generation,
+#  namespace, key): kvd.io.ops.RecordRead
+Record: TypeAlias = tuple[int, int, int, Sequence[Buffer], int, int, int, int, str | bytes, bytes]
 
 def check_record(
     header: Buffer,
@@ -36,7 +34,7 @@ def check_record(
     checksum: int,
     seq: int,
     generation: int,
-    namespace: bytes,
+    namespace: str | bytes,
     key: bytes,
     /,
 ) -> int:
@@ -66,8 +64,11 @@ class Ring:
         """Whether completions run as cooperative task work (no IPI per completion)."""
     def submit(self, ops: Sequence[Op], /) -> int:
         """Queue a prefix of ops (up to depth - inflight); return its length."""
-    def submit_reads(self, records: Sequence[Record], /) -> int:
-        """Queue a prefix of records whose ops fit (depth - inflight); return its length."""
+    def submit_records(
+        self, layout: Layout, records: Sequence[Record], start: int, user_data: int, /
+    ) -> int:
+        """Queue a prefix of records[start:] whose ops fit (depth - inflight), the
+        i-th with user_data + i; return its length."""
     def reap(self, max: int, wait_nr: int = 0, timeout_ms: int = -1) -> list[tuple[int, int]]:
         """Return up to max (user_data, bytes moved or -errno) completions."""
     def eventfd(self) -> int:

@@ -13,12 +13,17 @@ Both backends behave the same way:
 * ``submit_many`` runs ops in parallel and returns one result per op, bytes
   moved or ``-errno``, never raising for a failed op.
 * The uring backend also reads whole L2 records (``read_records``): a batch
-  of records, each one or more read ops plus what its header and checksum
-  must be, goes to the ring in one call, and the native code checks each
-  record without the GIL when its last op completes, returning one
-  ``ReadStatus`` (or ``-errno``) per record. ``native_record_reads`` says
-  whether a backend has it; the L2 tier checks records in Python otherwise.
-* At most ``depth`` ops are in flight; further ops wait on a semaphore.
+  of records, each a logical range of a segment plus what its header and
+  checksum must be, goes to the ring in one call with the stripe layout;
+  the native code cuts each into one op per path, lands the header in a
+  buffer of its own and checks each record without the GIL when its last
+  op completes, returning one ``ReadStatus`` (or ``-errno``) per record.
+  ``native_record_reads`` says whether a backend has it; the L2 tier reads
+  and checks records in Python otherwise (``kvd.l2.reads``).
+* At most ``depth`` ops are in flight. Further ops wait: on a semaphore in
+  the thread backend; in the uring backend in one line (first come, first
+  in) for room in the ring, so a record of several ops is never overtaken
+  for good by single ops.
 * **Buffers are the kernel's until the op completes.** A call returns or
   raises, cancellation included, only after every op it submitted has
   finished: on ``CancelledError`` the call waits for its ops and re-raises.
@@ -32,17 +37,32 @@ Both backends behave the same way:
 from __future__ import annotations
 
 import asyncio
-import enum
+import collections
 import errno
 import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvd.io.ops import (
+    BUFS_PER_OP_MAX,
+    IoOp,
+    OpKind,
+    ReadStatus,
+    RecordDone,
+    RecordRead,
+    StripeLayout,
+)
 from kvd.util.aio import settle
+
+__all__ = [
+    "BUFS_PER_OP_MAX", "DEPTH_MAX", "IoBackend", "IoError", "IoOp", "OpKind", "ReadStatus",
+    "RecordDone", "RecordRead", "StripeLayout", "ThreadBackend", "UringBackend",
+    "native_available", "native_copy_many", "native_record_check", "native_record_reads",
+    "native_xxh3_64", "open_backend", "open_ring",
+]  # fmt: skip
 
 try:
     from kvd.io import _uring
@@ -55,23 +75,18 @@ logger = logging.getLogger("kvd.io")
 
 DEPTH_MAX = 4096  # matches the native ring's DEPTH_MAX
 THREADS_MAX = 256
-BUFS_PER_OP_MAX = 1024  # IOV_MAX on Linux
 OPS_PER_CALL_MAX = 65536  # one submit_many call; a 16 GiB segment scan in 256 KiB ops
-
-
-class ReadStatus(enum.IntEnum):
-    """How a record read ended (besides ``-errno``); the native ring's READ_* values."""
-
-    OK = 0
-    SHORT = 1  # an op moved fewer bytes than asked for
-    BAD_HEADER = 2  # not the header the index expects: torn, misdirected or deleted
-    BAD_CHECKSUM = 3  # the payload does not match its checksum
-
+# A record read's user_data: this bit, then its batch's number and its index
+# in the batch (plain ops count up from 0, far below it).
+_RECORD_BIT = 1 << 62
+_RECORD_INDEX_BITS = 20  # > OPS_PER_CALL_MAX records in one batch
+_RECORD_INDEX_MASK = (1 << _RECORD_INDEX_BITS) - 1
 
 if _uring_import_error is None:
     _NATIVE_STATUS = (_uring.READ_OK, _uring.READ_SHORT, _uring.READ_BAD_HEADER,
                       _uring.READ_BAD_CHECKSUM)  # fmt: skip
     assert tuple(ReadStatus) == _NATIVE_STATUS, "kvd.io._uring is out of date"
+    assert _uring.BUFS_PER_OP_MAX == BUFS_PER_OP_MAX, "kvd.io._uring is out of date"
 
 
 class IoError(OSError):
@@ -81,56 +96,7 @@ class IoError(OSError):
         super().__init__(code, f"{what}: {os.strerror(code)}")
 
 
-class OpKind(enum.IntEnum):
-    """Opcodes shared with the native ring."""
-
-    READ = 0
-    WRITE = 1
-    FSYNC = 2
-    FDATASYNC = 3
-
-
-@dataclass(frozen=True, slots=True)
-class IoOp:
-    """One op: read/write fill or drain ``bufs`` in order from ``offset``."""
-
-    kind: OpKind
-    fd: int
-    offset: int = 0
-    bufs: Sequence[memoryview] = ()
-
-    def check(self) -> None:
-        """Raise ValueError for an op no kernel would accept."""
-        if self.offset < 0:
-            raise ValueError(f"offset must be >= 0, got {self.offset}")
-        if self.kind in (OpKind.READ, OpKind.WRITE):
-            if not 1 <= len(self.bufs) <= BUFS_PER_OP_MAX:
-                raise ValueError(f"an op takes 1..{BUFS_PER_OP_MAX} buffers, got {len(self.bufs)}")
-        elif self.bufs:
-            raise ValueError("fsync ops take no buffers")
-
-
-@dataclass(slots=True)
-class RecordRead:
-    """One L2 record read: ``ops`` land its header in ``header`` and its payload
-    in ``payload`` (in order; at least ``payload_bytes`` long), and the header
-    must announce this ``seq``, ``generation``, ``namespace`` and ``key`` and a
-    payload of ``payload_bytes`` whose xxh3-64 is ``checksum``."""
-
-    ops: Sequence[IoOp]
-    header: memoryview
-    payload: Sequence[memoryview]
-    payload_bytes: int
-    checksum: int
-    seq: int
-    generation: int
-    namespace: bytes
-    key: bytes
-
-
-# on_done(index in the batch, ReadStatus or -errno), called as each record ends
-RecordDone = Callable[[int, int], None]
-ReadRecordsFn = Callable[[Sequence[RecordRead], RecordDone], Awaitable[None]]
+ReadRecordsFn = Callable[[StripeLayout, Sequence[RecordRead], RecordDone], Awaitable[None]]
 
 
 class _RecordBatch:
@@ -183,7 +149,6 @@ class _BackendBase:
 
     def __init__(self, depth: int) -> None:
         self._depth = depth
-        self._slots = asyncio.Semaphore(depth)
         self._closed = False
 
     async def _run(self, ops: Sequence[IoOp]) -> list[int]:
@@ -237,6 +202,7 @@ class ThreadBackend(_BackendBase):
 
     def __init__(self, depth: int, threads: int) -> None:
         super().__init__(depth)
+        self._slots = asyncio.Semaphore(depth)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-io")
 
     async def _run(self, ops: Sequence[IoOp]) -> list[int]:
@@ -264,7 +230,15 @@ class ThreadBackend(_BackendBase):
 
 
 class UringBackend(_BackendBase):
-    """kvd.io._uring on the asyncio loop: completions arrive through an eventfd."""
+    """kvd.io._uring on the asyncio loop: completions arrive through an eventfd.
+
+    Room in the ring is ``depth - ring.inflight``. A call whose ops (or
+    records) do not all fit pushes what fits and waits in one line, first
+    come first in, until completions free room; the head of the line is
+    woken when they do, pushes what fits then, and wakes the next once it
+    has pushed everything. A record's ops go in together, so a record needing
+    more room than is free holds the head until enough is.
+    """
 
     name = "uring"
 
@@ -277,11 +251,11 @@ class UringBackend(_BackendBase):
         # (no IPI per completion): see native/kvd_uring.c.
         self.cooperative = self._ring.cooperative
         self._efd = self._ring.eventfd()
-        self._waiting: dict[int, asyncio.Future[int]] = {}
-        # user_data -> (batch, index in it, slots held) of each record read in flight
-        self._records: dict[int, tuple[_RecordBatch, int, int]] = {}
-        self._acquiring = asyncio.Lock()  # one read_records call admits at a time
+        self._waiting: dict[int, asyncio.Future[int]] = {}  # plain ops in flight
+        self._batches: dict[int, _RecordBatch] = {}  # record batches with records in flight
+        self._line: collections.deque[asyncio.Future[None]] = collections.deque()
         self._next_user_data = 0
+        self._next_batch = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_scheduled = False
 
@@ -294,33 +268,72 @@ class UringBackend(_BackendBase):
             raise RuntimeError("uring io backend is bound to another event loop")
         return loop
 
+    def _room(self) -> int:
+        if self._closed:
+            raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
+        return self._depth - self._ring.inflight
+
+    async def _admit(self, push: Callable[[], bool]) -> None:
+        """Call ``push`` (which pushes what fits and says whether all is in)
+        until all is in, waiting in line for room between calls."""
+        if not self._line and push():
+            return
+        # Behind those already waiting; at the front after a partial push.
+        behind = bool(self._line)
+        loop = asyncio.get_running_loop()
+        while True:
+            turn: asyncio.Future[None] = loop.create_future()
+            if behind:
+                self._line.append(turn)
+            else:
+                self._line.appendleft(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn in self._line:
+                    self._line.remove(turn)
+                elif turn.done() and not turn.cancelled():
+                    self._wake()  # woken, then cancelled: the turn passes on
+                raise
+            if push():
+                self._wake()  # room may be left for the next in line
+                return
+            behind = False
+
+    def _wake(self) -> None:
+        """Give the head of the line its turn when the ring has room."""
+        while self._line and self._depth > self._ring.inflight:
+            turn = self._line.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+
     def _push(
         self, loop: asyncio.AbstractEventLoop, ops: Sequence[IoOp]
     ) -> list[asyncio.Future[int]]:
-        """Hand ops (each already holding a semaphore slot) to the ring."""
-        if self._closed:
-            raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
+        """Hand ops (that fit in the room) to the ring."""
         native: list[_uring.Op] = []
         for op in ops:
             bufs = op.bufs[0] if len(op.bufs) == 1 else (tuple(op.bufs) if op.bufs else None)
             user_data = self._next_user_data + len(native)
             native.append((int(op.kind), op.fd, op.offset, bufs, user_data))
         accepted = self._ring.submit(native)
-        # The semaphore admits at most `depth` ops and a ring slot is freed
-        # before its semaphore slot, so the ring always has room.
-        assert accepted == len(native), (accepted, len(native))
+        assert accepted == len(native), (accepted, len(native))  # they fit: see _room
         futs: list[asyncio.Future[int]] = []
         for item in native:
             fut: asyncio.Future[int] = loop.create_future()
             self._waiting[item[4]] = fut
             futs.append(fut)
         self._next_user_data += len(native)
+        self._retry_unsubmitted(loop)
+        return futs
+
+    def _retry_unsubmitted(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._ring.unsubmitted and not self._flush_scheduled:
             # The kernel took part of the batch (EAGAIN under memory
             # pressure); retry in 1 ms rather than spin.
             self._flush_scheduled = True
             loop.call_later(0.001, self._flush)
-        return futs
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -344,111 +357,82 @@ class UringBackend(_BackendBase):
             self._deliver(self._ring.reap(self._depth))
             if before - self._ring.inflight < self._depth:
                 break
+        self._wake()
 
     def _deliver(self, done: list[tuple[int, int]]) -> None:
         for user_data, result in done:
-            fut = self._waiting.pop(user_data, None)
-            if fut is not None:
-                self._slots.release()
+            if user_data < _RECORD_BIT:
+                fut = self._waiting.pop(user_data)
                 if not fut.done():
                     fut.set_result(result)
                 continue
-            batch, index, slots = self._records.pop(user_data)
-            for _ in range(slots):
-                self._slots.release()
-            batch.on_done(index, result)
+            number = (user_data - _RECORD_BIT) >> _RECORD_INDEX_BITS
+            batch = self._batches[number]
+            batch.on_done(user_data & _RECORD_INDEX_MASK, result)
             batch.end()
+            if batch.left == 0:
+                del self._batches[number]
 
     async def _run(self, ops: Sequence[IoOp]) -> list[int]:
         self._check_ops(ops)
         loop = self._bind()
         futs: list[asyncio.Future[int]] = []
-        pending: list[IoOp] = []  # hold a semaphore slot, not yet in the ring
+        pushed = 0
+
+        def push() -> bool:
+            nonlocal pushed
+            take = ops[pushed : pushed + self._room()]
+            if take:
+                futs.extend(self._push(loop, take))
+                pushed += len(take)
+            return pushed == len(ops)
+
         try:
-            for op in ops:
-                if pending and self._slots.locked():
-                    futs += self._push(loop, pending)
-                    pending = []
-                await self._slots.acquire()
-                pending.append(op)
-            if pending:
-                futs += self._push(loop, pending)
-                pending = []
+            await self._admit(push)
         except BaseException:
-            for _ in pending:
-                self._slots.release()
             await _settle(futs)
             raise
         return await _settle(futs)
 
-    def _push_records(
-        self, loop: asyncio.AbstractEventLoop, records: Sequence[RecordRead],
-        batch: _RecordBatch, first: int,
-    ) -> None:  # fmt: skip
-        """Hand records (holding a semaphore slot per op) to the ring in one call;
-        ``first`` is the first one's index in ``batch``."""
-        if self._closed:
-            raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
-        native: list[_uring.Record] = []
-        user_data = self._next_user_data
-        for r in records:
-            ops = [(op.fd, op.offset, op.bufs[0] if len(op.bufs) == 1 else tuple(op.bufs))
-                   for op in r.ops]  # fmt: skip
-            native.append((user_data, ops, r.header, r.payload, r.payload_bytes, r.checksum,
-                           r.seq, r.generation, r.namespace, r.key))  # fmt: skip
-            user_data += 1
-        accepted = self._ring.submit_reads(native)
-        assert accepted == len(native), (accepted, len(native))  # room: see _push
-        for i, r in enumerate(records):
-            self._records[self._next_user_data + i] = (batch, first + i, len(r.ops))
-        self._next_user_data = user_data
-        if self._ring.unsubmitted and not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_later(0.001, self._flush)
-
-    async def read_records(self, records: Sequence[RecordRead], on_done: RecordDone) -> None:
+    async def read_records(
+        self, layout: StripeLayout, records: Sequence[RecordRead], on_done: RecordDone
+    ) -> None:
         """Read and check records; ``on_done(index, status)`` as each one ends
-        (a ``ReadStatus`` or ``-errno``). Returns once every record ended."""
-        if self._closed:
-            raise IoError(errno.ESHUTDOWN, "uring io backend is closed")
+        (a ``ReadStatus`` or ``-errno``). Returns once every record ended.
+
+        Bad input (a field out of range, read-only or too few payload bytes,
+        a record of more ops than the ring holds) raises ValueError or
+        TypeError: nothing of the ring's call that met it went out, and the
+        call returns only after records pushed before it ended."""
         if len(records) > OPS_PER_CALL_MAX:
             raise ValueError(f"at most {OPS_PER_CALL_MAX} records per call, got {len(records)}")
-        for record in records:
-            if not 1 <= len(record.ops) <= self._depth:
-                raise ValueError(f"a record takes 1..{self._depth} ops, got {len(record.ops)}")
-            for op in record.ops:
-                op.check()
+        self._room()  # closed?
         if not records:
             return
         loop = self._bind()
+        number = self._next_batch
+        self._next_batch += 1
+        base = _RECORD_BIT | (number << _RECORD_INDEX_BITS)
         batch = _RecordBatch(on_done, len(records), loop.create_future())
-        pushed = 0  # records in the ring
-        pending: list[RecordRead] = []  # hold their semaphore slots, not yet in the ring
-        held = 0  # slots held for the record being admitted
+        pushed = 0
+        native = layout.native
+
+        def push() -> bool:
+            nonlocal pushed
+            if self._room() > 0:
+                accepted = self._ring.submit_records(native, records, pushed, base + pushed)
+                if accepted and not pushed:
+                    self._batches[number] = batch
+                pushed += accepted
+                self._retry_unsubmitted(loop)
+            return pushed == len(records)
+
         try:
-            # A record's ops go in together, so one call at a time admits
-            # records: two taking turns could each hold part of a record's
-            # slots and wait for the other's. Inside, admitted records go to
-            # the ring before any wait for a slot, so the wait always ends.
-            async with self._acquiring:
-                for record in records:
-                    for _ in record.ops:
-                        if pending and self._slots.locked():
-                            self._push_records(loop, pending, batch, pushed)
-                            pushed += len(pending)
-                            pending = []
-                        await self._slots.acquire()
-                        held += 1
-                    pending.append(record)
-                    held = 0
-                if pending:
-                    self._push_records(loop, pending, batch, pushed)
-                    pushed += len(pending)
-                    pending = []
+            await self._admit(push)
         except BaseException:
-            for _ in range(held + sum(len(r.ops) for r in pending)):
-                self._slots.release()
             batch.end(len(records) - pushed)  # those never went out
+            if batch.left == 0:
+                self._batches.pop(number, None)
             await settle([batch.done])
             raise
         await settle([batch.done])
@@ -469,6 +453,11 @@ class UringBackend(_BackendBase):
                 break
             self._deliver(self._ring.reap(self._depth, self._ring.inflight, 100))
         self._ring.close()
+        # Callers still in line find the backend closed when woken.
+        for turn in self._line:
+            if not turn.done():
+                turn.set_result(None)
+        self._line.clear()
 
 
 def native_record_reads(io: IoBackend) -> ReadRecordsFn | None:

@@ -4,10 +4,9 @@ Each configured path (a regular file on XFS/ext4, or a block device such as
 an NVMe / NVMe-oF namespace or an md RAID0) is opened with O_DIRECT and cut
 into segments of ``segment_bytes``. A logical segment is segment *i* of
 every path, and its bytes are dealt round-robin over the paths in stripes of
-``stripe_bytes``: logical offset L lands on path ``(L // S) % N`` at
-``i * segment_bytes + ((L // S) // N) * S + L % S``. A path's stripes of one
-segment are contiguous there, so any logical range is at most one op per
-path, and a large record is read from every device in parallel.
+``stripe_bytes`` (``kvd.io.ops.StripeLayout``, which the native record reads
+follow too): any logical range is at most one op per path, and a large
+record is read from every device in parallel.
 
 A regular file is created and preallocated to ``bytes_per_path`` (refused,
 and the file removed, when its file system has less free space); a block
@@ -29,7 +28,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvd.io.backend import IoOp, OpKind
+from kvd.io.ops import IoOp, OpKind, StripeLayout
 
 log = logging.getLogger("kvd.l2")
 
@@ -164,6 +163,7 @@ class DeviceSet:
                 "L2 needs at least 2 (raise ssd_bytes or lower ssd_segment_bytes)",
             )
         self.logical_segment_bytes = segment_bytes * len(self.devices)
+        self.layout = StripeLayout(tuple(d.fd for d in self.devices), segment_bytes, stripe_bytes)
 
     @property
     def capacity_bytes(self) -> int:
@@ -177,32 +177,8 @@ class DeviceSet:
         self, kind: OpKind, segment: int, offset: int, bufs: Sequence[memoryview]
     ) -> list[IoOp]:
         """The per-path ops that move ``bufs`` to/from logical ``offset`` of ``segment``."""
-        length = sum(len(b) for b in bufs)
         assert 0 <= segment < self.segment_count
-        assert offset >= 0 and offset + length <= self.logical_segment_bytes, (offset, length)
-        n = len(self.devices)
-        if n == 1 and bufs:  # no striping: one op, the buffers as they are
-            return [IoOp(kind, self.devices[0].fd, segment * self.segment_bytes + offset, bufs)]
-        stripe = self.stripe_bytes
-        per_device: list[list[memoryview]] = [[] for _ in range(n)]
-        start: list[int] = [-1] * n
-        pieces = _Cursor(bufs)
-        pos = offset
-        end = offset + length
-        while pos < end:
-            index = pos // stripe
-            device = index % n
-            take = min(end, (index + 1) * stripe) - pos
-            if start[device] < 0:
-                row = index // n
-                start[device] = segment * self.segment_bytes + row * stripe + pos % stripe
-            per_device[device].extend(pieces.take(take))
-            pos += take
-        return [
-            IoOp(kind, self.devices[d].fd, start[d], per_device[d])
-            for d in range(n)
-            if per_device[d]
-        ]
+        return self.layout.ops(kind, segment, offset, bufs)
 
     def fds(self) -> list[int]:
         return [d.fd for d in self.devices]
@@ -221,28 +197,6 @@ class DeviceSet:
                 os.close(fd)
         self.devices = []
         self._locks = []
-
-
-class _Cursor:
-    """Takes consecutive byte ranges out of a list of views."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = views
-        self._index = 0
-        self._pos = 0
-
-    def take(self, nbytes: int) -> list[memoryview]:
-        out = []
-        while nbytes:
-            view = self._views[self._index]
-            step = min(nbytes, len(view) - self._pos)
-            out.append(view[self._pos : self._pos + step])
-            self._pos += step
-            nbytes -= step
-            if self._pos == len(view):
-                self._index += 1
-                self._pos = 0
-        return out
 
 
 class AlignedBuffer:

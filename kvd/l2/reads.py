@@ -3,11 +3,13 @@
 The store issues one read per value (a get, a promotion, a prefetch), many
 of them in the same turn of the loop. ``RecordReads`` collects them and, on
 the next turn, hands the whole batch to the io backend in one call: with
-kvd.io._uring (``native_record_reads``) the ring submits every op in one
-syscall and checks each record's header and checksum in C, without the
-GIL, as it completes; otherwise the ops go through ``submit_many`` and each
-record is checked here with ``format.check_record``. Which one runs is
-chosen when the tier starts and logged on ``kvd.l2``.
+kvd.io._uring (``native_record_reads``) the ring cuts each record into one
+op per path it is striped over, submits every op in one syscall, and checks
+each record's header and checksum in C, without the GIL, as it completes;
+otherwise this module cuts the ops (``StripeLayout.ops``), lands headers in
+buffers of its own, sends the ops through ``submit_many`` and checks each
+record with ``format.check_record``. Which one runs is chosen when the tier
+starts and logged on ``kvd.l2``.
 
 At 64 KiB a read's Python work, not the device, set the pace (kvd bench l2:
 ~12-14k reads/s at any depth, 0.1-0.2x fio on a RAM-backed loop device), so
@@ -22,13 +24,16 @@ from collections.abc import Sequence
 
 from kvd.io.backend import (
     IoBackend,
+    OpKind,
     ReadRecordsFn,
     ReadStatus,
     RecordDone,
     RecordRead,
+    StripeLayout,
     native_record_reads,
 )
-from kvd.l2.format import check_record
+from kvd.l2.devices import AlignedBuffer
+from kvd.l2.format import HEADER_BYTES_MAX, check_record
 from kvd.util.aio import settle
 
 log = logging.getLogger("kvd.l2")
@@ -53,15 +58,17 @@ class _Turn:
 class RecordReads:
     """Batches record reads into one backend call per loop turn."""
 
-    def __init__(self, io: IoBackend, checks: str = "auto") -> None:
+    def __init__(self, io: IoBackend, layout: StripeLayout, checks: str = "auto") -> None:
         if checks not in CHECKS:
             raise ValueError(f"record checks must be one of {CHECKS}, got {checks!r}")
         native = native_record_reads(io) if checks == "auto" else None
         self._run: ReadRecordsFn = native if native is not None else self._read_checked
         self.native = native is not None
         self._io = io
+        self._layout = layout
         self._turn: _Turn | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._headers: list[AlignedBuffer] = []  # the Python path's header buffers
         if self.native:
             log.info("L2 record reads: batched, checked in C (kvd.io._uring)")
         else:
@@ -97,7 +104,7 @@ class RecordReads:
 
         for start in range(0, len(records), BATCH_RECORDS_MAX):
             chunk = records[start : start + BATCH_RECORDS_MAX]
-            await self._run(chunk, done if start == 0 else _shifted(done, start))
+            await self._run(self._layout, chunk, done if start == 0 else _shifted(done, start))
         return statuses
 
     def _flush(self) -> None:
@@ -121,7 +128,7 @@ class RecordReads:
                 fut.set_result(status)
 
         try:
-            await self._run(records, done)
+            await self._run(self._layout, records, done)
         except asyncio.CancelledError:
             # Only at shutdown; the backend returned after its ops ended.
             for fut in futs:
@@ -132,24 +139,43 @@ class RecordReads:
                 if not fut.done():
                     fut.set_exception(exc)
 
-    async def _read_checked(self, records: Sequence[RecordRead], on_done: RecordDone) -> None:
+    async def _read_checked(
+        self, layout: StripeLayout, records: Sequence[RecordRead], on_done: RecordDone
+    ) -> None:
         """The plain-Python path: every op in one ``submit_many``, checks here."""
-        ops = [op for record in records for op in record.ops]
-        results = iter(await self._io.submit_many(ops))
-        for index, record in enumerate(records):
-            status: int = ReadStatus.OK
-            for op in record.ops:
-                result = next(results)
-                if status == ReadStatus.OK and result < 0:
-                    status = result
-                elif status == ReadStatus.OK and result != sum(len(b) for b in op.bufs):
-                    status = ReadStatus.SHORT
-            if status == ReadStatus.OK:
-                status = check_record(
-                    record.header, record.payload, record.payload_bytes, record.checksum,
-                    record.seq, record.generation, record.namespace, record.key,
-                )  # fmt: skip
-            on_done(index, int(status))
+        headers = [self._headers.pop() if self._headers else AlignedBuffer(HEADER_BYTES_MAX)
+                   for _ in records]  # fmt: skip
+        try:
+            views = [h.view[: r.header_bytes] for h, r in zip(headers, records, strict=True)]
+            per_record = [
+                layout.ops(OpKind.READ, r.segment, r.offset, [view, *r.payload])
+                for r, view in zip(records, views, strict=True)
+            ]
+            results = iter(await self._io.submit_many([op for ops in per_record for op in ops]))
+            for index, (record, ops, view) in enumerate(zip(records, per_record, views,
+                                                            strict=True)):  # fmt: skip
+                status: int = ReadStatus.OK
+                for op in ops:
+                    result = next(results)
+                    if status == ReadStatus.OK and result < 0:
+                        status = result
+                    elif status == ReadStatus.OK and result != sum(len(b) for b in op.bufs):
+                        status = ReadStatus.SHORT
+                if status == ReadStatus.OK:
+                    status = check_record(
+                        view, record.payload, record.payload_bytes, record.checksum,
+                        record.seq, record.generation, record.namespace.encode(), record.key,
+                    )  # fmt: skip
+                on_done(index, int(status))
+            per_record.clear()
+            views.clear()
+        finally:
+            self._headers += headers
+
+    def close(self) -> None:
+        for header in self._headers:
+            header.close()
+        self._headers = []
 
 
 def _shifted(done: RecordDone, offset: int) -> RecordDone:

@@ -69,7 +69,7 @@ class L2Tier:
     def __init__(self, devices: DeviceSet, io: IoBackend, record_checks: str = "auto") -> None:
         self.devices = devices
         self.io = io
-        self.reads = RecordReads(io, record_checks)
+        self.reads = RecordReads(io, devices.layout, record_checks)
         self.counters = L2Counters()
         self.index: dict[Key, L2Record] = {}
         self.segments = [Segment(i) for i in range(devices.segment_count)]
@@ -341,13 +341,11 @@ class L2Tier:
         record and is counted. Reads of one loop turn go out as one batch.
         """
         segment = self.segments[record.segment]
-        buffer = self._header_buffer()
         segment.io_inflight += 1
         try:
-            status = await self.reads.read(self._record_read(record, segment, buffer, views))
+            status = await self.reads.read(_record_read(record, segment, views))
         finally:
             segment.io_inflight -= 1
-            self._buffers.append(buffer)
             self._io_done.set()
         error = self._outcome(record, status)
         if error is not None:
@@ -358,33 +356,20 @@ class L2Tier:
     ) -> list[Exception | None]:
         """``read`` for many records in one backend call: per item None, or the
         exception ``read`` would have raised (ChecksumMismatch or IoError)."""
-        segments: list[Segment] = []
-        buffers: list[AlignedBuffer] = []
+        segments = self.segments
+        reads: list[RecordRead] = []
         try:
-            reads = []
             for record, views in items:
-                segment = self.segments[record.segment]
+                segment = segments[record.segment]
+                reads.append(_record_read(record, segment, views))
                 segment.io_inflight += 1
-                segments.append(segment)
-                buffers.append(self._header_buffer())
-                reads.append(self._record_read(record, segment, buffers[-1], views))
             statuses = await self.reads.read_batch(reads)
         finally:
-            for segment in segments:
-                segment.io_inflight -= 1
-            self._buffers += buffers
+            for read in reads:
+                segments[read.segment].io_inflight -= 1
             self._io_done.set()
-        return [self._outcome(r, status) for (r, _), status in zip(items, statuses, strict=True)]
-
-    def _record_read(
-        self, record: L2Record, segment: Segment, buffer: AlignedBuffer,
-        views: Sequence[memoryview],
-    ) -> RecordRead:  # fmt: skip
-        assert sum(len(v) for v in views) == record.read_bytes
-        header = buffer.view[: record.header_bytes]
-        ops = self.devices.ops(OpKind.READ, record.segment, record.offset, [header, *views])
-        return RecordRead(ops, header, views, record.size, record.checksum, record.seq,
-                          segment.generation, record.namespace.encode(), record.key)  # fmt: skip
+        outcome = self._outcome
+        return [outcome(r, status) for (r, _), status in zip(items, statuses, strict=True)]
 
     def _outcome(self, record: L2Record, status: int) -> Exception | None:
         """Count a finished read; a failed one drops its record and becomes an error."""
@@ -550,3 +535,12 @@ class L2Tier:
         for buffer in self._buffers:
             buffer.close()
         self._buffers = []
+        self.reads.close()
+
+
+def _record_read(record: L2Record, segment: Segment, views: Sequence[memoryview]) -> RecordRead:
+    """What the io backend needs to read ``record`` into ``views`` and check it."""
+    assert sum(len(v) for v in views) == record.read_bytes
+    return RecordRead(record.segment, record.offset, record.header_bytes, views, record.size,
+                      record.checksum, record.seq, segment.generation, record.namespace,
+                      record.key)  # fmt: skip

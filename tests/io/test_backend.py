@@ -23,7 +23,16 @@ from typing import TypeVar
 import pytest
 
 from kvd.io import backend as iobackend
-from kvd.io.backend import IoBackend, IoError, IoOp, OpKind, native_available, open_backend
+from kvd.io.backend import (
+    IoBackend,
+    IoError,
+    IoOp,
+    OpKind,
+    RecordRead,
+    StripeLayout,
+    native_available,
+    open_backend,
+)
 from kvd.tools.bench import backends as bench_io
 
 PAGE_BYTES = 64 * 1024
@@ -333,6 +342,95 @@ def test_uring_completions_wake_a_sleeping_loop(arena: memoryview) -> None:
         run_with("uring", body)
     finally:
         writer.cancel()
+        os.close(rfd)
+        os.close(wfd)
+
+
+@needs_native
+def test_uring_admits_first_come_first_in(arena: memoryview) -> None:
+    """A record of three ops waiting for room is not overtaken by a single op
+    that would fit: the line is first come, first in."""
+    held = [os.pipe(), os.pipe()]
+    striped, late = os.pipe(), os.pipe()
+    layout = StripeLayout((striped[0],) * 3, 1 << 20, 4096)
+    record = RecordRead(0, 0, 4096, [pages(arena, 1, 1)[:8192]], 8192, 0, 1, 1, "ns", b"k")
+    order: list[str] = []
+
+    async def body(backend: IoBackend) -> None:
+        assert isinstance(backend, iobackend.UringBackend)
+        ring = backend._ring
+        holders = [asyncio.create_task(backend.read(held[i][0], 0, [pages(arena, 2 + i, 1)]))
+                   for i in range(2)]  # fmt: skip
+        await asyncio.sleep(0.02)
+        assert ring.inflight == 2  # one slot left: the record needs three
+
+        def done(index: int, status: int) -> None:
+            order.append("record")
+
+        reading = asyncio.create_task(backend.read_records(layout, [record], done))
+        await asyncio.sleep(0.02)
+        single = asyncio.create_task(backend.read(late[0], 0, [pages(arena, 5, 1)]))
+        await asyncio.sleep(0.02)
+        assert ring.inflight == 2  # both wait in line: the single op behind the record
+        for pipe in held:
+            os.write(pipe[1], b"x")
+        await asyncio.wait_for(asyncio.gather(*holders), TEST_TIMEOUT_S)
+        await asyncio.sleep(0.02)
+        assert ring.inflight == 3  # the record's three ops went in; the single op waits
+        assert not single.done()
+        os.write(striped[1], b"y" * 3 * 4096)
+        await asyncio.wait_for(reading, TEST_TIMEOUT_S)
+        os.write(late[1], b"z")
+        assert await asyncio.wait_for(single, TEST_TIMEOUT_S) == 1
+        order.append("single")
+
+    try:
+        run_with("uring", body, depth=3)
+    finally:
+        for pipe in (*held, striped, late):
+            os.close(pipe[0])
+            os.close(pipe[1])
+    assert order == ["record", "single"]
+
+
+@needs_native
+def test_uring_line_survives_cancel_and_close(arena: memoryview) -> None:
+    rfd, wfd = os.pipe()
+
+    async def body(backend: IoBackend) -> None:
+        assert isinstance(backend, iobackend.UringBackend)
+        blocker = asyncio.create_task(backend.read(rfd, 0, [pages(arena, 0, 1)]))
+        await asyncio.sleep(0.02)
+        waiting = [asyncio.create_task(backend.read(rfd, 0, [pages(arena, 1 + i, 1)]))
+                   for i in range(3)]  # fmt: skip
+        await asyncio.sleep(0.02)
+        assert len(backend._line) == 3
+        waiting[0].cancel()  # leaves the line; nothing of it went out
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[0]
+        assert len(backend._line) == 2
+        os.write(wfd, b"a")
+        assert await asyncio.wait_for(blocker, TEST_TIMEOUT_S) == 1
+        await asyncio.sleep(0.02)
+        assert len(backend._line) == 1  # the next one went in; the last waits
+        os.write(wfd, b"b")
+        assert await asyncio.wait_for(waiting[1], TEST_TIMEOUT_S) == 1
+        os.write(wfd, b"c")
+        assert await asyncio.wait_for(waiting[2], TEST_TIMEOUT_S) == 1
+        # Closed while a caller waits in line: it is told, not stranded.
+        blocker = asyncio.create_task(backend.read(rfd, 0, [pages(arena, 0, 1)]))
+        late = asyncio.create_task(backend.read(rfd, 0, [pages(arena, 1, 1)]))
+        await asyncio.sleep(0.02)
+        os.write(wfd, b"d")  # the ring's read completes as close() drains it
+        backend.close()
+        assert await asyncio.wait_for(blocker, TEST_TIMEOUT_S) == 1
+        with pytest.raises(IoError) as info:
+            await asyncio.wait_for(late, TEST_TIMEOUT_S)
+        assert info.value.errno == errno.ESHUTDOWN
+
+    try:
+        run_with("uring", body, depth=1)
+    finally:
         os.close(rfd)
         os.close(wfd)
 

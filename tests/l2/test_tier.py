@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.io.backend import IoBackend, IoOp, OpKind, RecordDone, RecordRead
+from kvd.io.backend import IoBackend, IoOp, OpKind, RecordDone, RecordRead, StripeLayout
 from kvd.l2 import tier as tier_module
 from kvd.l2.format import RECORD_ALIGN_BYTES
 from kvd.l2.records import ChecksumMismatch, L2Full, SegmentState
@@ -169,9 +169,11 @@ async def test_concurrent_reads_go_out_as_one_batch(small: Env) -> None:
     batches: list[int] = []
     run = tier.reads._run
 
-    async def counted(batch: Sequence[RecordRead], on_done: RecordDone) -> None:
+    async def counted(
+        layout: StripeLayout, batch: Sequence[RecordRead], on_done: RecordDone
+    ) -> None:
         batches.append(len(batch))
-        await run(batch, on_done)
+        await run(layout, batch, on_done)
 
     tier.reads._run = counted
     got = await asyncio.gather(*(get(tier, r) for r in records if r is not None))
@@ -221,9 +223,13 @@ async def test_striped_reads_go_out_together(tmp_path: Path, kind: str) -> None:
         calls: list[list[int]] = []
         run = tier.reads._run
 
-        async def counted(batch: Sequence[RecordRead], on_done: RecordDone) -> None:
-            calls.append([len({op.fd for op in r.ops}) for r in batch])
-            await run(batch, on_done)
+        async def counted(
+            layout: StripeLayout, batch: Sequence[RecordRead], on_done: RecordDone
+        ) -> None:
+            calls.append([len({op.fd for op in layout.ops(
+                OpKind.READ, r.segment, r.offset, [memoryview(bytes(r.header_bytes)), *r.payload]
+            )}) for r in batch])  # fmt: skip
+            await run(layout, batch, on_done)
 
         tier.reads._run = counted
         got = await asyncio.gather(*(get(tier, r) for r in records))
