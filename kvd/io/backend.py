@@ -369,9 +369,11 @@ class UringBackend(_BackendBase):
             number = (user_data - _RECORD_BIT) >> _RECORD_INDEX_BITS
             batch = self._batches[number]
             batch.on_done(user_data & _RECORD_INDEX_MASK, result)
-            batch.end()
+            batch.left -= 1
             if batch.left == 0:
                 del self._batches[number]
+                if not batch.done.done():
+                    batch.done.set_result(None)
 
     async def _run(self, ops: Sequence[IoOp]) -> list[int]:
         self._check_ops(ops)
@@ -435,7 +437,15 @@ class UringBackend(_BackendBase):
                 self._batches.pop(number, None)
             await settle([batch.done])
             raise
-        await settle([batch.done])
+        try:
+            await batch.done
+        except asyncio.CancelledError:
+            # That cancelled batch.done; wait for the records still out on a
+            # fresh one (settle absorbs further cancels), then re-raise.
+            if batch.left:
+                batch.done = loop.create_future()
+                await settle([batch.done])
+            raise
 
     def close(self) -> None:
         """Stop taking ops, deliver the results of ops in flight, free the ring.

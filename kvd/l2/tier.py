@@ -368,8 +368,17 @@ class L2Tier:
             for read in reads:
                 segments[read.segment].io_inflight -= 1
             self._io_done.set()
-        outcome = self._outcome
-        return [outcome(r, status) for (r, _), status in zip(items, statuses, strict=True)]
+        counters = self.counters
+        counters.reads += len(reads)
+        errors: list[Exception | None] = [None] * len(reads)
+        for index, status in enumerate(statuses):
+            record = items[index][0]
+            if status == ReadStatus.OK:
+                counters.read_bytes += record.size
+            else:
+                counters.reads -= 1  # _outcome counts it
+                errors[index] = self._outcome(record, status)
+        return errors
 
     def _outcome(self, record: L2Record, status: int) -> Exception | None:
         """Count a finished read; a failed one drops its record and becomes an error."""
@@ -539,8 +548,10 @@ class L2Tier:
 
 
 def _record_read(record: L2Record, segment: Segment, views: Sequence[memoryview]) -> RecordRead:
-    """What the io backend needs to read ``record`` into ``views`` and check it."""
-    assert sum(len(v) for v in views) == record.read_bytes
+    """What the io backend needs to read ``record`` into ``views`` (``record.read_bytes``
+    long) and check it. Views shorter than the value are refused by the native
+    ring and a short read to the Python checks; a read past the segment is
+    refused by both."""
     return RecordRead(record.segment, record.offset, record.header_bytes, views, record.size,
                       record.checksum, record.seq, segment.generation, record.namespace,
                       record.key)  # fmt: skip
