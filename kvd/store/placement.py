@@ -99,14 +99,18 @@ class Placement:
         The first record's pages may wait for eviction; the others' are
         taken only when free at once, so that no batch waits holding pages.
         """
-        loop = asyncio.get_running_loop()
+        # One future for the batch's promotions: a get of one of its keys
+        # waits for the whole read (one backend call) either way.
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         batch: list[tuple[int, L2Record, list[Run]]] = []
-        promotions: list[tuple[tuple[str, bytes], asyncio.Future[None]]] = []
+        promotions: list[tuple[str, bytes]] = []
+        views: list[tuple[L2Record, list[memoryview]]] = []
         batch_bytes = taken = 0
         try:
             for index, record in records:
                 pk = (record.namespace, record.key)
-                if batch and batch_bytes + record.read_bytes > FETCH_BATCH_BYTES_MAX:
+                read_bytes = record.read_bytes
+                if batch and batch_bytes + read_bytes > FETCH_BATCH_BYTES_MAX:
                     break
                 if pk in self.promotions or not record.live:
                     # Another get began reading it while this batch waited for
@@ -120,15 +124,14 @@ class Placement:
                 )
                 if runs is None:
                     break
-                done: asyncio.Future[None] = loop.create_future()
                 self.promotions[pk] = done
-                promotions.append((pk, done))
+                promotions.append(pk)
                 batch.append((index, record, runs))
-                batch_bytes += record.read_bytes
+                views.append((record, self.pool.views(runs, read_bytes)))
+                batch_bytes += read_bytes
                 taken += 1
-            errors = await self.l2.read_many(
-                [(r, self.pool.views(runs, r.read_bytes)) for _, r, runs in batch]
-            )
+            errors = await self.l2.read_many(views)
+            views.clear()
             read, batch = batch, []
             for (index, record, runs), error in zip(read, errors, strict=True):
                 entry = None
@@ -144,11 +147,12 @@ class Placement:
                     readers[index] = self._reader(entry, TIER_L2)
             return taken
         finally:
+            views.clear()
             for _, _, runs in batch:  # not read: cancelled, or the backend failed
                 self.pool.free(runs)
-            for pk, done in promotions:
+            for pk in promotions:
                 del self.promotions[pk]
-                done.set_result(None)
+            done.set_result(None)
 
     def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:
         """The L2 record of a value that is not in L1 and not being read into
