@@ -76,8 +76,6 @@ def _grpc(args: argparse.Namespace) -> int:
 
 
 def _l2(args: argparse.Namespace) -> int:
-    import contextlib
-
     from kvd.config.sizes import parse_size
     from kvd.tools.bench import l2_read, ramdisk
 
@@ -87,17 +85,18 @@ def _l2(args: argparse.Namespace) -> int:
         "read_paths": args.paths or l2_read.READ_PATHS,
         "seconds": args.seconds,
     }
-    with contextlib.ExitStack() as stack:
-        if args.ramdisk:
-            made = stack.enter_context(
-                ramdisk.ramdisks(args.ramdisk_count, parse_size(args.ramdisk), args.ramdisk_fs)
-            )
-            on_fs = args.ramdisk_fs != "none"
-            target = l2_read.Target.of(made if on_fs else [], [] if on_fs else made)
-            _progress(f"ramdisks: {', '.join(made)}")
-        else:
-            target = l2_read.Target.of([args.dir], args.device)
-        rows = l2_read.run(target, _progress, **options)
+    rows = []
+    if args.ramdisk:
+        read_bps = parse_size(args.ramdisk_read_bps) if args.ramdisk_read_bps else 0
+        for count in args.ramdisk_count:
+            with ramdisk.ramdisks(count, parse_size(args.ramdisk), args.ramdisk_fs,
+                                  read_bps) as made:  # fmt: skip
+                on_fs = args.ramdisk_fs != "none"
+                target = l2_read.Target.of(made if on_fs else [], [] if on_fs else made)
+                _progress(f"ramdisks: {', '.join(made)}")
+                rows += l2_read.run(target, _progress, **options)
+    else:
+        rows = l2_read.run(l2_read.Target.of([args.dir], args.device), _progress, **options)
     table = l2_read.markdown(rows)
     data = {"suite": "l2", "machine": machine(), "rows": [r.as_dict() for r in rows]}
     path = write_results("l2", data, table, Path(args.out))
@@ -260,7 +259,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="SIZE",
         help="make RAM-backed loop devices of SIZE (e.g. 2GiB) for the run (root)",
     )
-    l2_cmd.add_argument("--ramdisk-count", type=int, default=1, help="how many (striped)")
+    l2_cmd.add_argument(
+        "--ramdisk-count",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="how many (striped); several counts run one after the other (1 2 4)",
+    )
+    l2_cmd.add_argument(
+        "--ramdisk-read-bps",
+        default="",
+        metavar="SIZE",
+        help="cap each ramdisk's reads at SIZE a second (e.g. 1GiB), as each SSD of a "
+        "RAID0 has its own bandwidth, so striping shows; fio runs under the same cap",
+    )
     l2_cmd.add_argument(
         "--ramdisk-fs",
         default="none",

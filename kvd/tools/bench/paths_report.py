@@ -105,9 +105,11 @@ def markdown(rows: list[Row]) -> str:
             else:
                 cells.append(f"{match[0].gbps:.2f}")
         lines.append(f"| {path} | {op} | {clients} | " + " | ".join(cells) + " |")
+    lines += ["", "GB/s, aggregate over the clients. One client's mean time per op, in µs:", ""]
+    lines += latency_lines(rows, sizes)
     lines += [
         "",
-        "GB/s, aggregate over the clients. Targets, then L2-cold gets against fio:",
+        "Targets, then L2-cold gets against fio:",
         "",
         "| target | ratio | needs | met |",
         "|---|---|---|---|",
@@ -119,6 +121,23 @@ def markdown(rows: list[Row]) -> str:
         met = "" if item["met"] is None else item["met"]
         lines.append(f"| {item['target']} | {shown} | {needs} | {met} |")
     return "\n".join(lines)
+
+
+def latency_lines(rows: list[Row], sizes: list[int]) -> list[str]:
+    """A table of one client's mean µs per op (size / GB/s), per path and op."""
+    lines = ["| path | op | " + " | ".join(size_label(s) for s in sizes) + " |",
+             "|" + "---|" * (len(sizes) + 2)]  # fmt: skip
+    seen: list[tuple[str, str]] = []
+    for r in rows:
+        if r.clients == 1 and r.path not in ("memcpy", "fio") and (r.path, r.op) not in seen:
+            seen.append((r.path, r.op))
+    for path, op in seen:
+        cells = []
+        for size in sizes:
+            gbps = _find(rows, path, op, size)
+            cells.append("" if not gbps else f"{size / gbps / 1e3:.1f}")
+        lines.append(f"| {path} | {op} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # Lines of the chart's panels: (path, op, matplotlib style, label).

@@ -8,6 +8,12 @@ SSD whose speed the VM's own disk hides. ``ramdisks`` makes ``count`` of
 them (optionally with ext4 on each, mounted), yields their paths, and takes
 everything down again however the bench ends. It needs root and losetup;
 anything it cannot do raises ``RamdiskError`` with the reason.
+
+A RAM-backed device is faster than the two cores that drive it, so N of them
+read no faster than one. ``read_bps`` caps each device's reads (the kernel's
+block throttle: a blkio cgroup, or io.max under cgroup v2, that this
+process joins for the run, fio included), as each SSD of a RAID0 has its own
+bandwidth: then striping over N devices shows as N times one's throughput.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 RAMDISKS_MAX = 8
 COMMAND_TIMEOUT_S = 60
 FILESYSTEMS = ("none", "ext4")
@@ -60,9 +67,12 @@ def check_can_make(count: int, size_bytes: int) -> None:
 
 
 @contextlib.contextmanager
-def ramdisks(count: int, size_bytes: int, fs: str = "none") -> Iterator[list[str]]:
+def ramdisks(
+    count: int, size_bytes: int, fs: str = "none", read_bps: int = 0
+) -> Iterator[list[str]]:
     """Yield ``count`` RAM-backed devices: ``/dev/loopN`` paths (fs ``none``) or
-    the directories where each one's ext4 is mounted (fs ``ext4``)."""
+    the directories where each one's ext4 is mounted (fs ``ext4``), each read
+    at most ``read_bps`` bytes a second by this process when that is not 0."""
     if fs not in FILESYSTEMS:
         raise RamdiskError(f"ramdisk file system must be one of {FILESYSTEMS}, got {fs!r}")
     check_can_make(count, size_bytes)
@@ -71,13 +81,15 @@ def ramdisks(count: int, size_bytes: int, fs: str = "none") -> Iterator[list[str
     with contextlib.ExitStack() as undo:
         backing = Path(tempfile.mkdtemp(prefix="kvd-ramdisk-", dir=SHM_DIR))
         undo.callback(shutil.rmtree, backing, True)
-        paths = []
+        paths: list[str] = []
+        devices: list[str] = []
         for i in range(count):
             image = backing / f"disk{i}.img"
             with open(image, "wb") as file:
                 file.truncate(size_bytes)
             device = _run("losetup", "--find", "--show", "--direct-io=on", str(image))
             undo.callback(_run, "losetup", "--detach", device)
+            devices.append(device)
             if fs == "none":
                 paths.append(device)
                 continue
@@ -87,4 +99,42 @@ def ramdisks(count: int, size_bytes: int, fs: str = "none") -> Iterator[list[str
             _run("mount", device, str(mount))
             undo.callback(_run, "umount", str(mount))
             paths.append(str(mount))
+        if read_bps:
+            undo.enter_context(_read_throttled(devices, read_bps))
         yield paths
+
+
+@contextlib.contextmanager
+def _read_throttled(devices: list[str], read_bps: int) -> Iterator[None]:
+    """This process (and what it starts) in a cgroup that caps its reads of
+    each device at ``read_bps``; back where it was afterwards."""
+    numbers = [f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+               for st in (os.stat(d) for d in devices)]  # fmt: skip
+    v1 = CGROUP_ROOT / "blkio"
+    if (v1 / "blkio.throttle.read_bps_device").exists():
+        group, limit_file = v1 / f"kvd-bench-{os.getpid()}", "blkio.throttle.read_bps_device"
+        lines = [f"{number} {read_bps}" for number in numbers]
+        home = v1
+    else:
+        unified = CGROUP_ROOT if (CGROUP_ROOT / "cgroup.controllers").exists() else None
+        if unified is None or "io" not in (unified / "cgroup.controllers").read_text().split():
+            raise RamdiskError("no block throttle here (neither a blkio cgroup nor cgroup v2 io)")
+        group, limit_file = unified / f"kvd-bench-{os.getpid()}", "io.max"
+        lines = [f"{number} rbps={read_bps}" for number in numbers]
+        home = unified
+        with contextlib.suppress(OSError):
+            (unified / "cgroup.subtree_control").write_text("+io")
+    try:
+        group.mkdir()
+        for line in lines:
+            (group / limit_file).write_text(line)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        raise RamdiskError(f"cannot throttle reads in {group}: {exc}") from exc
+    try:
+        yield
+    finally:
+        (home / "cgroup.procs").write_text(str(os.getpid()))
+        group.rmdir()

@@ -87,3 +87,30 @@ def test_bad_bench_settings_are_refused(tmp_path: Path) -> None:
         pass
     with pytest.raises(ramdisk.RamdiskError, match="count"):
         ramdisk.check_can_make(0, MiB)
+
+
+def _cgroups() -> str:
+    return Path("/proc/self/cgroup").read_text()
+
+
+@needs_root
+def test_ramdisk_reads_can_be_capped_per_device() -> None:
+    """``read_bps`` puts this process in a throttled cgroup for the run (each
+    device's limit written there), and takes it out again."""
+    if not (ramdisk.CGROUP_ROOT / "blkio" / "blkio.throttle.read_bps_device").exists() and not (
+        ramdisk.CGROUP_ROOT / "cgroup.controllers"
+    ).exists():
+        pytest.skip("no block throttle on this machine")
+    before = _cgroups()
+    with ramdisk.ramdisks(2, 64 * MiB, "none", read_bps=100 * MiB) as made:
+        inside = _cgroups()
+        assert inside != before and f"kvd-bench-{os.getpid()}" in inside
+        group = next(ramdisk.CGROUP_ROOT.rglob(f"kvd-bench-{os.getpid()}"))
+        limits = "".join(p.read_text() for p in group.iterdir()
+                         if p.name in ("blkio.throttle.read_bps_device", "io.max"))  # fmt: skip
+        for device in made:
+            st = os.stat(device)
+            assert f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" in limits
+        assert str(100 * MiB) in limits
+    assert _cgroups() == before
+    assert not list(ramdisk.CGROUP_ROOT.rglob(f"kvd-bench-{os.getpid()}"))
