@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -59,35 +59,58 @@ LATENCY_BUCKETS_S = (
 )
 
 
+M = TypeVar("M", Counter, Histogram)
+
+
+class Children(Generic[M]):
+    """A labelled metric whose children are looked up once per label set: a
+    shm get updates six of them, and prometheus_client's ``labels()`` checks
+    and locks on every call (an update took 1.25 µs through it, 0.58 µs
+    cached, here). The label sets of these metrics are fixed (ops, tiers,
+    codes, reasons), so the cache is bounded."""
+
+    __slots__ = ("_children", "metric")
+
+    def __init__(self, metric: M) -> None:
+        self.metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def labels(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "kvd_requests", "RPCs finished, by op and status code", ["op", "code"], registry=r
+        self.requests = Children(
+            Counter("kvd_requests", "RPCs finished, by op and status code", ["op", "code"],
+                    registry=r)
+        )  # fmt: skip
+        self.latency = Children(
+            Histogram("kvd_request_duration_seconds", "RPC latency by op", ["op"],
+                      buckets=LATENCY_BUCKETS_S, registry=r)
+        )  # fmt: skip
+        self.hits = Children(
+            Counter("kvd_hits", "Keys found, by op and tier", ["op", "tier"], registry=r)
         )
-        self.latency = Histogram(
-            "kvd_request_duration_seconds",
-            "RPC latency by op",
-            ["op"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.hits = Counter("kvd_hits", "Keys found, by op and tier", ["op", "tier"], registry=r)
-        self.misses = Counter("kvd_misses", "Keys not found, by op", ["op"], registry=r)
-        self.bytes = Counter(
-            "kvd_bytes", "Value bytes moved, by op and direction", ["op", "direction"], registry=r
-        )
-        self.rejected = Counter(
-            "kvd_rejected_requests", "Requests refused, by reason", ["reason"], registry=r
-        )
-        self.fetch_latency = Histogram(
-            "kvd_fetch_duration_seconds",
-            "Store reads by op and the tier that served them (l1, l2, miss)",
-            ["op", "tier"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
+        self.misses = Children(Counter("kvd_misses", "Keys not found, by op", ["op"], registry=r))
+        self.bytes = Children(
+            Counter("kvd_bytes", "Value bytes moved, by op and direction", ["op", "direction"],
+                    registry=r)
+        )  # fmt: skip
+        self.rejected = Children(
+            Counter("kvd_rejected_requests", "Requests refused, by reason", ["reason"],
+                    registry=r)
+        )  # fmt: skip
+        self.fetch_latency = Children(
+            Histogram("kvd_fetch_duration_seconds",
+                      "Store reads by op and the tier that served them (l1, l2, miss)",
+                      ["op", "tier"], buckets=LATENCY_BUCKETS_S, registry=r)
+        )  # fmt: skip
         self.reloads = Counter(
             "kvd_reloads", "SIGHUP reloads, by result (ok, error)", ["result"], registry=r
         )
