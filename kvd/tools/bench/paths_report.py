@@ -24,7 +24,21 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else a / b
 
-    out = []
+    kib64 = 64 << 10
+    out = [
+        {
+            "target": "shm get 64 KiB / redis get",
+            "ratio": ratio(_find(rows, "shm", "get", kib64), _find(rows, "redis", "get", kib64)),
+            "threshold": 2.0,
+        },
+        {
+            "target": "shm get-batch 64 KiB / memcpy",
+            "ratio": ratio(
+                _find(rows, "shm", "get-batch", kib64), _find(rows, "memcpy", "copy", kib64)
+            ),
+            "threshold": 0.2,
+        },
+    ]
     for op in ("get", "get-batch"):
         for size in (4 * mib, 32 * mib):
             out.append(
@@ -33,7 +47,7 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                     "ratio": ratio(
                         _find(rows, "shm", op, size), _find(rows, "memcpy", "copy", size)
                     ),
-                    "threshold": 0.8,
+                    "threshold": 0.9,
                 }
             )
     bulk4 = _find(rows, "bulk", "get", 4 * mib)
@@ -41,7 +55,7 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
         {
             "target": "bulk get 4 MiB / loopback TCP",
             "ratio": ratio(bulk4, _find(rows, "tcp", "get", 4 * mib)),
-            "threshold": 0.8,
+            "threshold": 0.9,
         },
         {
             "target": "bulk get 4 MiB / redis get",
