@@ -369,14 +369,13 @@ class L2Tier:
                 segments[read.segment].io_inflight -= 1
             self._io_done.set()
         counters = self.counters
-        counters.reads += len(reads)
         errors: list[Exception | None] = [None] * len(reads)
         for index, status in enumerate(statuses):
             record = items[index][0]
-            if status == ReadStatus.OK:
+            if status == ReadStatus.OK:  # _outcome's first lines, without its call
+                counters.reads += 1
                 counters.read_bytes += record.size
             else:
-                counters.reads -= 1  # _outcome counts it
                 errors[index] = self._outcome(record, status)
         return errors
 
