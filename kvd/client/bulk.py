@@ -123,6 +123,9 @@ class Connection:
                 raise
         self._header = bytearray(RESPONSE.size)
         self._ids = itertools.count(1)
+        # The pool pin this connection holds (kvd.client.pool_reads): its
+        # next POOL_GET releases it; 0: none.
+        self.pin = 0
         hello = (token or "").encode()
         try:
             self.send(

@@ -110,9 +110,14 @@ class Client:
         bulk_threshold_bytes: int = BULK_THRESHOLD_BYTES,
         bulk_connections: int = DEFAULT_CONNECTIONS,
         tls: Tls | None = None,
+        pool_reads: bool = True,
+        verify_pool_reads: bool = True,
     ) -> None:
         """``tls``: TLS to a TCP target; then values go over gRPC only, since the
-        bulk TCP port has no TLS (``bulk=True`` with ``tls`` is refused)."""
+        bulk TCP port has no TLS (``bulk=True`` with ``tls`` is refused).
+        ``pool_reads``: on the shm path, copy gets straight out of the daemon's
+        L1 where the daemon lets this client (``kvd.client.pool_reads``);
+        ``verify_pool_reads``: check each such copy against its checksum."""
         if tls is not None and bulk:
             raise InvalidArgument(
                 "the bulk TCP port has no TLS: bulk=True would send values in clear"
@@ -128,6 +133,8 @@ class Client:
         self._want_bulk = (not unix and tls is None) if bulk is None else bulk
         self.bulk_threshold_bytes = bulk_threshold_bytes
         self._bulk_connections = bulk_connections
+        self._pool_reads = pool_reads
+        self._verify_pool_reads = verify_pool_reads
         self._paths_lock = threading.Lock()
         self._paths_known = False
         self._shm: ShmPath | None = None
@@ -152,11 +159,14 @@ class Client:
     def paths(self) -> frozenset[str]:
         """The data paths this client uses besides gRPC: ``shm`` (regions),
         ``shm-socket`` (region ops on the daemon's shm socket rather than
-        gRPC) and ``bulk`` (the bulk TCP port)."""
+        gRPC), ``shm-pool`` (gets copied straight out of the daemon's L1)
+        and ``bulk`` (the bulk TCP port)."""
         shm, bulk = self._fast_paths()
         found = {"bulk"} if bulk is not None else set()
         if shm is not None:
             found |= {"shm", "shm-socket"} if shm.over_socket else {"shm"}
+            if shm.pool_reads:
+                found.add("shm-pool")
         return frozenset(found)
 
     def _fast_paths(self) -> tuple[ShmPath | None, BulkClient | None]:
@@ -186,6 +196,8 @@ class Client:
                 lambda name, request: self._call(getattr(self._stub, name), request),
                 ops,
                 self._region_ops,
+                pool_reads=self._pool_reads,
+                verify_pool_reads=self._verify_pool_reads,
             )
             try:
                 shm.open()  # the staging region proves the directory is shared with the daemon

@@ -36,13 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from kvd.client.bulk import Answer
+from kvd.client.bulk import Answer, Connection
+from kvd.client.pool_reads import PoolMap, exchange, pool_get_frame
 from kvd.client.regions import Call, ClientRegion, address_of, close_region, create_region
 from kvd.client.shm_socket import RegionOps
 from kvd.client.spans import ALIGN_BYTES, Spans
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import (
     CODE_NUMBERS,
+    DataLoss,
     DeadlineExceeded,
     InvalidArgument,
     KvdError,
@@ -87,9 +89,14 @@ class ShmPath:
         call: Callable[[str, Any], Any],
         ops: RegionOps | None = None,
         rediscover: Callable[[], RegionOps | None] | None = None,
+        pool_reads: bool = True,
+        verify_pool_reads: bool = True,
     ):
         """``rediscover()``: region ops on the daemon's shm socket as the daemon
-        now describes it (DescribePaths again), for ``renew``."""
+        now describes it (DescribePaths again), for ``renew``. ``pool_reads``:
+        copy gets straight out of the daemon's L1 where it lets this client
+        (``kvd.client.pool_reads``); ``verify_pool_reads``: check each such
+        copy against its checksum."""
         self.shm_dir = shm_dir
         self.max_region_bytes = max_region_bytes
         self._call = call
@@ -101,6 +108,9 @@ class ShmPath:
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
         self._spans: Spans | None = None
+        self._want_pool = pool_reads
+        self.verify_pool_reads = verify_pool_reads
+        self._pool: PoolMap | None = None
 
     def _rpc(self, name: str) -> Call:
         return lambda request, _: self._call(name, request)
@@ -118,6 +128,26 @@ class ShmPath:
             raise Unavailable("the daemon offers no shm socket: regions cannot be attached")
         self._staging_spans()
         self._ops.client.with_connection(lambda conn: None)
+        self._attach_pool(self._ops)
+
+    def _attach_pool(self, ops: RegionOps) -> None:
+        """Map the daemon's pool where it offers pool reads and lets this
+        client; else gets keep to regions."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if not self._want_pool or "pool_get" not in ops.offered:
+            return
+        try:
+            fd, size = ops.attach_pool()
+        except KvdError:
+            return  # refused (not an admin token) or gone: region gets
+        self._pool = PoolMap(fd, size)
+
+    @property
+    def pool_reads(self) -> bool:
+        """Whether gets copy straight out of the daemon's L1 (``kvd.client.pool_reads``)."""
+        return self._pool is not None
 
     @property
     def over_socket(self) -> bool:
@@ -225,6 +255,7 @@ class ShmPath:
             except (KvdError, OSError):
                 return None
             self._ops, self._renamed = ops, renamed
+            self._attach_pool(ops)
         failed.close()
         return renamed
 
@@ -234,6 +265,9 @@ class ShmPath:
             self._staging = None
         if self._ops is not None:
             self._ops.close()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         for region in regions:
             close_region(region, self._rpc("DetachRegion"))
 
@@ -373,6 +407,10 @@ class ShmPath:
 
     # ---- gets ------------------------------------------------------------------------
     def get_into(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
+        if self._pool is not None:
+            got = self._pool_get(ns, [key], [buffer])
+            if got is not None:
+                return got[0]
         where = self.locate(buffer) if self._ops is not None else None
         if where is None:  # staging, or gRPC region calls: the batch's way
             return self.get_many_into(ns, [key], [buffer])[0]
@@ -426,7 +464,12 @@ class ShmPath:
         self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[int | None]:
         """Values into ``buffers``: one batch per run of buffers in one region
-        (others get room in staging and one more copy); sizes, None for a miss."""
+        (others get room in staging and one more copy); sizes, None for a miss.
+        With pool reads, straight out of the daemon's L1 into ``buffers``."""
+        if self._pool is not None:
+            got = self._pool_get(ns, keys, buffers)
+            if got is not None:
+                return got
         sizes: list[int | None] = []
         start = 0
         while start < len(keys):
@@ -453,6 +496,71 @@ class ShmPath:
             finally:
                 self._unstage(staged)
             start = end
+        return sizes
+
+    def _pool_get(
+        self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[int | None] | None:
+        """Gets straight out of the daemon's pool, in batches of
+        ``BATCH_ITEMS_MAX``; None when they cannot go that way (keys of
+        different widths, a daemon that restarted): then as region gets."""
+        ops, pool = self._ops, self._pool
+        if ops is None or pool is None:
+            return None
+        sizes: list[int | None] = []
+        for start in range(0, len(keys), BATCH_ITEMS_MAX):
+            end = min(len(keys), start + BATCH_ITEMS_MAX)
+
+            def work(
+                conn: Connection, start: int = start, end: int = end
+            ) -> list[int | None] | None:
+                return self._pool_batch(conn, pool, ns, keys, buffers, start, end)
+
+            try:
+                got = ops.client.with_connection(work)
+            except DeadlineExceeded:
+                raise
+            except (Unavailable, PermissionDenied):
+                self.renew(ops)  # maps the new daemon's pool, if it lets us
+                return None
+            if got is None:
+                return None
+            sizes += got
+        return sizes
+
+    def _pool_batch(
+        self,
+        conn: Connection,
+        pool: PoolMap,
+        ns: str,
+        keys: Sequence[bytes],
+        buffers: Sequence[memoryview],
+        start: int,
+        end: int,
+    ) -> list[int | None] | None:
+        frame = pool_get_frame(ns, keys[start:end], conn.pin)
+        if frame is None:
+            return None
+        conn.pin = 0  # this frame releases it; a failed one closes the connection
+        conn.pin, items = exchange(conn, frame, end - start)
+        sizes: list[int | None] = []
+        for i, item in enumerate(items, start):
+            buffer = buffers[i]
+            error: KvdError | None = None
+            if item.code == _NOT_FOUND:
+                sizes.append(None)
+                continue
+            if item.code:
+                error = error_for(item.code, item.message)
+            elif item.size > len(buffer):
+                error = InvalidArgument(
+                    f"buffer of {len(buffer)} bytes is too small for {item.size}"
+                )
+            elif not pool.copy(item, buffer, self.verify_pool_reads):
+                error = DataLoss("value copied out of the pool does not match its checksum")
+            if error is not None:
+                raise error if len(keys) == 1 else type(error)(f"item {i}: {error}")
+            sizes.append(item.size)
         return sizes
 
     def get_many(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -13,6 +13,7 @@ put there by anyone else gets no token.
 from __future__ import annotations
 
 import array
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -43,11 +44,13 @@ from kvd.wire.shm import (
     MANY_REF,
     MANY_RESULT,
     OP_LOOKUP,
+    OP_POOL_ATTACH,
     OP_REGION_ATTACH,
     OP_REGION_GET_MANY,
     OP_RELEASE,
     PEERCRED,
     PIPELINE_FRAMES,
+    POOL_ATTACHED,
     REGION_REF,
     RELEASE_REF,
     TIER_SHIFT,
@@ -167,6 +170,40 @@ class RegionOps:
         region_id, token = ATTACHED.unpack(answer.meta)
         return region_id, token
 
+    def attach_pool(self) -> tuple[int, int]:
+        """Ask for the daemon's L1 pool (``POOL_ATTACH``): its read-only
+        descriptor (the caller's to close) and its size. A refusal raises
+        (FailedPrecondition: pool reads off; PermissionDenied: not for this token)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds: list[int] = []
+        try:
+            sock.settimeout(self.client.timeout_s)
+            sock.connect(self.path)
+            if self.daemon is not None:
+                self.daemon.check(sock)
+            sock.sendall(encode_request(OP_POOL_ATTACH, 0, meta=(self._token or "").encode()))
+            answer = _read_answer(sock, fds)
+        except TimeoutError as exc:
+            _close_fds(fds)
+            raise DeadlineExceeded(f"shm socket {self.path}: {exc}") from None
+        except OSError as exc:
+            _close_fds(fds)
+            raise Unavailable(f"shm socket {self.path}: {exc}") from None
+        finally:
+            sock.close()
+        if (
+            answer.code != 0
+            or answer.op != OP_POOL_ATTACH
+            or len(answer.meta) != POOL_ATTACHED.size
+            or len(fds) != 1
+        ):
+            _close_fds(fds)
+            if answer.code != 0:
+                raise error_for(answer.code, answer.message)
+            raise Unavailable("shm socket: a POOL_ATTACH answer without the pool")
+        (size,) = POOL_ATTACHED.unpack(answer.meta)
+        return fds[0], size
+
     def get_into_region(self, request: pb.GetIntoRegionRequest) -> pb.RegionBatchResponse:
         if "get_many" in self.offered and len(request.items) > 1:
             many = _get_many_frame(request)
@@ -260,13 +297,22 @@ class RegionOps:
         return pb.RegionBatchResponse(results=results)
 
 
-def _read_answer(sock: socket.socket) -> Answer:
-    """One answer frame from a blocking socket."""
+def _read_answer(sock: socket.socket, fds: list[int] | None = None) -> Answer:
+    """One answer frame from a blocking socket; with ``fds``, the descriptors
+    that come with it are added there (room for one)."""
 
     def exactly(nbytes: int) -> bytes:
         data = bytearray()
         while len(data) < nbytes:
-            got = sock.recv(nbytes - len(data))
+            if fds is None:
+                got = sock.recv(nbytes - len(data))
+            else:
+                got, ancillary, _, _ = sock.recvmsg(nbytes - len(data), socket.CMSG_SPACE(4))
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        passed = array.array("i")
+                        passed.frombytes(payload[: len(payload) - len(payload) % passed.itemsize])
+                        fds.extend(passed)
             if not got:
                 raise ConnectionError("daemon closed the shm socket")
             data += got
@@ -280,6 +326,11 @@ def _read_answer(sock: socket.socket) -> Answer:
     tail = exactly(meta_len + msg_len)
     message = tail[meta_len:].decode(errors="replace")
     return Answer(op, flags, rid, code, tail[:meta_len], message, length, csum)
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 def _result(answer: Answer) -> pb.RegionItemResult:

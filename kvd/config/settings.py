@@ -247,6 +247,11 @@ class Config:
         min=0,
         max=1 * TiB,
     )
+    shm_pool_reads: bool = _setting(
+        False,
+        help="let shm socket clients map L1 read-only and copy values out of it themselves; "
+        "only callers that may read every namespace (auth off, or an admin token)",
+    )
     bulk_listen: str = _setting(
         "127.0.0.1:7071",
         help="bulk TCP data port HOST:PORT; empty: none; non-loopback only with auth_tokens_file",

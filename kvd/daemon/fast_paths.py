@@ -75,6 +75,7 @@ class FastPaths:
         ops.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
         ops.copy_many = _region_copies(config.io_backend)
         ops.l2_direct_min_bytes = config.shm_l2_direct_min_bytes
+        ops.pool_reads = config.shm_pool_reads and regions is not None
         metrics.add_collector(
             SnapshotCollector(paths._snapshot, _FAST_PATH_GAUGES, _FAST_PATH_COUNTERS)
         )
@@ -92,6 +93,7 @@ class FastPaths:
             "regions_reaped": regions.reaped if regions else 0,
             "bulk_connections": self.bulk.connection_count if self.bulk else 0,
             "shm_connections": self.channel.connection_count if self.channel else 0,
+            "shm_pool_pins": self.channel.pool_pins if self.channel else 0,
         }
 
     async def stop(self, grace_s: float) -> None:
@@ -110,6 +112,7 @@ _FAST_PATH_GAUGES = {
     "region_bytes": ("kvd_region_bytes", "Bytes of shared-memory regions mapped"),
     "bulk_connections": ("kvd_bulk_connections", "Bulk TCP connections open"),
     "shm_connections": ("kvd_shm_connections", "shm socket connections open"),
+    "shm_pool_pins": ("kvd_shm_pool_pins", "L1 pins held for clients that read the pool"),
 }
 _FAST_PATH_COUNTERS = {
     "regions_reaped": ("kvd_regions_reaped", "Regions freed because their owner exited"),

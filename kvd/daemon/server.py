@@ -152,7 +152,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.pool = Pool(config.dram_bytes)
+        self.pool = Pool(config.dram_bytes, shared=config.shm_pool_reads)
         limits = StoreLimits.from_config(config)
         crashpoints.configure(config.test_crash_point, config.test_crash_after)
         self.l2 = open_l2(config)

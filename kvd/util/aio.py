@@ -52,3 +52,18 @@ async def readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None
         await ready
     finally:
         loop.remove_reader(sock.fileno())
+
+
+async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Return once ``sock`` has room to send."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(sock.fileno())

@@ -28,7 +28,19 @@ for a REGION_GET, ``MANY_REF`` (item count, key width), the namespace, then
 ``length`` bytes: a ``MANY_ITEM`` (offset, room) per item, then the keys,
 concatenated. The answer's ``length`` bytes follow its header: per item a
 ``MANY_RESULT`` and its meta and message. ``DescribePaths`` lists the ops a
-daemon takes beyond the region ops (``SHM_OPS``); a client sends no other.
+daemon takes beyond the region ops (``shm_ops``); a client sends no other.
+
+Pool reads (``shm_pool_reads``): a POOL_ATTACH is, like a REGION_ATTACH,
+the first and only frame of a connection, its meta the bearer token; the
+answer carries one descriptor (the L1 pool's memfd, opened read-only) and
+its meta is ``POOL_ATTACHED``. A POOL_GET pins a batch of values in L1 and
+says where they lie in the pool: ``POOL_REF`` (the pin this connection
+releases first, 0 for none; item count; key width), the namespace, then
+``length`` bytes of keys. The answer's meta is ``POOL_ANSWER`` (the new
+pin, 0 when nothing was pinned); its ``length`` bytes hold per item a
+``POOL_ITEM``, its meta, its message and its ``POOL_SPAN``s. A pin holds
+its values' pages until the connection's next POOL_GET releases it or the
+connection ends; the client copies while it holds it.
 """
 
 from __future__ import annotations
@@ -43,8 +55,11 @@ OP_REGION_ATTACH = 6  # after kvd.wire.bulk's HELLO 1, PUT 2, GET 3, REGION_GET 
 OP_LOOKUP = 7
 OP_RELEASE = 8
 OP_REGION_GET_MANY = 9
-# DescribePathsResponse.shm_ops of this daemon: the ops beyond the region ops.
+OP_POOL_ATTACH = 10
+OP_POOL_GET = 11
+# DescribePathsResponse.shm_ops of a daemon: the ops beyond the region ops.
 SHM_OPS = ("lookup", "release", "get_many")
+POOL_OPS = ("pool_get",)
 ATTACHED = struct.Struct("<Q16s")  # region id, region token
 # After the header of a region op: region id, offset in the region, region token.
 REGION_REF = struct.Struct("<QQ16s")
@@ -62,6 +77,16 @@ MANY_ITEM = struct.Struct("<QQ")  # offset in the region, room
 # Per item of a REGION_GET_MANY answer: code, flags (as a REGION_GET
 # answer's), size, checksum, meta length, message length; meta and message follow.
 MANY_RESULT = struct.Struct("<iIQQHH")
+# A POOL_ATTACH answer's meta: the pool's bytes (the size to map).
+POOL_ATTACHED = struct.Struct("<Q")
+# After a POOL_GET's header: the pin released first, item count, key width.
+POOL_REF = struct.Struct("<QII")
+# A POOL_GET answer's meta: the pin holding the batch's values (0: none).
+POOL_ANSWER = struct.Struct("<Q")
+# Per item of a POOL_GET answer: code, flags (the tier), size, checksum,
+# meta length, message length, span count; meta, message and spans follow.
+POOL_ITEM = struct.Struct("<iIQQHHI")
+POOL_SPAN = struct.Struct("<QQ")  # offset in the pool, length
 FLAG_DEADLINE = 4  # request flag, after kvd.wire.bulk's DURABLE 1 and CHECKSUM 2
 # struct ucred of SO_PEERCRED: pid, uid, gid.
 PEERCRED = struct.Struct("3i")
@@ -71,6 +96,11 @@ TIER_SHIFT = 8
 # Frames one client sends before reading answers: 16 × (72-byte header and
 # ref + ≤ 4.5 KiB of names and meta) stays below a Unix socket's buffer.
 PIPELINE_FRAMES = 16
+
+
+def shm_ops(pool_reads: bool) -> tuple[str, ...]:
+    """The ops beyond the region ops a daemon lists in ``DescribePaths``."""
+    return SHM_OPS + POOL_OPS if pool_reads else SHM_OPS
 
 
 def region_ref_bytes(flags: int) -> int:

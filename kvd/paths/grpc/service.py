@@ -62,7 +62,7 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import DeadlineExceeded, InvalidArgument, KvdError
 from kvd.wire.lookup import ChainShare
-from kvd.wire.shm import SHM_OPS, pid_namespace
+from kvd.wire.shm import pid_namespace, shm_ops
 
 # 1 MiB messages: server-streamed 1 MiB chunks carry ~0.9 GB/s here, against
 # ~0.56 GB/s for one 4 MiB message and ~0.1 GB/s for 64 KiB ones.
@@ -359,7 +359,7 @@ class KVStoreService:
             daemon_pid=os.getpid(),
             daemon_pid_ns=_PID_NS,
             daemon_clock_ns=time.monotonic_ns(),
-            shm_ops=SHM_OPS,
+            shm_ops=shm_ops(ops.pool_reads),
         )
 
     @_unary("shm_put", pooled=False)

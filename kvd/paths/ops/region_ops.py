@@ -89,6 +89,7 @@ class RegionOps:
         self.bulk_port = 0
         self.shm_socket = ""
         self.l2_direct_min_bytes = 0  # the shm_l2_direct_min_bytes setting; 0: off
+        self.pool_reads = False  # the shm_pool_reads setting (kvd.paths.shm.pool_reads)
         # The copies' native batch (kvd.io.backend.native_copy_many), set by the
         # daemon at start; None: numpy and xxhash.
         self.copy_many: CopyMany | None = None

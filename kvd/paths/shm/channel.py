@@ -52,12 +52,12 @@ import contextlib
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from kvd.paths.ops.calls import Tally, refused
 from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
-from kvd.paths.shm import get_many
+from kvd.paths.shm import get_many, pool_reads
 from kvd.paths.shm.index_ops import (
     INDEX_OPS,
     OP_NAMES,
@@ -68,7 +68,7 @@ from kvd.paths.shm.index_ops import (
 )
 from kvd.paths.shm.regions import Caller
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
-from kvd.util.aio import readable
+from kvd.util.aio import readable, writable
 from kvd.wire.bulk import (
     FLAG_CHECKSUM,
     FLAG_DURABLE,
@@ -88,6 +88,8 @@ from kvd.wire.shm import (
     DEADLINE,
     FLAG_DEADLINE,
     OP_LOOKUP,
+    OP_POOL_ATTACH,
+    OP_POOL_GET,
     OP_REGION_ATTACH,
     OP_REGION_GET_MANY,
     PEERCRED,
@@ -105,13 +107,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.paths.shm.regions")
 T = TypeVar("T")
 
-CHANNEL_OPS = frozenset({OP_HELLO, OP_REGION_GET, OP_REGION_PUT, OP_REGION_GET_MANY}) | INDEX_OPS
-FIRST_OPS = frozenset({OP_HELLO, OP_REGION_ATTACH})
+CHANNEL_OPS = (
+    frozenset({OP_HELLO, OP_REGION_GET, OP_REGION_PUT, OP_REGION_GET_MANY, OP_POOL_GET}) | INDEX_OPS
+)
+FIRST_OPS = frozenset({OP_HELLO, OP_REGION_ATTACH, OP_POOL_ATTACH})
 LISTEN_BACKLOG = 128
 # A failed accept (no descriptor or memory left) is tried again after this.
 ACCEPT_RETRY_S = 0.1
 _OPS = {OP_REGION_GET: "shm_get", OP_REGION_PUT: "shm_put", OP_REGION_GET_MANY: "shm_get_many",
-        **OP_NAMES}  # fmt: skip
+        OP_POOL_GET: pool_reads.OP_NAME, **OP_NAMES}  # fmt: skip
 
 
 # ---- server ---------------------------------------------------------------------------
@@ -125,6 +129,7 @@ class _Peer:
     waiting: int = _BUSY
     reason: str = ""
     unanswered: int = 0  # ops read and not yet answered: the client waits on us
+    pins: pool_reads.Pins = field(default_factory=pool_reads.Pins)
 
     def close(self, reason: str) -> None:
         self.reason = reason
@@ -192,6 +197,11 @@ class ShmChannel:
     def connection_count(self) -> int:
         return len(self._connections)
 
+    @property
+    def pool_pins(self) -> int:
+        """Pool pins held by all connections (``kvd.paths.shm.pool_reads``)."""
+        return sum(len(peer.pins.held) for peer in self._peers.values())
+
     async def _watch(self) -> None:
         """Close connections that wait too long for their client's bytes.
 
@@ -256,6 +266,9 @@ class ShmChannel:
                 answer = self._attach(request, rest, fds, uid, pid)
                 await loop.sock_sendall(conn, answer)
                 return
+            if request.op == OP_POOL_ATTACH:
+                await self._attach_pool(loop, conn, request, rest)
+                return
             principal, answer = self._hello(request, rest)
             await loop.sock_sendall(conn, answer)
             if principal is None and self.ops.auth is not None:
@@ -270,6 +283,8 @@ class ShmChannel:
             log.warning("shm socket connection closed", extra={"reason": reason})
         finally:
             self._peers.pop(task, None)
+            if peer is not None:
+                peer.pins.close_all(self.ops)  # its ops have ended (``_serve``)
             if writer is not None:
                 writer.close()
             else:
@@ -292,7 +307,7 @@ class ShmChannel:
             _close_all(fds)
             raise
         if request.op != OP_REGION_ATTACH:
-            _close_all(fds)  # descriptors belong to attaches only
+            _close_all(fds)  # descriptors belong to region attaches only
             fds = []
         return request, rest, fds
 
@@ -325,6 +340,29 @@ class ShmChannel:
             length=region.size,
         )
 
+    async def _attach_pool(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, request: Request, rest: bytes
+    ) -> None:
+        """Answer a POOL_ATTACH: the pool's descriptor, read-only, or a refusal."""
+        fd = -1
+        try:
+            with Tally(self.ops.metrics, "attach_pool"):
+                principal = None
+                auth = self.ops.auth
+                if auth is not None:
+                    token = rest[request.tail_bytes - request.meta_len :]
+                    principal = auth.authenticate(token.decode(errors="replace"))
+                pool_reads.may_map(self.ops, principal)
+                fd = self.ops.store.pool.read_only_fd()
+        except KvdError as exc:
+            await loop.sock_sendall(conn, refusal(request, exc))
+            return
+        try:
+            answer = pool_reads.attach_answer(request, self.ops.store.pool)
+            await _send_with_fd(loop, conn, answer, fd)
+        finally:
+            os.close(fd)
+
     async def _serve(self, reader: asyncio.StreamReader, peer: _Peer, caller: Caller) -> None:
         """Region ops of a connection whose HELLO was answered."""
         writer = peer.writer
@@ -352,7 +390,7 @@ class ShmChannel:
                 rest = await reader.readexactly(self._rest_bytes(request))
                 peer.waiting = _BUSY
                 if not peer.unanswered:  # nothing ahead of it: it may answer at once
-                    now = self._op_now(request, rest, caller)
+                    now = self._op_now(request, rest, caller, peer.pins)
                     if now is not None:
                         writer.write(now)
                         await writer.drain()
@@ -381,7 +419,7 @@ class ShmChannel:
         inflight = self.ops.inflight
         inflight.requests += 1
         peer.unanswered += 1
-        op = asyncio.create_task(self._op(request, rest, caller))
+        op = asyncio.create_task(self._op(request, rest, caller, peer.pins))
 
         def done(_: asyncio.Task[bytes]) -> None:  # also when cancelled before it ran
             inflight.requests -= 1
@@ -415,11 +453,17 @@ class ShmChannel:
             return None, encode_response(OP_HELLO, request.request_id, code, message=str(exc))
         return principal, encode_response(OP_HELLO, request.request_id)
 
-    async def _op(self, request: Request, rest: bytes, caller: Caller) -> bytes:
+    async def _op(
+        self, request: Request, rest: bytes, caller: Caller, pins: pool_reads.Pins
+    ) -> bytes:
         try:
             with Tally(self.ops.metrics, _OPS[request.op]):
                 if request.op == OP_LOOKUP:  # one that asks the pool
                     return await lookup(self.ops, request, rest, caller)
+                if request.op == OP_POOL_GET:
+                    pool_batch = pool_reads.batch_of(self.ops, request, rest, caller)
+                    readers = await pool_reads.get(self.ops, pool_batch, pins)
+                    return pool_reads.answer_of(self.ops, request, readers, pins)
                 if request.op == OP_REGION_GET_MANY:
                     many = get_many.batch_of(self.ops, request, rest, caller)
                     return get_many.answer_of(request, await self.ops.get_into_region(many, caller))
@@ -432,7 +476,9 @@ class ShmChannel:
             return refusal(request, exc)
         return _answer_of(request, results[0])
 
-    def _op_now(self, request: Request, rest: bytes, caller: Caller) -> bytes | None:
+    def _op_now(
+        self, request: Request, rest: bytes, caller: Caller, pins: pool_reads.Pins
+    ) -> bytes | None:
         """The answer of an op that needs no waiting (``get_now``, ``put_now``),
         else None: the op then runs as a task. Without a task and the writer's
         turn a lone get's round trip on a 2-CPU VM fell from ~280 to ~200 µs."""
@@ -443,6 +489,13 @@ class ShmChannel:
         tally = Tally(self.ops.metrics, _OPS[request.op])
         try:
             with tally:
+                if request.op == OP_POOL_GET:
+                    pool_batch = pool_reads.batch_of(self.ops, request, rest, caller)
+                    readers = pool_reads.get_now(self.ops, pool_batch, pins)
+                    if readers is None:
+                        tally.drop()  # the op's task counts it
+                        return None
+                    return pool_reads.answer_of(self.ops, request, readers, pins)
                 batch = self._batch(request, rest, caller)
                 item = batch.items[0]
                 if request.op == OP_REGION_GET:
@@ -469,6 +522,8 @@ class ShmChannel:
             return index_rest_bytes(request, self.ops.store.limits.max_lookup_keys)
         if request.op == OP_REGION_GET_MANY:
             return get_many.rest_bytes(request, self.ops.limits.max_batch_items)
+        if request.op == OP_POOL_GET:
+            return pool_reads.rest_bytes(request, self.ops.limits.max_batch_items)
         return region_ref_bytes(request.flags) + request.tail_bytes
 
     def _batch(self, request: Request, rest: bytes, caller: Caller) -> RegionBatch:
@@ -550,6 +605,21 @@ async def _recv_with_fds(
             raise asyncio.IncompleteReadError(bytes(data), nbytes)
         data += got
     return bytes(data)
+
+
+async def _send_with_fd(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fd: int
+) -> None:
+    """Send ``data`` on a non-blocking ``conn`` with ``fd`` as SCM_RIGHTS on its first byte."""
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+    while True:
+        try:
+            sent = conn.sendmsg([data], rights)
+            break
+        except BlockingIOError:
+            await writable(loop, conn)
+    if sent < len(data):
+        await loop.sock_sendall(conn, data[sent:])
 
 
 def _close_all(fds: list[int]) -> None:

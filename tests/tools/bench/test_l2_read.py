@@ -97,9 +97,10 @@ def _cgroups() -> str:
 def test_ramdisk_reads_can_be_capped_per_device() -> None:
     """``read_bps`` puts this process in a throttled cgroup for the run (each
     device's limit written there), and takes it out again."""
-    if not (ramdisk.CGROUP_ROOT / "blkio" / "blkio.throttle.read_bps_device").exists() and not (
-        ramdisk.CGROUP_ROOT / "cgroup.controllers"
-    ).exists():
+    if (
+        not (ramdisk.CGROUP_ROOT / "blkio" / "blkio.throttle.read_bps_device").exists()
+        and not (ramdisk.CGROUP_ROOT / "cgroup.controllers").exists()
+    ):
         pytest.skip("no block throttle on this machine")
     before = _cgroups()
     with ramdisk.ramdisks(2, 64 * MiB, "none", read_bps=100 * MiB) as made:

@@ -1,0 +1,136 @@
+"""Pool reads, client side: values copied straight out of the daemon's L1.
+
+Where the daemon runs with ``shm_pool_reads`` and this client may read every
+namespace (auth off, or an admin token), the client maps the daemon's L1
+pool read-only (the descriptor comes over the shm socket, ``POOL_ATTACH``)
+and a get is one ``POOL_GET`` frame each way: the daemon pins the values and
+says where their pages are, the client copies them into the caller's
+buffers, any buffers, and releases the pin with its next ``POOL_GET`` on
+that connection. The daemon copies nothing; the value bytes are copied
+once, by the client. ``kvd.paths.shm.pool_reads`` has the daemon's side,
+who may map the pool, and what protects the bytes.
+
+Each copy is checked against the checksum the daemon gave (``verify``,
+on by default): a wrong page is a ``DataLoss`` for that item, never a
+value. A daemon that refuses the attach leaves the client on region gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvd.client.bulk import Connection
+from kvd.wire.bulk import REQUEST, encode_request
+from kvd.wire.errors import error_for
+from kvd.wire.shm import (
+    OP_POOL_GET,
+    POOL_ANSWER,
+    POOL_ITEM,
+    POOL_REF,
+    POOL_SPAN,
+    TIER_SHIFT,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolItem:
+    """One item of a POOL_GET answer: ``code`` 0 and where the value lies, or a status."""
+
+    code: int
+    message: str
+    size: int
+    checksum: int
+    meta: bytes
+    tier: int
+    spans: tuple[tuple[int, int], ...]
+
+
+class PoolMap:
+    """The daemon's L1 pool, mapped read-only from the descriptor it passed."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        """Takes ``fd`` (closed here once mapped)."""
+        try:
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.array: np.ndarray[Any, np.dtype[np.uint8]] = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def copy(self, item: PoolItem, buffer: memoryview, verify: bool) -> bool:
+        """Copy ``item``'s value into ``buffer`` (room checked by the caller);
+        False when ``verify`` finds bytes that do not match its checksum."""
+        dst = np.frombuffer(buffer, dtype=np.uint8)
+        pos = 0
+        hasher = xxhash.xxh3_64() if verify else None
+        for offset, length in item.spans:
+            if offset + length > self.size:
+                return False  # a span outside the pool: not this pool's value
+            part = dst[pos : pos + length]
+            np.copyto(part, self.array[offset : offset + length])
+            if hasher is not None:
+                hasher.update(part.data)
+            pos += length
+        if pos != item.size:
+            return False
+        return hasher is None or hasher.intdigest() == item.checksum
+
+    def close(self) -> None:
+        """Unmap, once no copy out of it runs (a buffer still exported keeps it)."""
+        del self.array
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+
+
+def pool_get_frame(ns: str, keys: Sequence[bytes], release: int) -> bytes | None:
+    """A POOL_GET of ``keys`` releasing pin ``release`` first; None when the
+    keys differ in width (then the batch goes as region gets)."""
+    widths = set(map(len, keys))
+    if len(widths) != 1:
+        return None
+    (width,) = widths
+    data = b"".join(keys)
+    head = encode_request(OP_POOL_GET, 0, ns.encode(), length=len(data))
+    ref = POOL_REF.pack(release, len(keys), width)
+    return head[: REQUEST.size] + ref + head[REQUEST.size :] + data
+
+
+def exchange(conn: Connection, frame: bytes, count: int) -> tuple[int, list[PoolItem]]:
+    """Send a POOL_GET of ``count`` keys: the pin the answer holds, and its items.
+    The pin is the connection's to release (``Connection.pin``)."""
+    conn.send([memoryview(frame)])
+    answer = conn.answer()
+    if answer.request_id != 0 or answer.op != OP_POOL_GET:
+        raise ConnectionError(f"answer to op {answer.op} request {answer.request_id}: not ours")
+    if answer.code != 0:
+        raise error_for(answer.code, answer.message)
+    if len(answer.meta) != POOL_ANSWER.size:
+        raise ConnectionError("a POOL_GET answer without its pin")
+    (pin,) = POOL_ANSWER.unpack(answer.meta)
+    payload = bytearray(answer.length)
+    conn.recv_into(memoryview(payload))
+    items = []
+    pos = 0
+    for _ in range(count):
+        code, flags, size, checksum, meta_len, msg_len, span_count = POOL_ITEM.unpack_from(
+            payload, pos
+        )
+        pos += POOL_ITEM.size
+        meta = bytes(payload[pos : pos + meta_len])
+        message = payload[pos + meta_len : pos + meta_len + msg_len].decode(errors="replace")
+        pos += meta_len + msg_len
+        spans = tuple(POOL_SPAN.unpack_from(payload, pos + i * POOL_SPAN.size)
+                      for i in range(span_count))  # fmt: skip
+        pos += span_count * POOL_SPAN.size
+        items.append(PoolItem(code, message, size, checksum, meta, flags >> TIER_SHIFT, spans))
+    if pos != len(payload):
+        raise ConnectionError(f"a pool answer of {len(payload)} bytes for {pos} of items")
+    return pin, items
