@@ -114,11 +114,11 @@ def _paths(args: argparse.Namespace) -> int:
     sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
     daemon = None
     # Each daemon its own shm directory: the shm socket lives there, one per daemon.
-    shm_dir, cold_shm_dir = paths.temp_shm_dir(), paths.temp_shm_dir()
+    shm_dir, cold_shm_dir, pool_shm_dir = (paths.temp_shm_dir() for _ in range(3))
     tcp_target, unix_target = args.target, args.socket_target
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
-        cold_daemon = None
+        cold_daemon = pool_daemon = None
         if not tcp_target:
             daemon = SpawnedDaemon(
                 Path(tmp), paths.bench_daemon_args(shm_dir), dram="2GiB", max_value="32MiB",
@@ -130,17 +130,23 @@ def _paths(args: argparse.Namespace) -> int:
                 Path(tmp) / "cold", paths.bench_daemon_args(cold_shm_dir), dram=paths.COLD_DRAM,
                 max_value="32MiB", ssd=paths.COLD_SSD,
             )  # fmt: skip
+            (Path(tmp) / "pool").mkdir()
+            pool_daemon = SpawnedDaemon(
+                Path(tmp) / "pool", [*paths.bench_daemon_args(pool_shm_dir), "--shm-pool-reads",
+                "true"], dram="2GiB", max_value="32MiB", ssd="",
+            )  # fmt: skip
         try:
             cold = (cold_daemon.target, cold_daemon.socket_target) if cold_daemon else None
+            pooled = (pool_daemon.target, pool_daemon.socket_target) if pool_daemon else None
             rows = paths.run(
                 tcp_target, unix_target, sizes, _progress, peers=not args.no_peers, cold=cold,
-                cold_dir=str(Path(tmp) / "cold") if cold_daemon else None,
+                cold_dir=str(Path(tmp) / "cold") if cold_daemon else None, pooled=pooled,
             )  # fmt: skip
         finally:
-            for spawned in (daemon, cold_daemon):
+            for spawned in (daemon, cold_daemon, pool_daemon):
                 if spawned is not None:
                     spawned.stop()
-            for directory in (shm_dir, cold_shm_dir):
+            for directory in (shm_dir, cold_shm_dir, pool_shm_dir):
                 shutil.rmtree(directory, ignore_errors=True)
     table = paths_report.markdown(rows)
     data = {

@@ -44,6 +44,10 @@ CLIENTS = (1, 16)
 # Values a batched get asks for in one call (``get_many_into``), as an
 # engine loads a prefix's chunks; fewer when the fill holds fewer keys.
 BATCH_VALUES = 8
+# Gets copied out of the daemon's L1 by the client (shm_pool_reads), checked
+# against their checksums or not: on a daemon of their own, whose L1 is
+# shared memory.
+POOL_PATHS = ("shm-pool", "shm-pool-trust")
 # Long enough to average a few hundred 64 KiB ops or a dozen 32 MiB ones on
 # 2 cores; 100+ cases at this length keep a full run near 90 s.
 CASE_SECONDS = 0.5
@@ -208,7 +212,9 @@ def kvd_rows(
                 filler.put(ns, key, value.data)
                 expect_size(filler.get_into(ns, key, buffer), size)
             progress(f"paths: {path} {size_label(size)} x{clients}")
-            for op in ("get", "put", "get-batch"):
+            # A pool read's put is a region put: the shm rows measure it.
+            ops = ("get", "get-batch") if path in POOL_PATHS else ("get", "put", "get-batch")
+            for op in ops:
                 if op == "get-batch" and clients > 1:
                     continue
                 batch = min(BATCH_VALUES, len(keys)) if op == "get-batch" else 1
@@ -495,9 +501,11 @@ def run(
     peers: bool = True,
     cold: tuple[str, str] | None = None,
     cold_dir: str | None = None,
+    pooled: tuple[str, str] | None = None,
 ) -> list[Row]:
     """Every path and ceiling; ``cold`` is a small-L1 daemon's (tcp, unix)
-    targets, ``cold_dir`` a directory on its file system for the fio ceiling."""
+    targets, ``cold_dir`` a directory on its file system for the fio ceiling,
+    ``pooled`` a daemon's with pool reads on (``POOL_PATHS``)."""
     rows = ceiling_rows(sizes, progress)
     progress(f"paths: starting {max(CLIENTS)} client processes")
     procs = ClientProcesses(max(CLIENTS))
@@ -505,6 +513,10 @@ def run(
         for path in ("shm", "bulk", "grpc"):
             for size in sizes:
                 rows += kvd_rows(path, tcp_target, unix_target, size, progress, procs)
+        if pooled is not None:
+            for path in POOL_PATHS:
+                for size in sizes:
+                    rows += kvd_rows(path, pooled[0], pooled[1], size, progress, procs)
         if peers:
             rows += redis_rows(sizes, progress, procs)
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvd.tools.bench.paths import Row, size_label
+from kvd.tools.bench.paths import POOL_PATHS, Row, size_label
 
 
 def _find(rows: list[Row], path: str, op: str, size: int, clients: int = 1) -> float | None:
@@ -25,31 +25,37 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
         return None if a is None or not b else a / b
 
     kib64 = 64 << 10
-    out = [
-        {
-            "target": "shm get 64 KiB / redis get",
-            "ratio": ratio(_find(rows, "shm", "get", kib64), _find(rows, "redis", "get", kib64)),
-            "threshold": 2.0,
-        },
-        {
-            "target": "shm get-batch 64 KiB / memcpy",
-            "ratio": ratio(
-                _find(rows, "shm", "get-batch", kib64), _find(rows, "memcpy", "copy", kib64)
-            ),
-            "threshold": 0.2,
-        },
-    ]
-    for op in ("get", "get-batch"):
-        for size in (4 * mib, 32 * mib):
-            out.append(
-                {
-                    "target": f"shm {op} {size_label(size)} / memcpy",
-                    "ratio": ratio(
-                        _find(rows, "shm", op, size), _find(rows, "memcpy", "copy", size)
-                    ),
-                    "threshold": 0.9,
-                }
-            )
+    out: list[dict[str, Any]] = []
+    # The shm targets for region gets, then for gets the client copies out
+    # of the pool (checked, and unchecked).
+    for shm in ("shm", *POOL_PATHS):
+        if _find(rows, shm, "get", kib64) is None and shm != "shm":
+            continue
+        out += [
+            {
+                "target": f"{shm} get 64 KiB / redis get",
+                "ratio": ratio(_find(rows, shm, "get", kib64), _find(rows, "redis", "get", kib64)),
+                "threshold": 2.0,
+            },
+            {
+                "target": f"{shm} get-batch 64 KiB / memcpy",
+                "ratio": ratio(
+                    _find(rows, shm, "get-batch", kib64), _find(rows, "memcpy", "copy", kib64)
+                ),
+                "threshold": 0.2,
+            },
+        ]
+        for op in ("get", "get-batch"):
+            for size in (4 * mib, 32 * mib):
+                out.append(
+                    {
+                        "target": f"{shm} {op} {size_label(size)} / memcpy",
+                        "ratio": ratio(
+                            _find(rows, shm, op, size), _find(rows, "memcpy", "copy", size)
+                        ),
+                        "threshold": 0.9,
+                    }
+                )
     bulk4 = _find(rows, "bulk", "get", 4 * mib)
     out += [
         {
@@ -68,7 +74,9 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
             "threshold": 1.2,
         },
     ]
-    for path in ("shm", "bulk", "grpc"):
+    for path in ("shm", *POOL_PATHS, "bulk", "grpc"):
+        if _find(rows, path, "get", 4 * mib) is None:
+            continue
         out.append(
             {
                 "target": f"{path} get 4 MiB: 16 clients / 1 client",
@@ -159,6 +167,7 @@ _L1_LINES = (
     ("memcpy", "copy", "k--", "memcpy ceiling"),
     ("tcp", "get", "k:", "loopback TCP ceiling"),
     ("shm", "get", "o-", "shm get"),
+    ("shm-pool", "get", "v-", "shm get, pool read"),
     ("bulk", "get", "s-", "bulk get"),
     ("grpc", "get", "^-", "grpc get"),
     ("redis", "get", "x-", "redis get"),

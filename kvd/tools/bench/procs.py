@@ -48,12 +48,22 @@ class Case:
 # What each measured path must really use: a figure taken on a fallback
 # (region ops over gRPC, gRPC instead of bulk) would be reported under the
 # wrong name.
-_EXPECTED_PATHS = {"shm": {"shm", "shm-socket"}, "bulk": {"bulk"}, "grpc": set()}
+# shm-pool: gets copied out of the daemon's L1 by the client, each copy
+# checked against its checksum; shm-pool-trust: the same, unchecked.
+_EXPECTED_PATHS = {
+    "shm": {"shm", "shm-socket"},
+    "shm-pool": {"shm", "shm-socket", "shm-pool"},
+    "shm-pool-trust": {"shm", "shm-socket", "shm-pool"},
+    "bulk": {"bulk"},
+    "grpc": set(),
+}
 
 
 def kvd_client(path: str, tcp_target: str, unix_target: str) -> Client:
     if path == "shm":
-        client = Client(unix_target, timeout_s=60)
+        client = Client(unix_target, timeout_s=60, pool_reads=False)
+    elif path.startswith("shm-pool"):
+        client = Client(unix_target, timeout_s=60, verify_pool_reads=path == "shm-pool")
     else:
         client = Client(tcp_target, timeout_s=60, shm=False, bulk=path == "bulk")
     if client.paths != _EXPECTED_PATHS[path]:
