@@ -62,6 +62,8 @@ STAGING_BYTES = 64 << 20
 # with its size and is fetched again with exact room.
 GET_ROOM_BYTES = 4 << 20
 BATCH_ITEMS_MAX = 256
+# A pool get's item the daemon would not pin (a size no value has).
+_UNPINNED = -1
 
 _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
@@ -470,6 +472,11 @@ class ShmPath:
             got = self._pool_get(ns, keys, buffers)
             if got is not None:
                 return got
+        return self._region_get_many_into(ns, keys, buffers)
+
+    def _region_get_many_into(
+        self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
         sizes: list[int | None] = []
         start = 0
         while start < len(keys):
@@ -503,7 +510,8 @@ class ShmPath:
     ) -> list[int | None] | None:
         """Gets straight out of the daemon's pool, in batches of
         ``BATCH_ITEMS_MAX``; None when they cannot go that way (keys of
-        different widths, a daemon that restarted): then as region gets."""
+        different widths, a daemon that restarted): then as region gets.
+        Items the daemon would not pin (its pins are full) are region gets."""
         ops, pool = self._ops, self._pool
         if ops is None or pool is None:
             return None
@@ -526,6 +534,13 @@ class ShmPath:
             if got is None:
                 return None
             sizes += got
+        refused = [i for i, size in enumerate(sizes) if size == _UNPINNED]
+        if refused:
+            again = self._region_get_many_into(
+                ns, [keys[i] for i in refused], [buffers[i] for i in refused]
+            )
+            for i, size in zip(refused, again, strict=True):
+                sizes[i] = size
         return sizes
 
     def _pool_batch(
@@ -549,6 +564,9 @@ class ShmPath:
             error: KvdError | None = None
             if item.code == _NOT_FOUND:
                 sizes.append(None)
+                continue
+            if item.code == _RESOURCE_EXHAUSTED:
+                sizes.append(_UNPINNED)  # the daemon's pins are full: a region get
                 continue
             if item.code:
                 error = error_for(item.code, item.message)

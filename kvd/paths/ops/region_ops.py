@@ -90,6 +90,7 @@ class RegionOps:
         self.shm_socket = ""
         self.l2_direct_min_bytes = 0  # the shm_l2_direct_min_bytes setting; 0: off
         self.pool_reads = False  # the shm_pool_reads setting (kvd.paths.shm.pool_reads)
+        self.pool_pinned_bytes = 0  # L1 bytes pinned for pool reads, all connections
         # The copies' native batch (kvd.io.backend.native_copy_many), set by the
         # daemon at start; None: numpy and xxhash.
         self.copy_many: CopyMany | None = None

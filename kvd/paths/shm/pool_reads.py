@@ -23,9 +23,12 @@ the reader closes) and answers one pin id for the batch. The pin lasts until
 the client's next POOL_GET on the same connection releases it (``POOL_REF``'s
 first field), or until the connection ends (a dead client's socket closes,
 an idle one is closed after ``bulk_idle_timeout_ms``). A connection holds at
-most ``PINS_PER_CONNECTION`` pins, and pinned bytes count as bytes in flight
-(``max_inflight_bytes``): past either, items are refused with
-RESOURCE_EXHAUSTED and nothing is pinned for them.
+most ``PINS_PER_CONNECTION`` pins, and all connections together pin at most
+half of L1 (``PINNED_SHARE``: the other half stays free for puts to evict
+in). Pins are not bytes in flight: the daemon holds no memory for them, and
+a client's pin waits, idle, for its next get. Past either bound an item is
+refused with RESOURCE_EXHAUSTED and nothing is pinned for it; the client
+then gets it as a region get.
 
 **What protects the bytes.** A value's checksum is taken when it enters
 L1 (computed over the bytes a put copied in, or checked on its way up from
@@ -47,12 +50,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.l1.pool import Pool
-from kvd.paths.ops.items import RESOURCE_EXHAUSTED, ItemResult, item_status, miss
+from kvd.paths.ops.items import RESOURCE_EXHAUSTED, ItemResult, miss
 from kvd.paths.shm.index_ops import namespace_of
 from kvd.paths.shm.regions import Caller
 from kvd.store.index import TIER_L1, Reader
 from kvd.wire.bulk import MESSAGE_BYTES_MAX, ProtocolError, Request, encode_response
-from kvd.wire.errors import FailedPrecondition, InvalidArgument, KvdError, PermissionDenied
+from kvd.wire.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvd.wire.limits import KEY_BYTES_MAX
 from kvd.wire.shm import (
     OP_POOL_ATTACH,
@@ -74,6 +77,8 @@ if TYPE_CHECKING:
 # batch's, released with its next), so more means a client that does not
 # release; four leave room for retries.
 PINS_PER_CONNECTION = 4
+# The share of L1 all pins together may hold.
+PINNED_SHARE = 0.5
 OP_NAME = "shm_pool_get"
 _pin_ids = itertools.count(1)
 
@@ -107,7 +112,8 @@ class Pins:
 def _unpin(pin: Pin, ops: RegionOps) -> None:
     for reader in pin.readers:
         reader.close()
-    ops.inflight.release(pin.held_bytes)
+    ops.pool_pinned_bytes -= pin.held_bytes
+    assert ops.pool_pinned_bytes >= 0
 
 
 def may_map(ops: RegionOps, principal: Principal | None) -> None:
@@ -209,11 +215,11 @@ def answer_of(ops: RegionOps, request: Request, readers: list[Reader | None], pi
                 message = f"this connection holds {PINS_PER_CONNECTION} pins: release one"
                 parts.append(_item(ItemResult(code=RESOURCE_EXHAUSTED, message=message), []))
                 continue
-            try:
-                ops.inflight.acquire(reader.size)
-            except KvdError as exc:
+            room = int(ops.store.pool.capacity_bytes * PINNED_SHARE) - ops.pool_pinned_bytes
+            if reader.size > room - held:
                 reader.close()
-                parts.append(_item(item_status(exc), []))
+                message = f"pins hold {PINNED_SHARE:.0%} of L1: get it into a region"
+                parts.append(_item(ItemResult(code=RESOURCE_EXHAUSTED, message=message), []))
                 continue
             kept.append(reader)
             held += reader.size
@@ -225,12 +231,12 @@ def answer_of(ops: RegionOps, request: Request, readers: list[Reader | None], pi
     except BaseException:
         for reader in kept:
             reader.close()
-        ops.inflight.release(held)
         raise
     pin_id = 0
     if kept:
         pin_id = next(_pin_ids)
         pins.held[pin_id] = Pin(kept, held)
+        ops.pool_pinned_bytes += held
     payload = b"".join(parts)
     return (
         encode_response(

@@ -163,6 +163,29 @@ def test_pins_are_bounded_and_a_closed_connection_drops_them(pooled: DaemonProce
         assert client.get(NS, b"p") == b"x" * 4096
 
 
+def test_past_the_pins_share_of_l1_gets_go_through_regions(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory(*POOL_READS, "--dram-bytes", "8MiB", "--max-value-bytes", "2MiB")
+    values = {b"v%d" % i: _value(1 << 20, 200 + i) for i in range(5)}
+    with Client(daemon.socket_target) as client:
+        for key, value in values.items():
+            client.put(NS, key, value)
+        holders = [_ops(client).client._connect() for _ in range(3)]
+        try:
+            for conn, key in zip(holders, values, strict=False):
+                pin, (item,) = _raw_get(conn, [key], 0)  # 3 of the 4 MiB pins may hold
+                assert pin and item.code == 0
+            pin, items = _raw_get(holders[0], [b"v3", b"v4"], 0)
+            assert [item.code for item in items] == [0, CODE_NUMBERS["RESOURCE_EXHAUSTED"]]
+            assert "of L1" in items[1].message
+            rooms = [memoryview(bytearray(1 << 20)) for _ in range(2)]
+            assert client.get_many_into(NS, [b"v3", b"v4"], rooms) == [1 << 20, 1 << 20]
+            assert [bytes(room) for room in rooms] == [values[b"v3"], values[b"v4"]]
+            assert metric(daemon.metrics_port, 'kvd_hits_total{op="shm_get",tier="l1"}') >= 1
+        finally:
+            for conn in holders:
+                conn.close()
+
+
 def test_bad_pool_frames_get_a_code(pooled: DaemonProcess) -> None:
     with Client(pooled.socket_target) as client:
         conn = _ops(client).client._connect()
