@@ -22,9 +22,7 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import xxhash
 
 from kvd.client.bulk import Connection
@@ -63,29 +61,33 @@ class PoolMap:
         finally:
             os.close(fd)
         self.size = size
-        self.array: np.ndarray[Any, np.dtype[np.uint8]] = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._view = memoryview(self._mmap)
 
     def copy(self, item: PoolItem, buffer: memoryview, verify: bool) -> bool:
         """Copy ``item``'s value into ``buffer`` (room checked by the caller);
-        False when ``verify`` finds bytes that do not match its checksum."""
-        dst = np.frombuffer(buffer, dtype=np.uint8)
+        False when ``verify`` finds bytes that do not match its checksum, or
+        the spans do not make the value."""
+        dst = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+        pool = self._view
+        if len(item.spans) == 1:  # the common case: one run of pages
+            ((offset, length),) = item.spans
+            if length != item.size or offset + length > self.size:
+                return False
+            dst[:length] = pool[offset : offset + length]
+            return not verify or xxhash.xxh3_64_intdigest(dst[:length]) == item.checksum
         pos = 0
-        hasher = xxhash.xxh3_64() if verify else None
         for offset, length in item.spans:
-            if offset + length > self.size:
-                return False  # a span outside the pool: not this pool's value
-            part = dst[pos : pos + length]
-            np.copyto(part, self.array[offset : offset + length])
-            if hasher is not None:
-                hasher.update(part.data)
+            if offset + length > self.size or pos + length > item.size:
+                return False  # not this pool's value
+            dst[pos : pos + length] = pool[offset : offset + length]
             pos += length
         if pos != item.size:
             return False
-        return hasher is None or hasher.intdigest() == item.checksum
+        return not verify or xxhash.xxh3_64_intdigest(dst[:pos]) == item.checksum
 
     def close(self) -> None:
         """Unmap, once no copy out of it runs (a buffer still exported keeps it)."""
-        del self.array
+        self._view.release()
         with contextlib.suppress(BufferError):
             self._mmap.close()
 

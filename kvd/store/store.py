@@ -382,13 +382,15 @@ class Store:
         return entry is not None and self.entries.drop_clean(entry)
 
     # ---- get -------------------------------------------------------------------
-    def open(self, ns_name: str, key: bytes) -> Reader | None:
-        """Pin an L1 value for reading, or None when it is not in L1."""
+    def open(self, ns_name: str, key: bytes, views: bool = True) -> Reader | None:
+        """Pin an L1 value for reading, or None when it is not in L1;
+        ``views=False``: without views of its pages (a reader of the mapped
+        pool reads them itself, by ``entry.runs``)."""
         check_key(key)
         entry = self._l1(ns_name, key)
         if entry is None:
             return None
-        return self._reader(entry, TIER_L1)
+        return self._reader(entry, TIER_L1, views)
 
     def l1_size(self, ns_name: str, key: bytes) -> int | None:
         """The size of a value in L1, or None; touches nothing (a get asks
@@ -455,13 +457,14 @@ class Store:
         assert self.placement is not None
         return await self.placement.read_l2_into(record, dst)
 
-    def _reader(self, entry: Entry, tier: int) -> Reader:
+    def _reader(self, entry: Entry, tier: int, views: bool = True) -> Reader:
         entry.ns.hits += 1
         self.counters.hits += 1
         self.counters.bytes_out += entry.size
         self.entries.pin(entry)
         self.learning.touch((entry.ns.id, entry.key))
-        return Reader(self.entries.unpin, entry, self.pool.views(entry.runs, entry.size), tier)
+        pages = self.pool.views(entry.runs, entry.size) if views else []
+        return Reader(self.entries.unpin, entry, pages, tier)
 
     def _miss(self, ns_name: str) -> None:
         self.counters.misses += 1

@@ -116,11 +116,22 @@ class ValueOps:
         """Value bytes ``op`` handed out."""
         self.metrics.bytes.labels(op, "out").inc(nbytes)
 
-    def served(self, op: str, tier: str, nbytes: int) -> None:
-        """A hit whose ``nbytes`` were handed out at once."""
+    def served(self, op: str, tier: str, nbytes: int, hits: int = 1) -> None:
+        """``hits`` hits whose ``nbytes`` (together) were handed out at once."""
         metrics = self.metrics
-        metrics.hits.labels(op, tier).inc()
+        metrics.hits.labels(op, tier).inc(hits)
         metrics.bytes.labels(op, "out").inc(nbytes)
+
+    def pin_now(self, op: str, ns: str, keys: Sequence[bytes]) -> list[Reader | None]:
+        """Pin the values of ``keys`` that are in L1, without waiting and
+        without views of their pages (``Store.open``): for a client that reads
+        the pages itself. One fetch time for the batch; hits are counted by
+        the caller (``served``) once it hands them out."""
+        start = perf_counter()
+        store = self.store
+        readers = [store.open(ns, key, views=False) for key in keys]
+        self.metrics.fetched(op, "l1", start)
+        return readers
 
     def received(self, op: str, nbytes: int) -> None:
         """Value bytes ``op`` stored."""

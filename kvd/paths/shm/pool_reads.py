@@ -175,7 +175,7 @@ def get_now(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | None]
         if store.l1_size(ns, key) is None:
             return None
     pins.release(batch.release, ops)
-    return [ops.values.open_now(OP_NAME, ns, key) for key in batch.keys]
+    return ops.values.pin_now(OP_NAME, ns, batch.keys)
 
 
 async def get(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | None]:
@@ -198,42 +198,45 @@ async def get(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | Non
 
 
 def answer_of(ops: RegionOps, request: Request, readers: list[Reader | None], pins: Pins) -> bytes:
-    """Pin what was found (within the connection's pins and the in-flight
-    bytes) and answer where each value lies; readers not kept are closed."""
+    """Pin what was found (within the connection's pins and the pins' share
+    of L1) and answer where each value lies; readers not kept are closed.
+    Hits, misses and bytes are counted once for the batch."""
     kept: list[Reader] = []
-    held = 0
+    held = misses = 0
     parts: list[bytes] = []
     full = len(pins.held) >= PINS_PER_CONNECTION
+    room = int(ops.store.pool.capacity_bytes * PINNED_SHARE) - ops.pool_pinned_bytes
     try:
         for reader in readers:
             if reader is None:
-                ops.values.missed(OP_NAME)
-                parts.append(_item(miss(), []))
+                misses += 1
+                parts.append(_MISS)
                 continue
-            if full:
+            if full or reader.size > room - held:
                 reader.close()
-                message = f"this connection holds {PINS_PER_CONNECTION} pins: release one"
-                parts.append(_item(ItemResult(code=RESOURCE_EXHAUSTED, message=message), []))
-                continue
-            room = int(ops.store.pool.capacity_bytes * PINNED_SHARE) - ops.pool_pinned_bytes
-            if reader.size > room - held:
-                reader.close()
-                message = f"pins hold {PINNED_SHARE:.0%} of L1: get it into a region"
-                parts.append(_item(ItemResult(code=RESOURCE_EXHAUSTED, message=message), []))
+                parts.append(_PINS_FULL if full else _SHARE_FULL)
                 continue
             kept.append(reader)
             held += reader.size
-            ops.values.served(OP_NAME, "l1", reader.size)
-            result = ItemResult(
-                size=reader.size, checksum=reader.checksum, meta=reader.meta, tier=TIER_L1
-            )
-            parts.append(_item(result, Pool.spans(reader.entry.runs, reader.size)))
+            entry = reader.entry
+            spans = Pool.spans(entry.runs, entry.size)
+            parts.append(
+                POOL_ITEM.pack(0, TIER_L1 << TIER_SHIFT, entry.size, entry.checksum,
+                               len(entry.meta), 0, len(spans))
+            )  # fmt: skip
+            if entry.meta:
+                parts.append(entry.meta)
+            parts += [POOL_SPAN.pack(offset, length) for offset, length in spans]
     except BaseException:
         for reader in kept:
             reader.close()
         raise
+    values = ops.values
+    if misses:
+        values.metrics.misses.labels(OP_NAME).inc(misses)
     pin_id = 0
     if kept:
+        values.served(OP_NAME, "l1", held, hits=len(kept))
         pin_id = next(_pin_ids)
         pins.held[pin_id] = Pin(kept, held)
         ops.pool_pinned_bytes += held
@@ -246,10 +249,22 @@ def answer_of(ops: RegionOps, request: Request, readers: list[Reader | None], pi
     )
 
 
-def _item(result: ItemResult, spans: list[tuple[int, int]]) -> bytes:
+def _item(result: ItemResult) -> bytes:
+    """An item answered without a value (a miss, a refusal)."""
     text = result.message.encode()[:MESSAGE_BYTES_MAX]
-    head = POOL_ITEM.pack(
-        result.code, result.tier << TIER_SHIFT, result.size, result.checksum,
-        len(result.meta), len(text), len(spans),
-    )  # fmt: skip
-    return b"".join([head, result.meta, text, *(POOL_SPAN.pack(*span) for span in spans)])
+    head = POOL_ITEM.pack(result.code, 0, result.size, 0, 0, len(text), 0)
+    return head + text
+
+
+_MISS = _item(miss())
+_PINS_FULL = _item(
+    ItemResult(
+        code=RESOURCE_EXHAUSTED,
+        message=f"this connection holds {PINS_PER_CONNECTION} pins: release one",
+    )
+)
+_SHARE_FULL = _item(
+    ItemResult(
+        code=RESOURCE_EXHAUSTED, message=f"pins hold {PINNED_SHARE:.0%} of L1: get it into a region"
+    )
+)

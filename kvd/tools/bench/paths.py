@@ -19,6 +19,7 @@ cannot start is reported as skipped with the reason.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -44,6 +45,10 @@ CLIENTS = (1, 16)
 # Values a batched get asks for in one call (``get_many_into``), as an
 # engine loads a prefix's chunks; fewer when the fill holds fewer keys.
 BATCH_VALUES = 8
+# get-chain: one call of this many values, as an engine loads a prefix of
+# 1,024 tokens in blocks of 16 (vLLM's default block), for values this small.
+CHAIN_VALUES = 64
+CHAIN_MAX_BYTES = 64 << 10
 # Gets copied out of the daemon's L1 by the client (shm_pool_reads), checked
 # against their checksums or not: on a daemon of their own, whose L1 is
 # shared memory.
@@ -123,6 +128,13 @@ def memcpy_gbps(size: int) -> float:
     )
 
 
+def bench_keys(prefix: str, count: int) -> tuple[bytes, ...]:
+    """``count`` keys of 32 bytes, as engines' chained block hashes are: a
+    batch of keys of one width is one frame (keys of different widths go
+    item by item, or over gRPC)."""
+    return tuple(hashlib.sha256(b"%s%d" % (prefix.encode(), i)).digest() for i in range(count))
+
+
 def _fill_count(size: int) -> int:
     return max(2, min(32, FILL_BYTES // size))
 
@@ -198,7 +210,7 @@ def kvd_rows(
     procs: ClientProcesses,
 ) -> list[Row]:
     ns = f"bench-{path}-{size}"
-    keys = tuple(b"v%d" % i for i in range(_fill_count(size)))
+    keys = bench_keys("v", _fill_count(size))
     value = value_bytes(size)
     rows = []
     with kvd_client(path, tcp_target, unix_target) as filler:
@@ -225,6 +237,16 @@ def kvd_rows(
                 gbps = procs.measure(case, CASE_SECONDS, clients)
                 note = f"{batch} values a call" if batch > 1 else ""
                 rows.append(Row(path, op, size, clients, gbps, note))
+            if clients == 1 and size <= CHAIN_MAX_BYTES:
+                chain = bench_keys("chain", CHAIN_VALUES)
+                for key in chain:
+                    filler.put(ns, key, value.data)
+                case = Case(
+                    "kvd", "get-chain", size, chain, "chain", ns, path, tcp_target, unix_target,
+                    batch=CHAIN_VALUES,
+                )  # fmt: skip
+                gbps = procs.measure(case, CASE_SECONDS, 1)
+                rows.append(Row(path, "get-chain", size, 1, gbps, f"{CHAIN_VALUES} values a call"))
         filler.delete_namespace(ns)
     return rows
 
@@ -241,7 +263,7 @@ def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[R
     """Single-client gets of values that are on L2 only (the daemon's L1 holds others)."""
     ns = f"cold-{path}-{size}"
     count = max(8, 3 * COLD_DRAM_BYTES // size)
-    keys = [b"c%d" % i for i in range(count)]
+    keys = list(bench_keys("c", count))
     value = value_bytes(size)
     with Client(tcp_target, timeout_s=120, shm=False, bulk=True) as filler:
         for key in keys:
@@ -348,7 +370,7 @@ def redis_rows(sizes: tuple[int, ...], progress: Progress, procs: ClientProcesse
         _wait_port(port, proc)
         for size in sizes:
             value = value_bytes(size).tobytes()
-            keys = tuple(b"v%d" % i for i in range(_fill_count(size)))
+            keys = bench_keys("v", _fill_count(size))
             filler = redis.Redis(port=port)
             for key in keys:
                 filler.set(key, value)

@@ -44,6 +44,13 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                 ),
                 "threshold": 0.2,
             },
+            {
+                "target": f"{shm} get-chain 64 KiB / memcpy",
+                "ratio": ratio(
+                    _find(rows, shm, "get-chain", kib64), _find(rows, "memcpy", "copy", kib64)
+                ),
+                "threshold": 0.2,
+            },
         ]
         for op in ("get", "get-batch"):
             for size in (4 * mib, 32 * mib):

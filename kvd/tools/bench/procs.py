@@ -33,7 +33,8 @@ START_DELAY_S = 0.2
 @dataclass(frozen=True)
 class Case:
     kind: str  # "kvd" or "redis"
-    op: str  # "get", "put" or "get-batch" (kvd: get_many_into of ``batch`` values a call)
+    # "get", "put", "get-batch" or "get-chain" (kvd: get_many_into of ``batch`` values a call)
+    op: str
     size: int
     keys: tuple[bytes, ...] = ()  # what gets read (written before the case)
     tag: str = ""  # makes put keys unique to the case
@@ -204,7 +205,8 @@ def _prepare(case: Case, index: int) -> tuple[Callable[[int], None], Callable[[]
         def kvd_put(n: int) -> None:
             client.put(case.ns, f"{case.tag}-{index}-{n}".encode(), buffer)
 
-        op = {"get": kvd_get, "get-batch": kvd_get_batch, "put": kvd_put}[case.op]
+        op = {"get": kvd_get, "get-batch": kvd_get_batch, "get-chain": kvd_get_batch,
+              "put": kvd_put}[case.op]  # fmt: skip
         op(-1)  # warm-up: connections, regions, first touches
     except BaseException:
         client.close()

@@ -28,10 +28,11 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             for clients in (1, 2):
                 assert measured[(path, op, clients)] > 0
         assert measured[(path, "get-batch", 1)] > 0  # get_many_into of 8 values a call
+        assert measured[(path, "get-chain", 1)] > 0  # of 64: an engine's prefix
         assert measured[(path, "get-cold", 1)] > 0  # values only on L2
     for path in paths.POOL_PATHS:  # gets the client copies out of the daemon's L1
         assert measured[(path, "get", 1)] > 0 and measured[(path, "get", 2)] > 0
-        assert measured[(path, "get-batch", 1)] > 0
+        assert measured[(path, "get-batch", 1)] > 0 and measured[(path, "get-chain", 1)] > 0
         assert (path, "put", 1) not in measured
     assert measured[("memcpy", "copy", 1)] > 0 and measured[("tcp", "get", 1)] > 0
     # The L2-cold rows' ceiling, from the same run on the cold daemon's file system.
@@ -45,6 +46,7 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "shm get-cold 4 MiB / fio QD1",
         "shm-pool get 64 KiB / redis get",
         "shm-pool-trust get-batch 64 KiB / memcpy",
+        "shm-pool get-chain 64 KiB / memcpy",
     }
     # The chart, both panels, where matplotlib (the bench extra) is installed.
     assert result.with_suffix(".png").exists() == (find_spec("matplotlib") is not None)
