@@ -6,6 +6,7 @@ region once that lock is gone), mapped, and attached to the daemon
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -25,8 +26,17 @@ Attach = Callable[[int, int], tuple[int, bytes]]
 
 
 def address_of(view: memoryview) -> int:
-    """Where a buffer's bytes start in this process (0 for an empty one)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+    """Where a buffer's bytes start in this process (0 for an empty one).
+    ctypes for a writable buffer (~0.4 µs here, against ~2 µs through numpy,
+    once per buffer of a batch); numpy for the others."""
+    if not len(view):
+        return 0
+    if not view.readonly:
+        try:
+            return ctypes.addressof(ctypes.c_char.from_buffer(view))
+        except (TypeError, ValueError):  # not contiguous, or not a plain buffer
+            pass
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 @dataclass(eq=False)

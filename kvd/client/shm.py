@@ -39,7 +39,7 @@ import numpy as np
 from kvd.client.bulk import Answer, Connection
 from kvd.client.pool_reads import PoolMap, exchange, pool_get_frame
 from kvd.client.regions import Call, ClientRegion, address_of, close_region, create_region
-from kvd.client.shm_socket import RegionOps
+from kvd.client.shm_socket import BatchAnswer, RegionOps, RegionResult
 from kvd.client.spans import ALIGN_BYTES, Spans
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import (
@@ -69,11 +69,11 @@ _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
 
 
-def _error(result: pb.RegionItemResult) -> KvdError:
+def _error(result: RegionResult) -> KvdError:
     return error_for(result.code, result.message)
 
 
-def _item_error(result: pb.RegionItemResult, room: int) -> KvdError:
+def _item_error(result: RegionResult, room: int) -> KvdError:
     """The error of a failed get into ``room`` bytes (a value larger than its room
     is the caller's mistake: InvalidArgument)."""
     if result.code == _RESOURCE_EXHAUSTED and result.size > room:
@@ -165,7 +165,7 @@ class ShmPath:
         if self._ops is not None and value is not None:
             self._ops.client.timeout_s = value  # the client's changed deadline, as for bulk
 
-    def _batch(self, name: str, request: Any, region: ClientRegion) -> pb.RegionBatchResponse:
+    def _batch(self, name: str, request: Any, region: ClientRegion) -> BatchAnswer:
         ops = self._ops
         if ops is None:
             return self._call(name, request)  # type: ignore[no-any-return]  # closed
@@ -200,7 +200,7 @@ class ShmPath:
 
     def _region_batch(
         self, ops: RegionOps, name: str, request: Any, region: ClientRegion
-    ) -> pb.RegionBatchResponse:
+    ) -> BatchAnswer:
         mine, request.deadline_ns = ops.deadline()
         try:
             if name == "GetIntoRegion":
@@ -363,7 +363,8 @@ class ShmPath:
                 response = self._batch("PutFromRegion", request, region)
             finally:
                 self._unstage(staged)
-            for i, result in enumerate(response.results):
+            results: Sequence[RegionResult] = response.results
+            for i, result in enumerate(results):
                 if result.code:
                     error = _error(result)
                     raise type(error)(f"item {start + i}: {error}")
@@ -436,7 +437,7 @@ class ShmPath:
 
     def _get_one_fenced(
         self, ops: RegionOps, ns: str, key: bytes, region: ClientRegion, offset: int, room: int
-    ) -> pb.RegionItemResult:
+    ) -> RegionResult:
         mine, deadline_ns = ops.deadline()
         try:
             return ops.get_one(region.region_id, region.token, ns, key, offset, room, deadline_ns)
@@ -600,7 +601,7 @@ class ShmPath:
             try:
                 rooms = [GET_ROOM_BYTES] * len(room)
                 results = self._get_batch(ns, region, keys[start:end], room, rooms)
-                got: list[bytes | pb.RegionItemResult | None] = []
+                got: list[bytes | RegionResult | None] = []
                 for offset, result in zip(room, results, strict=True):
                     if result.code == _NOT_FOUND:
                         got.append(None)
@@ -615,7 +616,7 @@ class ShmPath:
                     spans.free(offset, GET_ROOM_BYTES)
             for key, value in zip(keys[start:end], got, strict=True):
                 values.append(
-                    self.get(ns, key) if isinstance(value, pb.RegionItemResult) else value
+                    value if value is None or isinstance(value, bytes) else self.get(ns, key)
                 )
             start = end
         return values
@@ -627,7 +628,7 @@ class ShmPath:
         keys: Sequence[bytes],
         offsets: Sequence[int],
         rooms: Sequence[int],
-    ) -> Sequence[pb.RegionItemResult]:
+    ) -> Sequence[RegionResult]:
         """One GetIntoRegion: ``keys[i]`` into ``rooms[i]`` bytes at ``offsets[i]``."""
         request = pb.GetIntoRegionRequest(
             region_id=region.region_id,
@@ -648,7 +649,7 @@ class ShmPath:
         offset: int,
         room: int,
         want_size: bool = False,
-    ) -> pb.RegionItemResult | None:
+    ) -> RegionResult | None:
         result = self._get_batch(ns, region, [key], [offset], [room])[0]
         if result.code == _NOT_FOUND:
             return None

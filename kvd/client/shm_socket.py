@@ -59,6 +59,33 @@ from kvd.wire.shm import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class ItemAnswer:
+    """One item's answer of a region batch over the socket: the fields of
+    ``pb.RegionItemResult``, in a plain object (a protobuf message per item
+    cost ~2.5 µs of a 64-value batch's ~20 µs per value here)."""
+
+    code: int = 0
+    message: str = ""
+    size: int = 0
+    checksum: int = 0
+    existed: bool = False
+    meta: bytes = b""
+    tier: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Answers:
+    """A region batch's answers over the socket, as ``pb.RegionBatchResponse``
+    holds them over gRPC (``results``, in item order)."""
+
+    results: list[ItemAnswer]
+
+
+RegionResult = pb.RegionItemResult | ItemAnswer
+BatchAnswer = pb.RegionBatchResponse | Answers
+
+
 @dataclass(frozen=True)
 class DaemonIdentity:
     """Who serves the shm socket, as the daemon said over its gRPC channel."""
@@ -204,14 +231,14 @@ class RegionOps:
         (size,) = POOL_ATTACHED.unpack(answer.meta)
         return fds[0], size
 
-    def get_into_region(self, request: pb.GetIntoRegionRequest) -> pb.RegionBatchResponse:
+    def get_into_region(self, request: pb.GetIntoRegionRequest) -> Answers:
         if "get_many" in self.offered and len(request.items) > 1:
             many = _get_many_frame(request)
             if many is not None:
                 results = self.client.with_connection(
                     lambda conn: _exchange_many(conn, many, len(request.items))
                 )
-                return pb.RegionBatchResponse(results=results)
+                return Answers(results)
         ns = request.namespace.encode()
         late = _deadline_flag(request.deadline_ns)
         frames = [
@@ -232,7 +259,7 @@ class RegionOps:
         offset: int,
         room: int,
         deadline_ns: int = 0,
-    ) -> pb.RegionItemResult:
+    ) -> ItemAnswer:
         """One get into a region: ``get_into_region`` of one item, with one frame."""
         late = _deadline_flag(deadline_ns)
         frame = _with_ref(
@@ -241,7 +268,7 @@ class RegionOps:
         )
         return _result(self.client.with_connection(lambda conn: _exchange_one(conn, frame)))
 
-    def put_from_region(self, request: pb.PutFromRegionRequest) -> pb.RegionBatchResponse:
+    def put_from_region(self, request: pb.PutFromRegionRequest) -> Answers:
         ns = request.namespace.encode()
         frames = []
         previous = b""
@@ -287,14 +314,14 @@ class RegionOps:
         frame = _with_ref(encode_request(OP_RELEASE, 0, ns.encode()), RELEASE_REF.pack(lease_id))
         return self.client.with_connection(lambda conn: _exchange_one(conn, frame))
 
-    def _exchange(self, frames: list[bytes]) -> pb.RegionBatchResponse:
+    def _exchange(self, frames: list[bytes]) -> Answers:
         answers: list[Answer | None] = [None] * len(frames)
         self.client.with_connection(lambda conn: _window(conn, frames, 0, len(frames), answers))
         results = []
         for answer in answers:
             assert answer is not None, "every frame was answered"
             results.append(_result(answer))
-        return pb.RegionBatchResponse(results=results)
+        return Answers(results)
 
 
 def _read_answer(sock: socket.socket, fds: list[int] | None = None) -> Answer:
@@ -333,15 +360,15 @@ def _close_fds(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
-def _result(answer: Answer) -> pb.RegionItemResult:
-    return pb.RegionItemResult(
+def _result(answer: Answer) -> ItemAnswer:
+    return ItemAnswer(
         code=answer.code,
         message=answer.message,
         size=answer.length,
         checksum=answer.checksum,
         existed=bool(answer.flags & FLAG_EXISTED),
         meta=answer.meta,
-        tier=answer.flags >> TIER_SHIFT,  # type: ignore[arg-type]
+        tier=answer.flags >> TIER_SHIFT,
     )
 
 
@@ -387,7 +414,7 @@ def _get_many_frame(request: pb.GetIntoRegionRequest) -> bytes | None:
     return _with_ref(head, refs + MANY_REF.pack(len(items), width)) + payload
 
 
-def _exchange_many(conn: Connection, frame: bytes, count: int) -> list[pb.RegionItemResult]:
+def _exchange_many(conn: Connection, frame: bytes, count: int) -> list[ItemAnswer]:
     """Send one REGION_GET_MANY and read its answer's ``count`` results."""
     conn.send([memoryview(frame)])
     answer = conn.answer()
@@ -405,10 +432,9 @@ def _exchange_many(conn: Connection, frame: bytes, count: int) -> list[pb.Region
         meta = bytes(payload[pos : pos + meta_len])
         message = payload[pos + meta_len : pos + meta_len + msg_len].decode(errors="replace")
         pos += meta_len + msg_len
-        result = pb.RegionItemResult(
-            code=code, message=message, size=size, checksum=checksum,
-            existed=bool(flags & FLAG_EXISTED), meta=meta, tier=flags >> TIER_SHIFT,
-        )  # fmt: skip
+        result = ItemAnswer(
+            code, message, size, checksum, bool(flags & FLAG_EXISTED), meta, flags >> TIER_SHIFT
+        )
         results.append(result)
     if pos != len(payload):
         raise ConnectionError(f"a batch answer of {len(payload)} bytes for {pos} of results")
