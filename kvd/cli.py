@@ -207,10 +207,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         # SIGHUP reads the same inputs again: the file may have changed.
-        return run(config, lambda: config_from_environment(args.config, given))
+        code = run(config, lambda: config_from_environment(args.config, given))
     except OSError as error:
         print(f"kvd: {error}", file=sys.stderr)
         return 1
+    # A daemon that read its peers over NIXL ends here, its shutdown done:
+    # UCX's teardown at interpreter exit crashed (kvd.cluster.nixl_node).
+    nixl = sys.modules.get("kvd.cluster.nixl_node")
+    if nixl is not None:
+        nixl.exit_past_ucx(code)
+    return code
 
 
 def _config(args: argparse.Namespace) -> int:

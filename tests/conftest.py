@@ -3,6 +3,7 @@ on ephemeral ports and a Unix socket under the test's tmp dir."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,5 +46,18 @@ def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No daemon outlives the test run, whatever a failed test left behind."""
+    session.config._kvd_session = session  # type: ignore[attr-defined]  # for pytest_unconfigure
     for daemon in SpawnedDaemon.started:
         daemon.kill()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After everything is reported: a run that made a NIXL agent with a UCX
+    backend in this process (tests/cluster/test_peer_nixl.py's bad owner)
+    ends with os._exit and the run's status, since UCX's own teardown at
+    interpreter exit crashed here (kvd.cluster.nixl_node.exit_past_ucx)."""
+    nixl = sys.modules.get("kvd.cluster.nixl_node")
+    if nixl is not None and nixl.ucx_loaded():
+        session = getattr(config, "_kvd_session", None)
+        nixl.exit_past_ucx(int(session.exitstatus) if session is not None else 0)

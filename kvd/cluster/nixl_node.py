@@ -33,9 +33,11 @@ never blocks) and, when it did not stop, keeps those pages out of use
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +45,30 @@ from typing import Any
 import numpy as np
 
 log = logging.getLogger("kvd.cluster")
+
+# Whether a UCX backend was created in this process. UCX's library teardown
+# at interpreter exit crashed (SIGSEGV) on the development VM (AMD EPYC,
+# nixl-cu12 1.5.1) once any agent with a UCX backend had existed, even after
+# it was closed and deleted; a process that loaded it ends with os._exit
+# once its own shutdown is done (``exit_past_ucx``).
+_ucx_loaded = False
+
+
+def ucx_loaded() -> bool:
+    return _ucx_loaded
+
+
+def exit_past_ucx(code: int) -> None:
+    """Return when this process never loaded UCX; else flush what it wrote
+    and end it now with ``code``, skipping the library teardown."""
+    if not _ucx_loaded:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
 
 # Poll of a transfer in flight: starts at 50 µs (a 64 KiB READ over shm takes
 # ~20-40 µs) and doubles up to 1 ms (a 4 MiB READ over tcp takes 1-4 ms).
@@ -156,6 +182,8 @@ class NixlNode:
                 # UCX's shm transports have no peer-failure detection.
                 options["ucx_error_handling_mode"] = "none"
             agent.create_backend("UCX", options)
+            global _ucx_loaded
+            _ucx_loaded = True
             registered = agent.register_memory([(view_address(arena), len(arena), 0, "")], "DRAM")
         except Exception as exc:  # any failure of the native agent means bulk TCP
             return f"nixl agent did not start ({type(exc).__name__}: {exc})"
