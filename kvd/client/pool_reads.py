@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import xxhash
 
 from kvd.client.bulk import Connection
+from kvd.client.shm_socket import exchange_batch
 from kvd.wire.bulk import REQUEST, encode_request
-from kvd.wire.errors import error_for
 from kvd.wire.shm import (
     OP_POOL_GET,
     POOL_ANSWER,
@@ -108,12 +108,7 @@ def pool_get_frame(ns: str, keys: Sequence[bytes], release: int) -> bytes | None
 def exchange(conn: Connection, frame: bytes, count: int) -> tuple[int, list[PoolItem]]:
     """Send a POOL_GET of ``count`` keys: the pin the answer holds, and its items.
     The pin is the connection's to release (``Connection.pin``)."""
-    conn.send([memoryview(frame)])
-    answer = conn.answer()
-    if answer.request_id != 0 or answer.op != OP_POOL_GET:
-        raise ConnectionError(f"answer to op {answer.op} request {answer.request_id}: not ours")
-    if answer.code != 0:
-        raise error_for(answer.code, answer.message)
+    answer = exchange_batch(conn, frame, OP_POOL_GET)
     if len(answer.meta) != POOL_ANSWER.size:
         raise ConnectionError("a POOL_GET answer without its pin")
     (pin,) = POOL_ANSWER.unpack(answer.meta)

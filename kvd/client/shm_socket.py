@@ -414,14 +414,21 @@ def _get_many_frame(request: pb.GetIntoRegionRequest) -> bytes | None:
     return _with_ref(head, refs + MANY_REF.pack(len(items), width)) + payload
 
 
-def _exchange_many(conn: Connection, frame: bytes, count: int) -> list[ItemAnswer]:
-    """Send one REGION_GET_MANY and read its answer's ``count`` results."""
+def exchange_batch(conn: Connection, frame: bytes, op: int) -> Answer:
+    """Send one batch frame of ``op`` (request 0) and read its answer's
+    header; a refusal of the whole frame raises."""
     conn.send([memoryview(frame)])
     answer = conn.answer()
-    if answer.request_id != 0 or answer.op != OP_REGION_GET_MANY:
+    if answer.request_id != 0 or answer.op != op:
         raise ConnectionError(f"answer to op {answer.op} request {answer.request_id}: not ours")
     if answer.code != 0:
         raise error_for(answer.code, answer.message)
+    return answer
+
+
+def _exchange_many(conn: Connection, frame: bytes, count: int) -> list[ItemAnswer]:
+    """Send one REGION_GET_MANY and read its answer's ``count`` results."""
+    answer = exchange_batch(conn, frame, OP_REGION_GET_MANY)
     payload = bytearray(answer.length)
     conn.recv_into(memoryview(payload))
     results = []

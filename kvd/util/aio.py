@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -41,29 +41,28 @@ async def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
 
 async def readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     """Return once ``sock`` has something to read (or to accept)."""
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(sock.fileno())
+    await _ready(sock, loop.add_reader, loop.remove_reader, loop)
 
 
 async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     """Return once ``sock`` has room to send."""
+    await _ready(sock, loop.add_writer, loop.remove_writer, loop)
+
+
+async def _ready(
+    sock: socket.socket,
+    watch: Callable[..., object],
+    unwatch: Callable[[int], object],
+    loop: asyncio.AbstractEventLoop,
+) -> None:
     ready: asyncio.Future[None] = loop.create_future()
 
     def wake() -> None:
         if not ready.done():
             ready.set_result(None)
 
-    loop.add_writer(sock.fileno(), wake)
+    watch(sock.fileno(), wake)
     try:
         await ready
     finally:
-        loop.remove_writer(sock.fileno())
+        unwatch(sock.fileno())
