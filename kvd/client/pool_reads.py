@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvd.client.bulk import Connection
-from kvd.client.shm_socket import exchange_batch
+from kvd.client.bulk import BulkClient, Connection
+from kvd.client.shm_socket import RegionOps, exchange_batch
 from kvd.wire.bulk import REQUEST, encode_request
+from kvd.wire.errors import CODE_NUMBERS, DataLoss, InvalidArgument, KvdError, error_for
 from kvd.wire.shm import (
     OP_POOL_GET,
     POOL_ANSWER,
@@ -92,6 +93,50 @@ class PoolMap:
             self._mmap.close()
 
 
+# A pool get's item the daemon would not pin (a size no value has): the
+# caller gets it as a region get.
+UNPINNED = -1
+_NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
+_RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
+
+
+def map_pool(ops: RegionOps) -> PoolMap | None:
+    """The daemon's pool mapped, where it offers pool reads and lets this
+    client; None otherwise (refused: not an admin token; or gone)."""
+    if "pool_get" not in ops.offered:
+        return None
+    try:
+        fd, size = ops.attach_pool()
+    except KvdError:
+        return None
+    return PoolMap(fd, size)
+
+
+def read_all(
+    client: BulkClient,
+    pool: PoolMap,
+    ns: str,
+    keys: Sequence[bytes],
+    buffers: Sequence[memoryview],
+    batch_items: int,
+    verify: bool,
+) -> list[int | None] | None:
+    """``read_batch`` over ``keys`` in batches of ``batch_items``, each on a
+    connection of ``client``; None as soon as one cannot go this way."""
+    sizes: list[int | None] = []
+    for start in range(0, len(keys), batch_items):
+        end = min(len(keys), start + batch_items)
+
+        def work(conn: Connection, start: int = start, end: int = end) -> list[int | None] | None:
+            return read_batch(conn, pool, ns, keys, buffers, start, end, verify)
+
+        got = client.with_connection(work)
+        if got is None:
+            return None
+        sizes += got
+    return sizes
+
+
 def pool_get_frame(ns: str, keys: Sequence[bytes], release: int) -> bytes | None:
     """A POOL_GET of ``keys`` releasing pin ``release`` first; None when the
     keys differ in width (then the batch goes as region gets)."""
@@ -131,3 +176,43 @@ def exchange(conn: Connection, frame: bytes, count: int) -> tuple[int, list[Pool
     if pos != len(payload):
         raise ConnectionError(f"a pool answer of {len(payload)} bytes for {pos} of items")
     return pin, items
+
+
+def read_batch(
+    conn: Connection,
+    pool: PoolMap,
+    ns: str,
+    keys: Sequence[bytes],
+    buffers: Sequence[memoryview],
+    start: int,
+    end: int,
+    verify: bool,
+) -> list[int | None] | None:
+    """``keys[start:end]`` copied out of ``pool`` into their buffers, over
+    ``conn`` (releasing its last pin): sizes, None for a miss, ``UNPINNED``
+    for an item the daemon would not pin; None when the keys differ in width."""
+    frame = pool_get_frame(ns, keys[start:end], conn.pin)
+    if frame is None:
+        return None
+    conn.pin = 0  # this frame releases it; a failed one closes the connection
+    conn.pin, items = exchange(conn, frame, end - start)
+    sizes: list[int | None] = []
+    for i, item in enumerate(items, start):
+        buffer = buffers[i]
+        error: KvdError | None = None
+        if item.code == _NOT_FOUND:
+            sizes.append(None)
+            continue
+        if item.code == _RESOURCE_EXHAUSTED:
+            sizes.append(UNPINNED)  # the daemon's pins are full: a region get
+            continue
+        if item.code:
+            error = error_for(item.code, item.message)
+        elif item.size > len(buffer):
+            error = InvalidArgument(f"buffer of {len(buffer)} bytes is too small for {item.size}")
+        elif not pool.copy(item, buffer, verify):
+            error = DataLoss("value copied out of the pool does not match its checksum")
+        if error is not None:
+            raise error if len(keys) == 1 else type(error)(f"item {i}: {error}")
+        sizes.append(item.size)
+    return sizes

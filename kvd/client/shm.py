@@ -36,15 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from kvd.client.bulk import Answer, Connection
-from kvd.client.pool_reads import PoolMap, exchange, pool_get_frame
+from kvd.client.bulk import Answer
+from kvd.client.pool_reads import UNPINNED, PoolMap, map_pool, read_all
 from kvd.client.regions import Call, ClientRegion, address_of, close_region, create_region
 from kvd.client.shm_socket import BatchAnswer, RegionOps, RegionResult
 from kvd.client.spans import ALIGN_BYTES, Spans
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import (
     CODE_NUMBERS,
-    DataLoss,
     DeadlineExceeded,
     InvalidArgument,
     KvdError,
@@ -62,8 +61,6 @@ STAGING_BYTES = 64 << 20
 # with its size and is fetched again with exact room.
 GET_ROOM_BYTES = 4 << 20
 BATCH_ITEMS_MAX = 256
-# A pool get's item the daemon would not pin (a size no value has).
-_UNPINNED = -1
 
 _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
@@ -137,14 +134,7 @@ class ShmPath:
         client; else gets keep to regions."""
         if self._pool is not None:
             self._pool.close()
-            self._pool = None
-        if not self._want_pool or "pool_get" not in ops.offered:
-            return
-        try:
-            fd, size = ops.attach_pool()
-        except KvdError:
-            return  # refused (not an admin token) or gone: region gets
-        self._pool = PoolMap(fd, size)
+        self._pool = map_pool(ops) if self._want_pool else None
 
     @property
     def pool_reads(self) -> bool:
@@ -410,10 +400,9 @@ class ShmPath:
 
     # ---- gets ------------------------------------------------------------------------
     def get_into(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
-        if self._pool is not None:
-            got = self._pool_get(ns, [key], [buffer])
-            if got is not None:
-                return got[0]
+        got = self._pool_get(ns, [key], [buffer])
+        if got is not None:
+            return got[0]
         where = self.locate(buffer) if self._ops is not None else None
         if where is None:  # staging, or gRPC region calls: the batch's way
             return self.get_many_into(ns, [key], [buffer])[0]
@@ -469,10 +458,9 @@ class ShmPath:
         """Values into ``buffers``: one batch per run of buffers in one region
         (others get room in staging and one more copy); sizes, None for a miss.
         With pool reads, straight out of the daemon's L1 into ``buffers``."""
-        if self._pool is not None:
-            got = self._pool_get(ns, keys, buffers)
-            if got is not None:
-                return got
+        got = self._pool_get(ns, keys, buffers)
+        if got is not None:
+            return got
         return self._region_get_many_into(ns, keys, buffers)
 
     def _region_get_many_into(
@@ -509,77 +497,29 @@ class ShmPath:
     def _pool_get(
         self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[int | None] | None:
-        """Gets straight out of the daemon's pool, in batches of
-        ``BATCH_ITEMS_MAX``; None when they cannot go that way (keys of
-        different widths, a daemon that restarted): then as region gets.
-        Items the daemon would not pin (its pins are full) are region gets."""
+        """Gets straight out of the daemon's pool; None when they cannot go that
+        way (no pool mapped, keys of different widths, a daemon that restarted):
+        then as region gets. Items the daemon would not pin are region gets."""
         ops, pool = self._ops, self._pool
         if ops is None or pool is None:
             return None
-        sizes: list[int | None] = []
-        for start in range(0, len(keys), BATCH_ITEMS_MAX):
-            end = min(len(keys), start + BATCH_ITEMS_MAX)
-
-            def work(
-                conn: Connection, start: int = start, end: int = end
-            ) -> list[int | None] | None:
-                return self._pool_batch(conn, pool, ns, keys, buffers, start, end)
-
-            try:
-                got = ops.client.with_connection(work)
-            except DeadlineExceeded:
-                raise
-            except (Unavailable, PermissionDenied):
-                self.renew(ops)  # maps the new daemon's pool, if it lets us
-                return None
-            if got is None:
-                return None
-            sizes += got
-        refused = [i for i, size in enumerate(sizes) if size == _UNPINNED]
+        verify = self.verify_pool_reads
+        try:
+            sizes = read_all(ops.client, pool, ns, keys, buffers, BATCH_ITEMS_MAX, verify)
+        except DeadlineExceeded:
+            raise
+        except (Unavailable, PermissionDenied):
+            self.renew(ops)  # maps the new daemon's pool, if it lets us
+            return None
+        if sizes is None:
+            return None
+        refused = [i for i, size in enumerate(sizes) if size == UNPINNED]
         if refused:
             again = self._region_get_many_into(
                 ns, [keys[i] for i in refused], [buffers[i] for i in refused]
             )
             for i, size in zip(refused, again, strict=True):
                 sizes[i] = size
-        return sizes
-
-    def _pool_batch(
-        self,
-        conn: Connection,
-        pool: PoolMap,
-        ns: str,
-        keys: Sequence[bytes],
-        buffers: Sequence[memoryview],
-        start: int,
-        end: int,
-    ) -> list[int | None] | None:
-        frame = pool_get_frame(ns, keys[start:end], conn.pin)
-        if frame is None:
-            return None
-        conn.pin = 0  # this frame releases it; a failed one closes the connection
-        conn.pin, items = exchange(conn, frame, end - start)
-        sizes: list[int | None] = []
-        for i, item in enumerate(items, start):
-            buffer = buffers[i]
-            error: KvdError | None = None
-            if item.code == _NOT_FOUND:
-                sizes.append(None)
-                continue
-            if item.code == _RESOURCE_EXHAUSTED:
-                sizes.append(_UNPINNED)  # the daemon's pins are full: a region get
-                continue
-            if item.code:
-                error = error_for(item.code, item.message)
-            elif item.size > len(buffer):
-                error = InvalidArgument(
-                    f"buffer of {len(buffer)} bytes is too small for {item.size}"
-                )
-            elif not pool.copy(item, buffer, self.verify_pool_reads):
-                error = DataLoss("value copied out of the pool does not match its checksum")
-            if error is not None:
-                raise error if len(keys) == 1 else type(error)(f"item {i}: {error}")
-            sizes.append(item.size)
         return sizes
 
     def get_many(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:

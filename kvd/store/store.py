@@ -383,14 +383,11 @@ class Store:
 
     # ---- get -------------------------------------------------------------------
     def open(self, ns_name: str, key: bytes, views: bool = True) -> Reader | None:
-        """Pin an L1 value for reading, or None when it is not in L1;
-        ``views=False``: without views of its pages (a reader of the mapped
-        pool reads them itself, by ``entry.runs``)."""
+        """Pin an L1 value for reading, or None when it is not in L1; ``views=False``:
+        no views of its pages (a reader of the mapped pool reads ``entry.runs``)."""
         check_key(key)
         entry = self._l1(ns_name, key)
-        if entry is None:
-            return None
-        return self._reader(entry, TIER_L1, views)
+        return None if entry is None else self._reader(entry, TIER_L1, views)
 
     def l1_size(self, ns_name: str, key: bytes) -> int | None:
         """The size of a value in L1, or None; touches nothing (a get asks
@@ -402,11 +399,7 @@ class Store:
         """Pin an L1 value for the daemon's own use: no hit counted, no
         recency given to the eviction policy (handing a put to its owner)."""
         entry = self._l1(ns_name, key)
-        if entry is None:
-            return None
-        self.entries.pin(entry)
-        views = self.pool.views(entry.runs, entry.size)
-        return Reader(self.entries.unpin, entry, views, TIER_L1)
+        return None if entry is None else self._pin(entry, TIER_L1)
 
     async def fetch(self, ns_name: str, key: bytes) -> Reader | None:
         """Pin a value wherever it is stored (L1, or L2 read into L1); None on a miss.
@@ -461,8 +454,11 @@ class Store:
         entry.ns.hits += 1
         self.counters.hits += 1
         self.counters.bytes_out += entry.size
-        self.entries.pin(entry)
         self.learning.touch((entry.ns.id, entry.key))
+        return self._pin(entry, tier, views)
+
+    def _pin(self, entry: Entry, tier: int, views: bool = True) -> Reader:
+        self.entries.pin(entry)
         pages = self.pool.views(entry.runs, entry.size) if views else []
         return Reader(self.entries.unpin, entry, pages, tier)
 

@@ -46,7 +46,6 @@ The client side is ``kvd.client.shm_socket``; what both sides agree on, ``kvd.wi
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import logging
@@ -58,6 +57,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvd.paths.ops.calls import Tally, refused
 from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
 from kvd.paths.shm import get_many, pool_reads
+from kvd.paths.shm.descriptors import close_all, recv_with_fds, send_with_fd
 from kvd.paths.shm.index_ops import (
     INDEX_OPS,
     OP_NAMES,
@@ -68,7 +68,6 @@ from kvd.paths.shm.index_ops import (
 )
 from kvd.paths.shm.regions import Caller
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
-from kvd.util.aio import readable, writable
 from kvd.wire.bulk import (
     FLAG_CHECKSUM,
     FLAG_DURABLE,
@@ -296,18 +295,18 @@ class ShmChannel:
         """The first frame and the descriptors that came with it (the caller's to close)."""
         fds: list[int] = []
         try:
-            header = await _recv_with_fds(loop, conn, REQUEST.size, fds)
+            header = await recv_with_fds(loop, conn, REQUEST.size, fds)
             max_value_bytes = self.ops.store.limits.max_value_bytes
             request = decode_request(header, max_value_bytes, CHANNEL_OPS | FIRST_OPS)
             if request.op not in FIRST_OPS:
                 raise ProtocolError("HELLO (or REGION_ATTACH) must come first")
             tail = request.tail_bytes + (request.length if request.op == OP_HELLO else 0)
-            rest = await _recv_with_fds(loop, conn, tail, fds)
+            rest = await recv_with_fds(loop, conn, tail, fds)
         except BaseException:
-            _close_all(fds)
+            close_all(fds)
             raise
         if request.op != OP_REGION_ATTACH:
-            _close_all(fds)  # descriptors belong to region attaches only
+            close_all(fds)  # descriptors belong to region attaches only
             fds = []
         return request, rest, fds
 
@@ -330,7 +329,7 @@ class ShmChannel:
                         fds.pop(), request.length, Caller(uid, pid, principal)
                     )
                 finally:
-                    _close_all(fds)
+                    close_all(fds)
         except KvdError as exc:
             return refusal(request, exc)
         return encode_response(
@@ -359,7 +358,7 @@ class ShmChannel:
             return
         try:
             answer = pool_reads.attach_answer(request, self.ops.store.pool)
-            await _send_with_fd(loop, conn, answer, fd)
+            await send_with_fd(loop, conn, answer, fd)
         finally:
             os.close(fd)
 
@@ -580,48 +579,3 @@ async def _queue(queue: asyncio.Queue[T], item: T, consumer: asyncio.Task[None])
         return True
     put.cancel()
     return False
-
-
-async def _recv_with_fds(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, nbytes: int, fds: list[int]
-) -> bytes:
-    """Exactly ``nbytes`` from a non-blocking ``conn``, adding to ``fds`` the
-    descriptors that come with them (room for one: more is a ProtocolError)."""
-    data = bytearray()
-    while len(data) < nbytes:
-        try:
-            got, ancillary, flags, _ = conn.recvmsg(nbytes - len(data), socket.CMSG_SPACE(4))
-        except BlockingIOError:
-            await readable(loop, conn)
-            continue
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                passed = array.array("i")
-                passed.frombytes(payload[: len(payload) - len(payload) % passed.itemsize])
-                fds.extend(passed)
-        if flags & socket.MSG_CTRUNC:
-            raise ProtocolError("more than one descriptor passed")
-        if not got:
-            raise asyncio.IncompleteReadError(bytes(data), nbytes)
-        data += got
-    return bytes(data)
-
-
-async def _send_with_fd(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fd: int
-) -> None:
-    """Send ``data`` on a non-blocking ``conn`` with ``fd`` as SCM_RIGHTS on its first byte."""
-    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-    while True:
-        try:
-            sent = conn.sendmsg([data], rights)
-            break
-        except BlockingIOError:
-            await writable(loop, conn)
-    if sent < len(data):
-        await loop.sock_sendall(conn, data[sent:])
-
-
-def _close_all(fds: list[int]) -> None:
-    while fds:
-        os.close(fds.pop())
