@@ -158,11 +158,7 @@ def batch_of(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> P
     ops.check_batch(count)
     if not 0 < width <= KEY_BYTES_MAX or request.length != count * width:
         raise InvalidArgument(f"{request.length} key bytes are not {count} keys of {width} bytes")
-    try:
-        keys = split_keys(rest[POOL_REF.size + request.tail_bytes :], width)
-    except ValueError as exc:  # pragma: no cover - the length was checked
-        raise InvalidArgument(str(exc)) from None
-    return PoolBatch(release, ns, keys)
+    return PoolBatch(release, ns, split_keys(rest[POOL_REF.size + request.tail_bytes :], width))
 
 
 def get_now(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | None] | None:
