@@ -61,6 +61,10 @@ POOL_COUNTERS = {
     ),
     "remote_lookup_hits": ("kvd_cluster_remote_lookup_hits", "Chain keys found on other members"),
     "remote_gets": ("kvd_cluster_remote_gets", "Gets sent to the key's owner"),
+    "remote_get_batches": (
+        "kvd_cluster_remote_get_batches",
+        "Batched gets whose values held elsewhere were read from their owners together",
+    ),
     "remote_hits": ("kvd_cluster_remote_hits", "Values fetched from their owner into L1"),
     "remote_misses": ("kvd_cluster_remote_misses", "Gets the owner answered as not found"),
     "peer_errors": ("kvd_cluster_peer_errors", "Peer calls failed or timed out (each a miss)"),

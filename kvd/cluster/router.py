@@ -86,6 +86,7 @@ class PoolCounters:
     remote_lookups: int = 0  # lookups and exists that asked at least one peer
     remote_lookup_hits: int = 0  # chain keys found on a peer
     remote_gets: int = 0
+    remote_get_batches: int = 0  # batches whose missing values were read together
     remote_hits: int = 0
     remote_misses: int = 0
     peer_errors: int = 0  # failed or timed-out peer calls (each a miss)
@@ -364,8 +365,9 @@ class PoolRouter:
 
     async def fetch_many(self, namespace: str, keys: list[bytes]) -> None:
         """Fetch into L1, at once, the keys of a batch held nowhere here, so a
-        BatchGet that then reads them in order waits one peer round trip, not
-        one per key (at most ``FETCH_PARALLEL_MAX`` reads in flight)."""
+        batched get (gRPC BatchGet, a shared-memory region get or pool read)
+        that then reads them in order waits one peer round trip, not one per
+        key (at most ``FETCH_PARALLEL_MAX`` reads in flight)."""
         if scope.current().hop or len(self.membership.members) == 1:
             return
         try:
@@ -375,6 +377,7 @@ class PoolRouter:
         missing = list(dict.fromkeys(k for k, h in zip(keys, held, strict=True) if not h))
         if len(missing) < 2:
             return
+        self.counters.remote_get_batches += 1
         room = asyncio.Semaphore(FETCH_PARALLEL_MAX)
 
         async def fetch(key: bytes) -> None:

@@ -35,7 +35,8 @@ def chain(namespace: str, count: int) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
-    daemons = start_static_pool(tmp_path_factory.mktemp("pool"), 3)
+    # Pool reads on: a shared-memory client may read L1 pages in place.
+    daemons = start_static_pool(tmp_path_factory.mktemp("pool"), 3, "--shm-pool-reads", "true")
     yield daemons
     for daemon in daemons:
         if daemon.alive():
@@ -152,6 +153,36 @@ def test_a_batch_get_reads_what_it_lacks_from_the_owners(pool: list[DaemonProces
     b_grpc = client_of(pool[1], bulk=False)
     assert b_grpc.get_many_with_meta("batch", keys) == [(value_of(k), b"") for k in keys]
     assert metric(pool[1].metrics_port, "kvd_cluster_remote_hits_total") - before == lacking
+
+
+@pytest.mark.parametrize("pool_reads", [False, True], ids=["region", "pool-reads"])
+def test_a_shared_memory_batch_reads_the_owners_share_together(
+    pool: list[DaemonProcess], pool_reads: bool
+) -> None:
+    """A batch over the Unix socket (shared memory) asks the owners for
+    every value it lacks at once, before it reads them in order."""
+    ns = f"shm-batch-{int(pool_reads)}"
+    a = client_of(pool[0])
+    keys = chain(ns, 40)
+    store_chain(a, ns, keys)
+    b = Client(f"unix://{pool[1].socket}", timeout_s=CLIENT_TIMEOUT_S, pool_reads=pool_reads)
+    _open.append(b)
+    assert wait_until(lambda: b.lookup(ns, keys) == len(keys))
+    assert ("shm-pool" in b.paths) == pool_reads and "shm" in b.paths
+    lacking = len(keys) - len(_owned_by(pool, ns, keys, 1))
+    port = pool[1].metrics_port
+    hits = metric(port, "kvd_cluster_remote_hits_total")
+    batches = metric(port, "kvd_cluster_remote_get_batches_total")
+    size = len(value_of(keys[0]))
+    buffer = b.buffer(size * len(keys))
+    views = [buffer[i * size : (i + 1) * size] for i in range(len(keys))]
+    assert b.get_many_into(ns, keys, views) == [size] * len(keys)
+    assert [bytes(view) for view in views] == [value_of(key) for key in keys]
+    assert metric(port, "kvd_cluster_remote_hits_total") - hits == lacking
+    assert metric(port, "kvd_cluster_remote_get_batches_total") - batches == 1
+    # Read again: all in b's L1 now, no peer asked.
+    assert b.get_many_into(ns, keys, views) == [size] * len(keys)
+    assert metric(port, "kvd_cluster_remote_get_batches_total") - batches == 1
 
 
 def test_a_key_nobody_holds_is_a_miss(pool: list[DaemonProcess]) -> None:

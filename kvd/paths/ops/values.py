@@ -84,6 +84,15 @@ class ValueOps:
         self.metrics.fetched(op, TIER_NAMES[reader.tier], start)
         return reader
 
+    async def fetch_remote_many(self, ns: str, keys: Sequence[bytes]) -> None:
+        """In a pool, read the keys of a batch that other members own and
+        this daemon lacks into L1 at once (``PoolQueries.fetch_many``), so
+        the batch's own reads then find them here: one peer round trip for
+        the batch, not one per key. Nothing is counted here (the batch's
+        reads count their hits and misses)."""
+        if self.pool is not None and len(keys) > 1:
+            await self.pool.fetch_many(ns, list(keys))
+
     async def fetch_many(self, op: str, ns: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:
         """``Store.fetch_many``: the values of a batch only on L2, read together,
         by index into ``keys``; their fetch time is counted, a miss is not
@@ -145,8 +154,7 @@ class ValueOps:
         ``inline_bytes_max``, is answered RESOURCE_EXHAUSTED (found). In a
         pool, the keys other nodes own are read into L1 first, together."""
         self.check_batch(len(keys))
-        if self.pool is not None:
-            await self.pool.fetch_many(ns, list(keys))
+        await self.fetch_remote_many(ns, keys)
         values = []
         for key in keys:
             reader = await self.fetch(op, ns, key)

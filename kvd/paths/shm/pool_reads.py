@@ -177,6 +177,7 @@ def get_now(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | None]
 async def get(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | None]:
     """The batch's values pinned in L1, those only on L2 read into it first."""
     pins.release(batch.release, ops)
+    await ops.values.fetch_remote_many(batch.namespace, batch.keys)
     found = await ops.values.fetch_many(OP_NAME, batch.namespace, batch.keys)
     readers: list[Reader | None] = []
     try:

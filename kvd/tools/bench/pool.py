@@ -6,7 +6,10 @@ reference measured in the same run.
   daemon offers (``pool_peer_transport``); beside each, the TCP ceiling between
   the same two nodes measured just before it (``kvd.tools.bench.pool_ceiling``:
   on this loaded 2-core VM a ceiling moves by 2x within minutes). Each value is read
-  once (a second read is local: A keeps it in L1, reported beside).
+  once (a second read is local: A keeps it in L1, reported beside). Then a
+  chain of 64 values of 64 KiB that B owns, read through A one value at a
+  time and in one batch (``get_many_into``: A asks B for all it lacks at
+  once), fresh values each round.
 - **Hit ratio**: a trace replayed over 4 members (request i through member
   i mod 4, as engines on different nodes) against one daemon of the same
   total L1 capacity, both with ``kvd.tools.replay.run``'s requests.
@@ -58,6 +61,12 @@ CEILING_RUNS = 3  # the ceiling is the best of three
 # Forwarded puts reach their owners in the background (4 in flight): a
 # 1,000-key chain lands within seconds; a bound, not a wait.
 SETTLE_S = 60.0
+# The remote chain: values, their size, and rounds (each reads fresh values
+# one at a time, then fresh ones in one batch; the best round of each counts).
+CHAIN_VALUES = 64
+CHAIN_VALUE_BYTES = 64 * 1024
+CHAIN_ROUNDS = 3
+CHAIN_NS = "bench-remote-chain"
 CALL_TIMEOUT_S = 60.0
 # Peer calls may take 1 s here (the daemon's default is 200 ms): the bench
 # measures the pool's speed and hit ratio, not a loaded machine's timeouts.
@@ -151,11 +160,54 @@ def _timed_gets(client: Client, ns: str, keys: list[bytes], first: int,
     return seconds, moved, wrong, misses
 
 
+def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, Any]:
+    """``keys`` (owned by ``owner``'s daemon, ``CHAIN_VALUES`` x 2 per round)
+    read through ``engine``'s daemon one at a time and in one batch."""
+    n, size = CHAIN_VALUES, CHAIN_VALUE_BYTES
+    owner.put_many(CHAIN_NS, [(key, block_value(i, size)) for i, key in enumerate(keys)])
+    region = engine.buffer(n * size)
+    views = [region[i * size : (i + 1) * size] for i in range(n)]
+    single = batch = float("inf")
+    wrong = misses = 0
+
+    def check(first: int, got: list[int | None]) -> None:
+        nonlocal wrong, misses
+        for i, (size_got, view) in enumerate(zip(got, views, strict=True)):
+            if size_got is None:
+                misses += 1
+            elif bytes(view[:size_got]) != block_value(first + i, size):
+                wrong += size_got
+
+    for round_ in range(CHAIN_ROUNDS):
+        first = 2 * round_ * n
+        started = time.perf_counter()
+        round_keys = keys[first : first + n]
+        got = [engine.get_into(CHAIN_NS, k, v) for k, v in zip(round_keys, views, strict=True)]
+        single = min(single, time.perf_counter() - started)
+        check(first, got)
+        first += n
+        started = time.perf_counter()
+        got = engine.get_many_into(CHAIN_NS, keys[first : first + n], views)
+        batch = min(batch, time.perf_counter() - started)
+        check(first, got)
+    return {
+        "values": n,
+        "value_bytes": size,
+        "one_at_a_time_s": single,
+        "batch_s": batch,
+        "one_at_a_time_bytes_per_s": n * size / single,
+        "batch_bytes_per_s": n * size / batch,
+        "wrong_bytes": wrong,
+        "misses": misses,
+    }
+
+
 def remote_get(root: Path, transport: str, options: Options, progress: Progress) -> dict[str, Any]:
     """Values owned by B read through A's daemon, after the TCP ceiling
-    between the same two nodes."""
+    between the same two nodes; then the remote chain (``remote_chain``)."""
     extra = ["--pool-peer-transport", transport] if transport else []
-    dram = f"{options.values * options.value_bytes * 2 + 64 * MiB}"
+    chain_bytes = 2 * CHAIN_ROUNDS * CHAIN_VALUES * CHAIN_VALUE_BYTES
+    dram = f"{options.values * options.value_bytes * 2 + chain_bytes * 2 + 64 * MiB}"
     max_value = str(max(options.value_bytes, MiB))
     with Pool(root / f"get-{transport or 'default'}", 2, extra, netns=options.netns,
               peer_timeout_ms=PEER_TIMEOUT_MS,
@@ -176,6 +228,12 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             local, moved_local, wrong_local, _ = _timed_gets(
                 engine, ns, keys[1:], 1, options.value_bytes
             )
+            progress(f"pool: remote chain, transport {transport or 'default'}")
+            chain_keys = _keys_owned(
+                pool.placement(), b.address, CHAIN_NS, "c", 2 * CHAIN_ROUNDS * CHAIN_VALUES
+            )
+            with Client(b.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S) as owner:
+                chain = remote_chain(engine, owner, chain_keys)
         return {
             "transport_asked": transport or "default",
             "transport_used": used,
@@ -187,8 +245,9 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             "get_p99_ms": float(np.percentile(remote, 99)) * 1e3,
             "local_bytes_per_s": moved_local / sum(local),
             "tcp_ceiling": ceiling,
-            "wrong_bytes": wrong + wrong_local,
+            "wrong_bytes": wrong + wrong_local + chain["wrong_bytes"],
             "misses": misses,
+            "chain": chain,
         }
 
 

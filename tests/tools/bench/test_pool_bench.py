@@ -45,6 +45,10 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert [g["transport_asked"] for g in gets] == [transport or "default"]
     assert all(g["wrong_bytes"] == 0 and g["misses"] == 0 and g["bytes_per_s"] > 0 for g in gets)
     assert gets[0]["tcp_ceiling"]["bytes"] == 2 * 2**20
+    chain = gets[0]["chain"]  # a remote chain, one at a time and in one batch
+    assert chain["values"] == pool.CHAIN_VALUES and chain["misses"] == 0
+    assert chain["batch_bytes_per_s"] > 0 and chain["one_at_a_time_bytes_per_s"] > 0
+    assert "Remote chain of 64 values" in raw.with_suffix(".md").read_text()
     for side in ("pool", "single"):
         replayed = result["hit_ratio"][side]
         assert replayed["requests"] == 40 and replayed["wrong_blocks"] == 0
