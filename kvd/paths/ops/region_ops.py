@@ -307,7 +307,7 @@ class RegionOps:
         jobs: list[CopyJob] = []
         registry.enter(region)
         try:
-            await self.values.fetch_remote_many(batch.namespace, [i.key for i in batch.items])
+            await self.values.fetch_remote_many(batch.namespace, (i.key for i in batch.items))
             batched = await self._fetch_batched(region, batch.namespace, batch.items)
             readers += [r for r in batched.values() if r is not None]
             start, in_l1 = time.perf_counter(), 0

@@ -16,7 +16,7 @@ synchronous ones (``open_now``, the counters) never await.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
@@ -84,13 +84,14 @@ class ValueOps:
         self.metrics.fetched(op, TIER_NAMES[reader.tier], start)
         return reader
 
-    async def fetch_remote_many(self, ns: str, keys: Sequence[bytes]) -> None:
+    async def fetch_remote_many(self, ns: str, keys: Iterable[bytes]) -> None:
         """In a pool, read the keys of a batch that other members own and
         this daemon lacks into L1 at once (``PoolQueries.fetch_many``), so
         the batch's own reads then find them here: one peer round trip for
         the batch, not one per key. Nothing is counted here (the batch's
-        reads count their hits and misses)."""
-        if self.pool is not None and len(keys) > 1:
+        reads count their hits and misses); outside a pool ``keys`` is not
+        even iterated."""
+        if self.pool is not None:
             await self.pool.fetch_many(ns, list(keys))
 
     async def fetch_many(self, op: str, ns: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:

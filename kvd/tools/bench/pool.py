@@ -169,27 +169,22 @@ def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, 
     views = [region[i * size : (i + 1) * size] for i in range(n)]
     single = batch = float("inf")
     wrong = misses = 0
-
-    def check(first: int, got: list[int | None]) -> None:
-        nonlocal wrong, misses
+    for round_ in range(CHAIN_ROUNDS):
+        first = 2 * round_ * n
+        seconds, _, wrong_one, misses_one = _timed_gets(
+            engine, CHAIN_NS, keys[first : first + n], first, size
+        )
+        single = min(single, sum(seconds))
+        wrong, misses = wrong + wrong_one, misses + misses_one
+        first += n
+        started = time.perf_counter()
+        got = engine.get_many_into(CHAIN_NS, keys[first : first + n], views)
+        batch = min(batch, time.perf_counter() - started)
         for i, (size_got, view) in enumerate(zip(got, views, strict=True)):
             if size_got is None:
                 misses += 1
             elif bytes(view[:size_got]) != block_value(first + i, size):
                 wrong += size_got
-
-    for round_ in range(CHAIN_ROUNDS):
-        first = 2 * round_ * n
-        started = time.perf_counter()
-        round_keys = keys[first : first + n]
-        got = [engine.get_into(CHAIN_NS, k, v) for k, v in zip(round_keys, views, strict=True)]
-        single = min(single, time.perf_counter() - started)
-        check(first, got)
-        first += n
-        started = time.perf_counter()
-        got = engine.get_many_into(CHAIN_NS, keys[first : first + n], views)
-        batch = min(batch, time.perf_counter() - started)
-        check(first, got)
     return {
         "values": n,
         "value_bytes": size,

@@ -117,8 +117,8 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"{g['chain']['one_at_a_time_bytes_per_s'] / GB:.2f} GB/s "
         f"({g['chain']['one_at_a_time_s'] / g['chain']['batch_s']:.2f}x the batch's time)"
         for g in result["remote_get"]
-        if "chain" in g
     )
+    chain = result["remote_get"][0]["chain"]
     hits = result["hit_ratio"]
     wrong = sum(g["wrong_bytes"] for g in result["remote_get"]) + sum(
         hits[side]["wrong_blocks"] for side in ("pool", "single")
@@ -128,7 +128,8 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"Members {'in' if result['where'] == 'network namespaces' else 'on'} "
         f"{result['where']}. TCP ceiling: the best of three runs just before "
         f"each transport's gets, one connection, {moved / 2**20:.0f} MiB each ({ceilings} "
-        f"GB/s). Remote gets ({gets}). Remote chain of 64 values of 64 KiB ({chains}).",
+        f"GB/s). Remote gets ({gets}). Remote chain of "
+        f"{chain['values']} values of {chain['value_bytes'] >> 10} KiB ({chains}).",
         f"Replay: {hits['capacity_blocks']} blocks of {hits['block_bytes']} B "
         f"({100 * hits['capacity_fraction']:.1f} % of {hits['unique_blocks']} unique), "
         f"{hits['forwards']:.0f} puts handed to their owners ({hits['forwards_dropped']:.0f} "
