@@ -234,7 +234,16 @@ class MPServer:
             return client.lookup(object_namespace(keys[0]), [bytes_key(k.chunk_hash) for k in keys])
 
     def drop_l1(self) -> None:
-        self.client.clear(False).result(timeout=WAIT_S)
+        """Empty the server's L1. Its store controller read-locks a chunk
+        until it has taken the adapter's completion, a moment after kvd
+        holds the value, and a clear keeps locked chunks: clear until none
+        is left."""
+
+        def cleared() -> bool:
+            self.client.clear(False).result(timeout=WAIT_S)
+            return int(self.engine.storage_manager.get_l1_usage()[0]) == 0
+
+        assert wait_until(cleared), "LMCache's L1 kept locked chunks"
 
     def lookup(self, tokens: list[int], request_id: str, model: str = MODEL) -> int:
         self.client.lookup(self.key(tokens, request_id, None, model), 1).result(timeout=WAIT_S)
@@ -305,7 +314,6 @@ def test_store_lookup_load_through_the_server(
     assert mp_server.store(tokens, chunks, "store-1")
     assert wait_until(lambda: mp_server.in_kvd(shared_daemon, tokens) == 4)
     mp_server.drop_l1()  # the server must now load from kvd
-    assert mp_server.engine.storage_manager.get_l1_usage()[0] == 0
     before = mp_server.adapter.report_status()["failures"]
     assert mp_server.lookup(tokens, "load-1") == 4
     got = mp_server.retrieve(tokens, "load-1")
