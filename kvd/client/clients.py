@@ -112,12 +112,15 @@ class Client:
         tls: Tls | None = None,
         pool_reads: bool = True,
         verify_pool_reads: bool = True,
+        direct_pool_reads: bool = True,
     ) -> None:
         """``tls``: TLS to a TCP target; then values go over gRPC only, since the
         bulk TCP port has no TLS (``bulk=True`` with ``tls`` is refused).
         ``pool_reads``: on the shm path, copy gets straight out of the daemon's
         L1 where the daemon lets this client (``kvd.client.pool_reads``);
-        ``verify_pool_reads``: check each such copy against its checksum."""
+        ``verify_pool_reads``: check each such copy against its checksum;
+        ``direct_pool_reads``: find values in the pool's directory and copy
+        them without asking the daemon (always checked)."""
         if tls is not None and bulk:
             raise InvalidArgument(
                 "the bulk TCP port has no TLS: bulk=True would send values in clear"
@@ -135,6 +138,7 @@ class Client:
         self._bulk_connections = bulk_connections
         self._pool_reads = pool_reads
         self._verify_pool_reads = verify_pool_reads
+        self._direct_pool_reads = direct_pool_reads
         self._paths_lock = threading.Lock()
         self._paths_known = False
         self._shm: ShmPath | None = None
@@ -159,14 +163,17 @@ class Client:
     def paths(self) -> frozenset[str]:
         """The data paths this client uses besides gRPC: ``shm`` (regions),
         ``shm-socket`` (region ops on the daemon's shm socket rather than
-        gRPC), ``shm-pool`` (gets copied straight out of the daemon's L1)
-        and ``bulk`` (the bulk TCP port)."""
+        gRPC), ``shm-pool`` (gets copied straight out of the daemon's L1),
+        ``shm-pool-direct`` (found there through its directory, without a
+        frame) and ``bulk`` (the bulk TCP port)."""
         shm, bulk = self._fast_paths()
         found = {"bulk"} if bulk is not None else set()
         if shm is not None:
             found |= {"shm", "shm-socket"} if shm.over_socket else {"shm"}
             if shm.pool_reads:
                 found.add("shm-pool")
+            if shm.direct_pool_reads:
+                found.add("shm-pool-direct")
         return frozenset(found)
 
     def _fast_paths(self) -> tuple[ShmPath | None, BulkClient | None]:
@@ -198,6 +205,7 @@ class Client:
                 self._region_ops,
                 pool_reads=self._pool_reads,
                 verify_pool_reads=self._verify_pool_reads,
+                direct_pool_reads=self._direct_pool_reads,
             )
             try:
                 shm.open()  # the staging region proves the directory is shared with the daemon

@@ -30,12 +30,19 @@ from kvd.client.shm_socket import RegionOps, exchange_batch
 from kvd.wire.bulk import REQUEST, encode_request
 from kvd.wire.errors import CODE_NUMBERS, DataLoss, InvalidArgument, KvdError, error_for
 from kvd.wire.shm import (
+    DIRECTORY_FIELDS,
+    DIRECTORY_SLOT,
     OP_POOL_GET,
+    OP_POOL_TOUCH,
     POOL_ANSWER,
     POOL_ITEM,
+    POOL_PAGE_BYTES,
     POOL_REF,
     POOL_SPAN,
+    TAG,
     TIER_SHIFT,
+    TOUCH_REF,
+    directory_digest,
 )
 
 
@@ -52,17 +59,107 @@ class PoolItem:
     spans: tuple[tuple[int, int], ...]
 
 
-class PoolMap:
-    """The daemon's L1 pool, mapped read-only from the descriptor it passed."""
+@dataclass(frozen=True, slots=True)
+class DirectoryMap:
+    """Where the pool's directory lies in the mapping (``POOL_DIRECTORY``)."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    tags: int
+    slots: int
+    mask: int
+    ways: int
+
+    @staticmethod
+    def of(
+        fields: tuple[int, int, int, int] | None, size: int, file_bytes: int
+    ) -> DirectoryMap | None:
+        """The directory the daemon described, or None when it described
+        none, or one that does not fit the pool's memfd."""
+        if fields is None:
+            return None
+        tags, slots, buckets, ways = fields
+        pages = size // POOL_PAGE_BYTES
+        if (
+            tags != size
+            or slots < tags + pages * TAG.size
+            or slots % 64
+            or buckets < 1
+            or buckets & (buckets - 1)
+            or not 0 < ways <= 64
+            or slots + buckets * ways * DIRECTORY_SLOT.size > file_bytes
+        ):
+            return None
+        return DirectoryMap(tags, slots, buckets - 1, ways)
+
+    @property
+    def end(self) -> int:
+        return self.slots + (self.mask + 1) * self.ways * DIRECTORY_SLOT.size
+
+
+class PoolMap:
+    """The daemon's L1 pool, mapped read-only from the descriptor it passed,
+    with its directory where it has one; and the gets read through the
+    directory that the daemon has not been told of yet (``take_touched``)."""
+
+    def __init__(
+        self, fd: int, size: int, directory: tuple[int, int, int, int] | None = None
+    ) -> None:
         """Takes ``fd`` (closed here once mapped)."""
         try:
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self.directory = DirectoryMap.of(directory, size, os.fstat(fd).st_size)
+            nbytes = size if self.directory is None else self.directory.end
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         self.size = size
         self._view = memoryview(self._mmap)
+        self.touched: dict[str, list[bytes]] = {}
+        self.touched_count = 0
+        self.direct_hits = 0
+
+    def read_direct(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
+        """Copy ``key``'s value into ``buffer`` through the directory,
+        without a frame: its size, or None when it cannot be read so (not
+        in the directory, being rewritten, reused while copied, too large
+        for ``buffer``, or not matching its checksum): then ask the daemon.
+        The copy is always checked: the tags make a torn read plain on a
+        CPU that keeps loads in order, the checksum on any other."""
+        directory = self.directory
+        if directory is None:
+            return None
+        view = self._view
+        digest = directory_digest(ns, key)
+        at = directory.slots + (int.from_bytes(digest[:8], "little") & directory.mask) * (
+            directory.ways * DIRECTORY_SLOT.size
+        )
+        for _ in range(directory.ways):
+            (seq,) = TAG.unpack_from(view, at)
+            if not seq & 1:
+                uid, named, size, checksum, offset = DIRECTORY_FIELDS.unpack_from(view, at + 8)
+                if uid and named == digest:
+                    if TAG.unpack_from(view, at)[0] != seq:
+                        return None  # rewritten while read
+                    break
+            at += DIRECTORY_SLOT.size
+        else:
+            return None
+        if size > len(buffer) or offset % POOL_PAGE_BYTES or offset + size > self.size:
+            return None
+        tag = directory.tags + offset // POOL_PAGE_BYTES * TAG.size
+        if TAG.unpack_from(view, tag)[0] != uid:
+            return None
+        dst = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+        dst[:size] = view[offset : offset + size]
+        if xxhash.xxh3_64_intdigest(dst[:size]) != checksum or TAG.unpack_from(view, tag)[0] != uid:
+            return None
+        self.direct_hits += 1
+        self.touched.setdefault(ns, []).append(key)
+        self.touched_count += 1
+        return int(size)
+
+    def take_touched(self) -> dict[str, list[bytes]]:
+        """The gets read through the directory since the last call, by namespace."""
+        touched, self.touched, self.touched_count = self.touched, {}, 0
+        return touched
 
     def copy(self, item: PoolItem, buffer: memoryview, verify: bool) -> bool:
         """Copy ``item``'s value into ``buffer`` (room checked by the caller);
@@ -100,16 +197,52 @@ _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
 
 
-def map_pool(ops: RegionOps) -> PoolMap | None:
+def map_pool(ops: RegionOps, direct: bool = True) -> PoolMap | None:
     """The daemon's pool mapped, where it offers pool reads and lets this
-    client; None otherwise (refused: not an admin token; or gone)."""
+    client; None otherwise (refused: not an admin token; or gone). With
+    ``direct``, its directory too, where the daemon takes POOL_TOUCH."""
     if "pool_get" not in ops.offered:
         return None
     try:
-        fd, size = ops.attach_pool()
+        fd, size, directory = ops.attach_pool()
     except KvdError:
         return None
-    return PoolMap(fd, size)
+    if not direct or "pool_touch" not in ops.offered:
+        directory = None
+    return PoolMap(fd, size, directory)
+
+
+def touch_frame(ns: str, keys: Sequence[bytes]) -> bytes | None:
+    """A POOL_TOUCH of ``keys``; None when they differ in width."""
+    widths = set(map(len, keys))
+    if len(widths) != 1:
+        return None
+    (width,) = widths
+    data = b"".join(keys)
+    head = encode_request(OP_POOL_TOUCH, 0, ns.encode(), length=len(data))
+    return head[: REQUEST.size] + TOUCH_REF.pack(len(keys), width) + head[REQUEST.size :] + data
+
+
+def tell_touched(client: BulkClient, touched: dict[str, list[bytes]], batch_keys: int) -> None:
+    """Tell the daemon the gets read through the directory (POOL_TOUCH
+    frames of at most ``batch_keys`` keys of one width each)."""
+    frames: list[bytes] = []
+    for ns, keys in touched.items():
+        by_width: dict[int, list[bytes]] = {}
+        for key in keys:
+            by_width.setdefault(len(key), []).append(key)
+        for same in by_width.values():
+            for start in range(0, len(same), batch_keys):
+                frame = touch_frame(ns, same[start : start + batch_keys])
+                assert frame is not None, "keys of one width"
+                frames.append(frame)
+
+    def work(conn: Connection) -> None:
+        for frame in frames:
+            exchange_batch(conn, frame, OP_POOL_TOUCH)
+
+    if frames:
+        client.with_connection(work)
 
 
 def read_all(

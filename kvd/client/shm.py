@@ -28,6 +28,7 @@ A get whose copy had begun may still land after it: its region is retired
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvd.client.bulk import Answer
-from kvd.client.pool_reads import UNPINNED, PoolMap, map_pool, read_all
+from kvd.client.pool_reads import UNPINNED, PoolMap, map_pool, read_all, tell_touched
 from kvd.client.regions import Call, ClientRegion, address_of, close_region, create_region
 from kvd.client.shm_socket import BatchAnswer, RegionOps, RegionResult
 from kvd.client.spans import ALIGN_BYTES, Spans
@@ -61,6 +62,9 @@ STAGING_BYTES = 64 << 20
 # with its size and is fetched again with exact room.
 GET_ROOM_BYTES = 4 << 20
 BATCH_ITEMS_MAX = 256
+# Gets read through the pool's directory told to the daemon at once (one
+# POOL_TOUCH round trip per this many: the hits and recency lag by at most it).
+TOUCH_BATCH_KEYS = 256
 
 _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
@@ -90,12 +94,14 @@ class ShmPath:
         rediscover: Callable[[], RegionOps | None] | None = None,
         pool_reads: bool = True,
         verify_pool_reads: bool = True,
+        direct_pool_reads: bool = True,
     ):
         """``rediscover()``: region ops on the daemon's shm socket as the daemon
         now describes it (DescribePaths again), for ``renew``. ``pool_reads``:
         copy gets straight out of the daemon's L1 where it lets this client
         (``kvd.client.pool_reads``); ``verify_pool_reads``: check each such
-        copy against its checksum."""
+        copy against its checksum; ``direct_pool_reads``: read values found
+        in the pool's directory without a frame."""
         self.shm_dir = shm_dir
         self.max_region_bytes = max_region_bytes
         self._call = call
@@ -109,6 +115,7 @@ class ShmPath:
         self._spans: Spans | None = None
         self._want_pool = pool_reads
         self.verify_pool_reads = verify_pool_reads
+        self._direct = direct_pool_reads
         self._pool: PoolMap | None = None
 
     def _rpc(self, name: str) -> Call:
@@ -133,13 +140,20 @@ class ShmPath:
         """Map the daemon's pool where it offers pool reads and lets this
         client; else gets keep to regions."""
         if self._pool is not None:
+            self._tell_touched(ops, self._pool)
             self._pool.close()
-        self._pool = map_pool(ops) if self._want_pool else None
+        self._pool = map_pool(ops, self._direct) if self._want_pool else None
 
     @property
     def pool_reads(self) -> bool:
         """Whether gets copy straight out of the daemon's L1 (``kvd.client.pool_reads``)."""
         return self._pool is not None
+
+    @property
+    def direct_pool_reads(self) -> bool:
+        """Whether gets find values in the pool's directory and copy them
+        without a frame (``kvd.client.pool_reads``)."""
+        return self._pool is not None and self._pool.directory is not None
 
     @property
     def over_socket(self) -> bool:
@@ -255,11 +269,13 @@ class ShmPath:
         with self._lock:
             regions, self._regions = self._regions, []
             self._staging = None
-        if self._ops is not None:
-            self._ops.close()
         if self._pool is not None:
+            if self._ops is not None:
+                self._tell_touched(self._ops, self._pool)
             self._pool.close()
             self._pool = None
+        if self._ops is not None:
+            self._ops.close()
         for region in regions:
             close_region(region, self._rpc("DetachRegion"))
 
@@ -497,12 +513,50 @@ class ShmPath:
     def _pool_get(
         self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[int | None] | None:
-        """Gets straight out of the daemon's pool; None when they cannot go that
-        way (no pool mapped, keys of different widths, a daemon that restarted):
-        then as region gets. Items the daemon would not pin are region gets."""
+        """Gets straight out of the daemon's pool, first through its directory
+        (no frame), the others with a POOL_GET; None when none can go that
+        way (no pool mapped, keys of different widths, a daemon that
+        restarted): then as region gets. Items the daemon would not pin, or
+        that the POOL_GET could not take, are region gets."""
         ops, pool = self._ops, self._pool
         if ops is None or pool is None:
             return None
+        if pool.directory is None:
+            return self._pool_get_framed(ops, pool, ns, keys, buffers)
+        sizes = [pool.read_direct(ns, key, buf) for key, buf in zip(keys, buffers, strict=True)]
+        if pool.touched_count >= TOUCH_BATCH_KEYS:
+            self._tell_touched(ops, pool)
+        rest = [i for i, size in enumerate(sizes) if size is None]
+        if not rest:
+            return sizes
+        rest_keys, rest_buffers = [keys[i] for i in rest], [buffers[i] for i in rest]
+        got = self._pool_get_framed(ops, pool, ns, rest_keys, rest_buffers)
+        if got is None:
+            if len(rest) == len(keys):
+                return None
+            got = self._region_get_many_into(ns, rest_keys, rest_buffers)
+        for i, size in zip(rest, got, strict=True):
+            sizes[i] = size
+        return sizes
+
+    @staticmethod
+    def _tell_touched(ops: RegionOps, pool: PoolMap) -> None:
+        """Tell the daemon what was read through the directory (hits, and
+        the eviction policy's recency); advisory: a failure loses only that."""
+        touched = pool.take_touched()
+        if touched:
+            with contextlib.suppress(KvdError):
+                tell_touched(ops.client, touched, TOUCH_BATCH_KEYS)
+
+    def _pool_get_framed(
+        self,
+        ops: RegionOps,
+        pool: PoolMap,
+        ns: str,
+        keys: Sequence[bytes],
+        buffers: Sequence[memoryview],
+    ) -> list[int | None] | None:
+        """Gets with POOL_GET frames; None when they cannot go that way."""
         verify = self.verify_pool_reads
         try:
             sizes = read_all(ops.client, pool, ns, keys, buffers, BATCH_ITEMS_MAX, verify)

@@ -51,6 +51,7 @@ from kvd.wire.shm import (
     PEERCRED,
     PIPELINE_FRAMES,
     POOL_ATTACHED,
+    POOL_DIRECTORY,
     REGION_REF,
     RELEASE_REF,
     TIER_SHIFT,
@@ -197,9 +198,10 @@ class RegionOps:
         region_id, token = ATTACHED.unpack(answer.meta)
         return region_id, token
 
-    def attach_pool(self) -> tuple[int, int]:
+    def attach_pool(self) -> tuple[int, int, tuple[int, int, int, int] | None]:
         """Ask for the daemon's L1 pool (``POOL_ATTACH``): its read-only
-        descriptor (the caller's to close) and its size. A refusal raises
+        descriptor (the caller's to close), its size, and where its directory
+        lies (``POOL_DIRECTORY``'s fields; None without one). A refusal raises
         (FailedPrecondition: pool reads off; PermissionDenied: not for this token)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
@@ -218,18 +220,22 @@ class RegionOps:
             raise Unavailable(f"shm socket {self.path}: {exc}") from None
         finally:
             sock.close()
+        sizes = (POOL_ATTACHED.size, POOL_ATTACHED.size + POOL_DIRECTORY.size)
         if (
             answer.code != 0
             or answer.op != OP_POOL_ATTACH
-            or len(answer.meta) != POOL_ATTACHED.size
+            or len(answer.meta) not in sizes
             or len(fds) != 1
         ):
             _close_fds(fds)
             if answer.code != 0:
                 raise error_for(answer.code, answer.message)
             raise Unavailable("shm socket: a POOL_ATTACH answer without the pool")
-        (size,) = POOL_ATTACHED.unpack(answer.meta)
-        return fds[0], size
+        (size,) = POOL_ATTACHED.unpack_from(answer.meta)
+        directory = None
+        if len(answer.meta) > POOL_ATTACHED.size:
+            directory = POOL_DIRECTORY.unpack_from(answer.meta, POOL_ATTACHED.size)
+        return fds[0], size, directory
 
     def get_into_region(self, request: pb.GetIntoRegionRequest) -> Answers:
         if "get_many" in self.offered and len(request.items) > 1:

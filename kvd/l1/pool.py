@@ -15,7 +15,9 @@ fragmentation stays bounded and a value rarely needs more than a few runs.
 
 With ``shared`` (the ``shm_pool_reads`` setting) the arena is a sealed
 memfd instead, so trusted same-node clients can map it read-only and copy
-values straight out of it (``kvd.paths.shm.pool_reads``): ``read_only_fd``
+values straight out of it (``kvd.paths.shm.pool_reads``); after the arena
+the memfd holds the ``directory`` (``kvd.l1.directory``), where such a
+client finds a value without asking the daemon. ``read_only_fd``
 hands out a descriptor opened read-only, through which no process can write
 or resize the pool. Such an arena has huge pages only where the kernel gives
 them to shared memory (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
@@ -34,7 +36,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-PAGE_BYTES = 64 * 1024
+from kvd.l1.directory import Directory, directory_bytes
+from kvd.wire.shm import POOL_PAGE_BYTES
+
+PAGE_BYTES = POOL_PAGE_BYTES  # 64 KiB; a client that maps the pool reads tags per page
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+; not named by Python 3.11's mmap.
 _MADV_POPULATE_WRITE = 23
 
@@ -68,9 +73,18 @@ class Pool:
         self.page_count = page_count
         self.capacity_bytes = page_count * PAGE_BYTES
         self._fd = -1
+        self.directory: Directory | None = None
+        self._directory_map: mmap.mmap | None = None
         if shared:
-            self._fd = _sealed_memfd(self.capacity_bytes)
+            directory_size = directory_bytes(page_count)
+            self._fd = _sealed_memfd(self.capacity_bytes + directory_size)
             self._arena = mmap.mmap(self._fd, self.capacity_bytes, flags=mmap.MAP_SHARED)
+            self._directory_map = mmap.mmap(
+                self._fd, directory_size, flags=mmap.MAP_SHARED, offset=self.capacity_bytes
+            )
+            self.directory = Directory(
+                memoryview(self._directory_map), page_count, self.capacity_bytes
+            )
         else:
             self._arena = mmap.mmap(
                 -1, self.capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -155,6 +169,8 @@ class Pool:
         return runs
 
     def free(self, runs: Sequence[Run]) -> None:
+        if self.directory is not None:
+            self.directory.clear(runs)  # before the pages can be reused
         for run in runs:
             assert run[0] >= 0 and run[0] + run[1] <= self.page_count, f"bad run {run}"
             self._free.append(run)
@@ -212,6 +228,13 @@ class Pool:
         with contextlib.suppress(BufferError):
             self._view.release()
             self._arena.close()
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
+        if self._directory_map is not None:
+            with contextlib.suppress(BufferError):
+                self._directory_map.close()
+            self._directory_map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

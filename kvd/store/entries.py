@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvd.l1.pool import Pool, PoolFull, Run, pages_for
+from kvd.l1.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
 from kvd.store.eviction.policy import EvictionPolicy
 from kvd.store.index import Entry, Namespace, PolicyKey, StoreCounters, check_namespace
 from kvd.wire.errors import ResourceExhausted
@@ -58,6 +58,7 @@ class Entries:
         self.by_name: dict[str, Namespace] = {}
         self._by_id: dict[int, Namespace] = {}
         self._ids = itertools.count(1)
+        self._uids = itertools.count(1)  # directory ids, never reused
         self.count = 0
         self.guests: dict[PolicyKey, Entry] = {}  # oldest first
         # Told of each value linked into and unlinked from L1 (the pool's KV events).
@@ -96,6 +97,14 @@ class Entries:
         else:
             parent_pk = (ns.id, entry.parent) if entry.parent else None
             self.policy.insert((ns.id, entry.key), parent_pk)
+        directory = self.pool.directory
+        if directory is not None and len(entry.runs) == 1:
+            entry.uid = next(self._uids)
+            first = entry.runs[0][0]
+            entry.slot = directory.publish(
+                ns.name, entry.key, entry.uid, first, entry.size, entry.checksum,
+                first * PAGE_BYTES,
+            )  # fmt: skip
         if self.on_link is not None:
             self.on_link(entry)
 
@@ -110,6 +119,11 @@ class Entries:
             del self.guests[(ns.id, entry.key)]
         else:
             self.policy.remove((ns.id, entry.key))
+        if entry.slot >= 0:
+            directory = self.pool.directory
+            assert directory is not None
+            directory.withdraw(entry.slot, entry.uid)
+            entry.slot = -1
         if self.on_unlink is not None:
             self.on_unlink(entry)
         if entry.readers == 0:

@@ -76,6 +76,10 @@ class Entry:
     # A pool member's copy of a value another member owns (Entries.guests):
     # outside the eviction policy, and the first to go.
     guest: bool = False
+    # Its slot in the shared pool's directory (kvd.l1.directory), -1 for
+    # none, and the id that slot and its page's tag name it by.
+    slot: int = -1
+    uid: int = 0
 
 
 @dataclass(eq=False, slots=True)

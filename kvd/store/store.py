@@ -450,6 +450,26 @@ class Store:
         assert self.placement is not None
         return await self.placement.read_l2_into(record, dst)
 
+    def touched(self, ns_name: str, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Count gets a client served itself out of L1 (the pool's
+        directory) as hits, and give them to the eviction policy as a get
+        would: the hits and their bytes. A key no longer in L1 counts nothing."""
+        ns = self.entries.by_name.get(ns_name)
+        if ns is None:
+            return 0, 0
+        hits = nbytes = 0
+        for key in keys:
+            entry = ns.entries.get(key)
+            if entry is None:
+                continue
+            hits += 1
+            nbytes += entry.size
+            self.learning.touch((ns.id, key))
+        ns.hits += hits
+        self.counters.hits += hits
+        self.counters.bytes_out += nbytes
+        return hits, nbytes
+
     def _reader(self, entry: Entry, tier: int, views: bool = True) -> Reader:
         entry.ns.hits += 1
         self.counters.hits += 1

@@ -41,10 +41,32 @@ pin, 0 when nothing was pinned); its ``length`` bytes hold per item a
 ``POOL_ITEM``, its meta, its message and its ``POOL_SPAN``s. A pin holds
 its values' pages until the connection's next POOL_GET releases it or the
 connection ends; the client copies while it holds it.
+
+The directory (pool reads' one-sided gets). The memfd a POOL_ATTACH passes
+holds, after the pool's bytes, a directory of the values in L1 that lie in
+one run of pages: when the answer's meta goes on with ``POOL_DIRECTORY``,
+a client finds a value there and copies it without a frame. The directory
+is an owner tag per page (``TAG``: the id of the value whose run starts
+there, 0 for none) and ``bucket_count`` buckets of ``ways`` slots of
+``DIRECTORY_SLOT``: a sequence number (odd while the daemon rewrites the
+slot), the value's id (0: an empty slot), the 16 bytes of
+``directory_digest(ns, key)``, its size, checksum and offset in the pool.
+A key's bucket is the digest's first 8 bytes, little-endian, modulo
+``bucket_count`` (a power of two). The daemon writes a value's tag before
+its slot, empties its slot when it leaves L1 and its tag before its pages
+are freed; ids are never reused. A reader takes a slot whose sequence
+number read the same, even, before and after its fields; copies the value
+between two reads of its tag, both the slot's id; and checks the copy
+against the slot's checksum. Anything else is not a value: the client then
+sends a POOL_GET. Values read so are told to the daemon afterwards, in
+batches (POOL_TOUCH: ``TOUCH_REF``, item count and key width, the
+namespace, the keys), so their hits count and the eviction policy learns
+of them; its answer is a bare acknowledgement.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from collections.abc import Sequence
@@ -57,9 +79,10 @@ OP_RELEASE = 8
 OP_REGION_GET_MANY = 9
 OP_POOL_ATTACH = 10
 OP_POOL_GET = 11
+OP_POOL_TOUCH = 12
 # DescribePathsResponse.shm_ops of a daemon: the ops beyond the region ops.
 SHM_OPS = ("lookup", "release", "get_many")
-POOL_OPS = ("pool_get",)
+POOL_OPS = ("pool_get", "pool_touch")
 ATTACHED = struct.Struct("<Q16s")  # region id, region token
 # After the header of a region op: region id, offset in the region, region token.
 REGION_REF = struct.Struct("<QQ16s")
@@ -87,6 +110,17 @@ POOL_ANSWER = struct.Struct("<Q")
 # meta length, message length, span count; meta, message and spans follow.
 POOL_ITEM = struct.Struct("<iIQQHHI")
 POOL_SPAN = struct.Struct("<QQ")  # offset in the pool, length
+# After POOL_ATTACHED, where the daemon keeps a directory: the tags' offset
+# in the memfd, the slots' offset, bucket count and ways per bucket.
+POOL_DIRECTORY = struct.Struct("<QQII")
+# A directory slot: sequence, value id, digest (16 bytes), size, checksum,
+# offset in the pool; 64 bytes, so a slot never spans two cache lines.
+DIRECTORY_SLOT = struct.Struct("<QQ16sQQQ8x")
+DIRECTORY_FIELDS = struct.Struct("<Q16sQQQ")  # the slot after its sequence number
+TAG = struct.Struct("<Q")
+POOL_PAGE_BYTES = 64 * 1024  # a tag per page of the pool (kvd.l1.pool's pages)
+# After a POOL_TOUCH's header: item count, key width.
+TOUCH_REF = struct.Struct("<II")
 FLAG_DEADLINE = 4  # request flag, after kvd.wire.bulk's DURABLE 1 and CHECKSUM 2
 # struct ucred of SO_PEERCRED: pid, uid, gid.
 PEERCRED = struct.Struct("3i")
@@ -101,6 +135,14 @@ PIPELINE_FRAMES = 16
 def shm_ops(pool_reads: bool) -> tuple[str, ...]:
     """The ops beyond the region ops a daemon lists in ``DescribePaths``."""
     return SHM_OPS + POOL_OPS if pool_reads else SHM_OPS
+
+
+def directory_digest(ns: str, key: bytes) -> bytes:
+    """The 16 bytes a directory slot names a value by: BLAKE2b of the
+    namespace (its length first) and the key. Two keys meet in a slot only
+    by a 128-bit collision of a cryptographic hash, which no tenant can craft."""
+    name = ns.encode()
+    return hashlib.blake2b(len(name).to_bytes(2, "little") + name + key, digest_size=16).digest()
 
 
 def region_ref_bytes(flags: int) -> int:

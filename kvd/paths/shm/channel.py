@@ -89,6 +89,7 @@ from kvd.wire.shm import (
     OP_LOOKUP,
     OP_POOL_ATTACH,
     OP_POOL_GET,
+    OP_POOL_TOUCH,
     OP_REGION_ATTACH,
     OP_REGION_GET_MANY,
     PEERCRED,
@@ -107,14 +108,18 @@ log = logging.getLogger("kvd.paths.shm.regions")
 T = TypeVar("T")
 
 CHANNEL_OPS = (
-    frozenset({OP_HELLO, OP_REGION_GET, OP_REGION_PUT, OP_REGION_GET_MANY, OP_POOL_GET}) | INDEX_OPS
+    frozenset(
+        {OP_HELLO, OP_REGION_GET, OP_REGION_PUT, OP_REGION_GET_MANY, OP_POOL_GET, OP_POOL_TOUCH}
+    )
+    | INDEX_OPS
 )
 FIRST_OPS = frozenset({OP_HELLO, OP_REGION_ATTACH, OP_POOL_ATTACH})
 LISTEN_BACKLOG = 128
 # A failed accept (no descriptor or memory left) is tried again after this.
 ACCEPT_RETRY_S = 0.1
 _OPS = {OP_REGION_GET: "shm_get", OP_REGION_PUT: "shm_put", OP_REGION_GET_MANY: "shm_get_many",
-        OP_POOL_GET: pool_reads.OP_NAME, **OP_NAMES}  # fmt: skip
+        OP_POOL_GET: pool_reads.OP_NAME, OP_POOL_TOUCH: "shm_pool_touch",
+        **OP_NAMES}  # fmt: skip
 
 
 # ---- server ---------------------------------------------------------------------------
@@ -459,6 +464,8 @@ class ShmChannel:
             with Tally(self.ops.metrics, _OPS[request.op]):
                 if request.op == OP_LOOKUP:  # one that asks the pool
                     return await lookup(self.ops, request, rest, caller)
+                if request.op == OP_POOL_TOUCH:
+                    return pool_reads.touch(self.ops, request, rest, caller)
                 if request.op == OP_POOL_GET:
                     pool_batch = pool_reads.batch_of(self.ops, request, rest, caller)
                     readers = await pool_reads.get(self.ops, pool_batch, pins)
@@ -488,6 +495,8 @@ class ShmChannel:
         tally = Tally(self.ops.metrics, _OPS[request.op])
         try:
             with tally:
+                if request.op == OP_POOL_TOUCH:
+                    return pool_reads.touch(self.ops, request, rest, caller)
                 if request.op == OP_POOL_GET:
                     pool_batch = pool_reads.batch_of(self.ops, request, rest, caller)
                     readers = pool_reads.get_now(self.ops, pool_batch, pins)
@@ -523,6 +532,8 @@ class ShmChannel:
             return get_many.rest_bytes(request, self.ops.limits.max_batch_items)
         if request.op == OP_POOL_GET:
             return pool_reads.rest_bytes(request, self.ops.limits.max_batch_items)
+        if request.op == OP_POOL_TOUCH:
+            return pool_reads.touch_rest_bytes(request, self.ops.store.limits.max_lookup_keys)
         return region_ref_bytes(request.flags) + request.tail_bytes
 
     def _batch(self, request: Request, rest: bytes, caller: Caller) -> RegionBatch:

@@ -38,6 +38,12 @@ copy against the checksum the answer gave by default (``verify`` in
 ``kvd.client.pool_reads``), which catches a daemon that handed out the
 wrong pages; without it a pool read trusts those three rules.
 
+**The directory.** The memfd also holds the pool's directory
+(``kvd.l1.directory``): a client finds a value in L1 there and copies it
+without a frame, tags and sequence numbers telling it whether what it
+copied was that value; it then tells the daemon in a POOL_TOUCH what it
+read. Who may read the directory is who may map the pool.
+
 A value only on L2 is read into L1 first (``ValueOps.fetch_many``), then
 pinned like the others; such a POOL_GET waits, the others are answered at
 once by the channel's reader (``get_now``).
@@ -60,12 +66,15 @@ from kvd.wire.limits import KEY_BYTES_MAX
 from kvd.wire.shm import (
     OP_POOL_ATTACH,
     OP_POOL_GET,
+    OP_POOL_TOUCH,
     POOL_ANSWER,
     POOL_ATTACHED,
+    POOL_DIRECTORY,
     POOL_ITEM,
     POOL_REF,
     POOL_SPAN,
     TIER_SHIFT,
+    TOUCH_REF,
     split_keys,
 )
 
@@ -80,6 +89,7 @@ PINS_PER_CONNECTION = 4
 # The share of L1 all pins together may hold.
 PINNED_SHARE = 0.5
 OP_NAME = "shm_pool_get"
+DIRECT_OP_NAME = "shm_pool_direct"  # gets through the directory, told by POOL_TOUCH
 _pin_ids = itertools.count(1)
 
 
@@ -128,9 +138,44 @@ def may_map(ops: RegionOps, principal: Principal | None) -> None:
 
 
 def attach_answer(request: Request, pool: Pool) -> bytes:
-    """The answer of an accepted POOL_ATTACH (the descriptor rides with it)."""
+    """The answer of an accepted POOL_ATTACH (the descriptor rides with it),
+    with where the directory lies in it."""
     meta = POOL_ATTACHED.pack(pool.capacity_bytes)
+    directory = pool.directory
+    if directory is not None:
+        meta += POOL_DIRECTORY.pack(
+            directory.base,
+            directory.base + directory.slots_offset,
+            directory.bucket_count,
+            directory.ways,
+        )
     return encode_response(OP_POOL_ATTACH, request.request_id, meta=meta)
+
+
+def touch_rest_bytes(request: Request, max_keys: int) -> int:
+    """Bytes after a POOL_TOUCH's header, bounded by ``max_keys`` of the longest width."""
+    limit = max_keys * KEY_BYTES_MAX
+    if request.length > limit:
+        raise ProtocolError(f"pool touch of {request.length} key bytes is over {limit}")
+    return TOUCH_REF.size + request.tail_bytes + request.length
+
+
+def touch(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> bytes:
+    """A POOL_TOUCH: values the client read out of the pool through the
+    directory, counted as hits (``shm_pool_direct``) and given to the
+    eviction policy as a get's are. A value gone from L1 since counts nothing."""
+    may_map(ops, caller.principal)
+    count, width = TOUCH_REF.unpack_from(rest)
+    ns = namespace_of(ops, request, rest, TOUCH_REF.size, caller)
+    if count > ops.store.limits.max_lookup_keys:
+        raise InvalidArgument(f"{count} keys in one touch, max {ops.store.limits.max_lookup_keys}")
+    if not 0 < width <= KEY_BYTES_MAX or request.length != count * width:
+        raise InvalidArgument(f"{request.length} key bytes are not {count} keys of {width} bytes")
+    keys = split_keys(rest[TOUCH_REF.size + request.tail_bytes :], width)
+    hits, nbytes = ops.store.touched(ns, keys)
+    if hits:
+        ops.values.served(DIRECT_OP_NAME, "l1", nbytes, hits=hits)
+    return encode_response(OP_POOL_TOUCH, request.request_id)
 
 
 def rest_bytes(request: Request, max_items: int) -> int:
@@ -197,16 +242,15 @@ async def get(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | Non
 def answer_of(ops: RegionOps, request: Request, readers: list[Reader | None], pins: Pins) -> bytes:
     """Pin what was found (within the connection's pins and the pins' share
     of L1) and answer where each value lies; readers not kept are closed.
-    Hits, misses and bytes are counted once for the batch."""
+    Hits and bytes are counted once for the batch."""
     kept: list[Reader] = []
-    held = misses = 0
+    held = 0
     parts: list[bytes] = []
     full = len(pins.held) >= PINS_PER_CONNECTION
     room = int(ops.store.pool.capacity_bytes * PINNED_SHARE) - ops.pool_pinned_bytes
     try:
         for reader in readers:
             if reader is None:
-                misses += 1
                 parts.append(_MISS)
                 continue
             if full or reader.size > room - held:
@@ -228,9 +272,7 @@ def answer_of(ops: RegionOps, request: Request, readers: list[Reader | None], pi
         for reader in kept:
             reader.close()
         raise
-    values = ops.values
-    if misses:
-        values.metrics.misses.labels(OP_NAME).inc(misses)
+    values = ops.values  # a miss was counted by the fetch that found nothing
     pin_id = 0
     if kept:
         values.served(OP_NAME, "l1", held, hits=len(kept))

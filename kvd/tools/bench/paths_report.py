@@ -175,6 +175,7 @@ _L1_LINES = (
     ("tcp", "get", "k:", "loopback TCP ceiling"),
     ("shm", "get", "o-", "shm get"),
     ("shm-pool", "get", "v-", "shm get, pool read"),
+    ("shm-pool-direct", "get", "P-", "shm get, pool directory"),
     ("bulk", "get", "s-", "bulk get"),
     ("grpc", "get", "^-", "grpc get"),
     ("redis", "get", "x-", "redis get"),

@@ -50,11 +50,14 @@ class Case:
 # (region ops over gRPC, gRPC instead of bulk) would be reported under the
 # wrong name.
 # shm-pool: gets copied out of the daemon's L1 by the client, each copy
-# checked against its checksum; shm-pool-trust: the same, unchecked.
+# checked against its checksum, after a POOL_GET frame; shm-pool-trust: the
+# same, unchecked; shm-pool-direct: found in the pool's directory and copied
+# without a frame (checked).
 _EXPECTED_PATHS = {
     "shm": {"shm", "shm-socket"},
     "shm-pool": {"shm", "shm-socket", "shm-pool"},
     "shm-pool-trust": {"shm", "shm-socket", "shm-pool"},
+    "shm-pool-direct": {"shm", "shm-socket", "shm-pool", "shm-pool-direct"},
     "bulk": {"bulk"},
     "grpc": set(),
 }
@@ -63,8 +66,15 @@ _EXPECTED_PATHS = {
 def kvd_client(path: str, tcp_target: str, unix_target: str) -> Client:
     if path == "shm":
         client = Client(unix_target, timeout_s=60, pool_reads=False)
+    elif path == "shm-pool-direct":
+        client = Client(unix_target, timeout_s=60)
     elif path.startswith("shm-pool"):
-        client = Client(unix_target, timeout_s=60, verify_pool_reads=path == "shm-pool")
+        client = Client(
+            unix_target,
+            timeout_s=60,
+            verify_pool_reads=path == "shm-pool",
+            direct_pool_reads=False,
+        )
     else:
         client = Client(tcp_target, timeout_s=60, shm=False, bulk=path == "bulk")
     if client.paths != _EXPECTED_PATHS[path]:

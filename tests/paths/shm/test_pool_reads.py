@@ -60,7 +60,7 @@ def pooled(daemon_factory: DaemonFactory) -> DaemonProcess:
 def test_gets_copy_straight_out_of_the_pool(pooled: DaemonProcess) -> None:
     sizes = [1, 65_536, 100_001, 1 << 20, 3 << 20]
     values = {b"k%d" % i: _value(size, i) for i, size in enumerate(sizes)}
-    with Client(pooled.socket_target) as client:
+    with Client(pooled.socket_target, direct_pool_reads=False) as client:
         assert "shm-pool" in client.paths
         for key, value in values.items():
             client.put(NS, key, value)
@@ -91,20 +91,27 @@ def test_gets_copy_straight_out_of_the_pool(pooled: DaemonProcess) -> None:
 
 def test_the_mapping_cannot_write_the_pool(pooled: DaemonProcess) -> None:
     value = _value(65_536, 7)
-    with Client(pooled.socket_target) as client:
+    with Client(pooled.socket_target, direct_pool_reads=False) as client:
         client.put(NS, b"v", value)
-        fd, size = _ops(client).attach_pool()
+        fd, size, directory = _ops(client).attach_pool()
         try:
             with pytest.raises(PermissionError):
                 mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             with pytest.raises(OSError):
                 os.ftruncate(fd, size // 2)
-            private = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)  # copy-on-write: the client's
-            private[: size // 2] = b"\xff" * (size // 2)
+            # The directory lies after the pool, in the same read-only memfd.
+            total = os.fstat(fd).st_size
+            assert directory is not None and directory[0] == size < total
+            private = mmap.mmap(fd, total, flags=mmap.MAP_PRIVATE)  # copy-on-write: the client's
+            private[:] = b"\xff" * total
             private.close()
         finally:
             os.close(fd)
         assert client.get(NS, b"v") == value
+        with Client(pooled.socket_target) as direct:
+            out = memoryview(bytearray(len(value)))
+            assert direct.get_into(NS, b"v", out) == len(value) and bytes(out) == value
+            assert _shm(direct)._pool is not None and _shm(direct)._pool.direct_hits == 1
         with Client(pooled.socket_target, pool_reads=False) as regions_only:
             assert "shm-pool" not in regions_only.paths
             assert regions_only.get(NS, b"v") == value
@@ -119,7 +126,7 @@ def _raw_get(conn: Connection, keys: list[bytes], release: int) -> tuple[int, li
 def test_a_pin_keeps_its_pages_until_released(daemon_factory: DaemonFactory) -> None:
     daemon = daemon_factory(*POOL_READS, "--dram-bytes", "8MiB", "--max-value-bytes", "2MiB")
     value = _value(1 << 20, 1)
-    with Client(daemon.socket_target) as client:
+    with Client(daemon.socket_target, direct_pool_reads=False) as client:
         client.put(NS, b"pinned", value)
         pool = _shm(client)._pool
         assert pool is not None
@@ -142,7 +149,7 @@ def test_a_pin_keeps_its_pages_until_released(daemon_factory: DaemonFactory) -> 
 
 
 def test_pins_are_bounded_and_a_closed_connection_drops_them(pooled: DaemonProcess) -> None:
-    with Client(pooled.socket_target) as client:
+    with Client(pooled.socket_target, direct_pool_reads=False) as client:
         client.put(NS, b"p", b"x" * 4096)
         conn = _ops(client).client._connect()
         try:
@@ -166,7 +173,7 @@ def test_pins_are_bounded_and_a_closed_connection_drops_them(pooled: DaemonProce
 def test_past_the_pins_share_of_l1_gets_go_through_regions(daemon_factory: DaemonFactory) -> None:
     daemon = daemon_factory(*POOL_READS, "--dram-bytes", "8MiB", "--max-value-bytes", "2MiB")
     values = {b"v%d" % i: _value(1 << 20, 200 + i) for i in range(5)}
-    with Client(daemon.socket_target) as client:
+    with Client(daemon.socket_target, direct_pool_reads=False) as client:
         for key, value in values.items():
             client.put(NS, key, value)
         holders = [_ops(client).client._connect() for _ in range(3)]
@@ -187,7 +194,7 @@ def test_past_the_pins_share_of_l1_gets_go_through_regions(daemon_factory: Daemo
 
 
 def test_bad_pool_frames_get_a_code(pooled: DaemonProcess) -> None:
-    with Client(pooled.socket_target) as client:
+    with Client(pooled.socket_target, direct_pool_reads=False) as client:
         conn = _ops(client).client._connect()
         try:
             head = encode_request(OP_POOL_GET, 0, NS.encode(), length=10)
@@ -208,7 +215,7 @@ def test_only_an_admin_token_maps_the_pool(daemon_factory: DaemonFactory, tmp_pa
     tokens = token_file(tmp_path / "tokens.toml")
     daemon = daemon_factory(*POOL_READS, "--auth-tokens-file", str(tokens))
     value = _value(70_000, 3)
-    with Client(daemon.socket_target, token=TOKEN_A) as tenant:
+    with Client(daemon.socket_target, token=TOKEN_A, direct_pool_reads=False) as tenant:
         assert "shm" in tenant.paths and "shm-pool" not in tenant.paths
         tenant.put("team-a/x", b"k", value)
         assert tenant.get("team-a/x", b"k") == value  # region gets, as without the setting
@@ -220,14 +227,14 @@ def test_only_an_admin_token_maps_the_pool(daemon_factory: DaemonFactory, tmp_pa
                 _raw_get(conn, [b"k"], 0)
         finally:
             conn.close()
-    with Client(daemon.socket_target, token=TOKEN_ADMIN) as admin:
+    with Client(daemon.socket_target, token=TOKEN_ADMIN, direct_pool_reads=False) as admin:
         assert "shm-pool" in admin.paths
         out = memoryview(bytearray(len(value)))
         assert admin.get_into("team-a/x", b"k", out) == len(value) and bytes(out) == value
 
 
 def test_off_by_default(daemon: DaemonProcess) -> None:
-    with Client(daemon.socket_target) as client:
+    with Client(daemon.socket_target, direct_pool_reads=False) as client:
         client.put(NS, b"k", b"v" * 100)
         assert "shm-pool" not in client.paths
         assert "pool_get" not in _ops(client).offered
@@ -245,7 +252,7 @@ def test_off_by_default(daemon: DaemonProcess) -> None:
 def test_a_value_only_on_l2_is_read_up_first(daemon_factory: DaemonFactory) -> None:
     daemon = daemon_factory(*POOL_READS, "--dram-bytes", "4MiB", "--max-value-bytes", "1MiB")
     values = [_value(256 << 10, 50 + i) for i in range(40)]  # 2.5x L1
-    with Client(daemon.socket_target) as client:
+    with Client(daemon.socket_target, direct_pool_reads=False) as client:
         for i, value in enumerate(values):
             client.put(NS, b"cold-%d" % i, value, durable=True)
         assert "shm-pool" in client.paths
@@ -288,7 +295,7 @@ def test_gets_go_on_after_the_daemon_restarts(
     first = daemon_factory(*POOL_READS, workdir=where)
     value = _value(65_536, 9)
     key = hashlib.sha256(b"restart").digest()
-    with Client(first.socket_target) as client:
+    with Client(first.socket_target, direct_pool_reads=False) as client:
         client.put(NS, key, value)
         out = memoryview(bytearray(len(value)))
         assert client.get_into(NS, key, out) == len(value)
