@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,13 +103,30 @@ class PoolMap:
     directory that the daemon has not been told of yet (``take_touched``)."""
 
     def __init__(
-        self, fd: int, size: int, directory: tuple[int, int, int, int] | None = None
+        self,
+        fd: int,
+        size: int,
+        directory: tuple[int, int, int, int] | None = None,
+        watch: socket.socket | None = None,
     ) -> None:
-        """Takes ``fd`` (closed here once mapped)."""
+        """Takes ``fd`` (closed here once mapped) and ``watch``, the attach's
+        connection, which the daemon keeps open while it lives: the directory
+        is read only while it is (without it, none is)."""
+        self._watch = watch
+        self._poll: select.poll | None = None
         try:
             self.directory = DirectoryMap.of(directory, size, os.fstat(fd).st_size)
+            if watch is None:
+                self.directory = None
+            else:
+                self._poll = select.poll()
+                self._poll.register(watch, select.POLLIN)  # EOF (or a stray byte) ends it
             nbytes = size if self.directory is None else self.directory.end
             self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except BaseException:
+            if watch is not None:
+                watch.close()
+            raise
         finally:
             os.close(fd)
         self.size = size
@@ -115,6 +134,13 @@ class PoolMap:
         self.touched: dict[str, list[bytes]] = {}
         self.touched_count = 0
         self.direct_hits = 0
+
+    def daemon_gone(self) -> bool:
+        """Whether the daemon that passed this pool closed the attach's
+        connection (one poll, no wait): it exited or was killed, and a new
+        one at the same socket has another pool. False when not watched
+        (a daemon without a directory)."""
+        return self._poll is not None and bool(self._poll.poll(0))
 
     def read_direct(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
         """Copy ``key``'s value into ``buffer`` through the directory,
@@ -185,6 +211,10 @@ class PoolMap:
 
     def close(self) -> None:
         """Unmap, once no copy out of it runs (a buffer still exported keeps it)."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+            self._poll = None
         self._view.release()
         with contextlib.suppress(BufferError):
             self._mmap.close()
@@ -204,12 +234,12 @@ def map_pool(ops: RegionOps, direct: bool = True) -> PoolMap | None:
     if "pool_get" not in ops.offered:
         return None
     try:
-        fd, size, directory = ops.attach_pool()
+        fd, size, directory, watch = ops.attach_pool()
     except KvdError:
         return None
     if not direct or "pool_touch" not in ops.offered:
         directory = None
-    return PoolMap(fd, size, directory)
+    return PoolMap(fd, size, directory, watch)
 
 
 def touch_frame(ns: str, keys: Sequence[bytes]) -> bytes | None:

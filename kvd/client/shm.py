@@ -521,6 +521,13 @@ class ShmPath:
         ops, pool = self._ops, self._pool
         if ops is None or pool is None:
             return None
+        if pool.daemon_gone():
+            # Its pages and directory are a dead daemon's: map the one there now.
+            pool.take_touched()
+            self._attach_pool(ops)
+            pool = self._pool
+            if pool is None:
+                return None
         if pool.directory is None:
             return self._pool_get_framed(ops, pool, ns, keys, buffers)
         sizes = [pool.read_direct(ns, key, buf) for key, buf in zip(keys, buffers, strict=True)]

@@ -198,44 +198,52 @@ class RegionOps:
         region_id, token = ATTACHED.unpack(answer.meta)
         return region_id, token
 
-    def attach_pool(self) -> tuple[int, int, tuple[int, int, int, int] | None]:
+    def attach_pool(
+        self,
+    ) -> tuple[int, int, tuple[int, int, int, int] | None, socket.socket | None]:
         """Ask for the daemon's L1 pool (``POOL_ATTACH``): its read-only
-        descriptor (the caller's to close), its size, and where its directory
-        lies (``POOL_DIRECTORY``'s fields; None without one). A refusal raises
+        descriptor (the caller's to close), its size, where its directory
+        lies (``POOL_DIRECTORY``'s fields; None without one) and, with a
+        directory, the attach's connection, which the daemon keeps open while
+        it lives (the caller's to close; None otherwise). A refusal raises
         (FailedPrecondition: pool reads off; PermissionDenied: not for this token)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         fds: list[int] = []
+        keep = False
         try:
-            sock.settimeout(self.client.timeout_s)
-            sock.connect(self.path)
-            if self.daemon is not None:
-                self.daemon.check(sock)
-            sock.sendall(encode_request(OP_POOL_ATTACH, 0, meta=(self._token or "").encode()))
-            answer = _read_answer(sock, fds)
-        except TimeoutError as exc:
-            _close_fds(fds)
-            raise DeadlineExceeded(f"shm socket {self.path}: {exc}") from None
-        except OSError as exc:
-            _close_fds(fds)
-            raise Unavailable(f"shm socket {self.path}: {exc}") from None
+            try:
+                sock.settimeout(self.client.timeout_s)
+                sock.connect(self.path)
+                if self.daemon is not None:
+                    self.daemon.check(sock)
+                sock.sendall(encode_request(OP_POOL_ATTACH, 0, meta=(self._token or "").encode()))
+                answer = _read_answer(sock, fds)
+            except TimeoutError as exc:
+                _close_fds(fds)
+                raise DeadlineExceeded(f"shm socket {self.path}: {exc}") from None
+            except OSError as exc:
+                _close_fds(fds)
+                raise Unavailable(f"shm socket {self.path}: {exc}") from None
+            sizes = (POOL_ATTACHED.size, POOL_ATTACHED.size + POOL_DIRECTORY.size)
+            if (
+                answer.code != 0
+                or answer.op != OP_POOL_ATTACH
+                or len(answer.meta) not in sizes
+                or len(fds) != 1
+            ):
+                _close_fds(fds)
+                if answer.code != 0:
+                    raise error_for(answer.code, answer.message)
+                raise Unavailable("shm socket: a POOL_ATTACH answer without the pool")
+            (size,) = POOL_ATTACHED.unpack_from(answer.meta)
+            directory = None
+            if len(answer.meta) > POOL_ATTACHED.size:
+                directory = POOL_DIRECTORY.unpack_from(answer.meta, POOL_ATTACHED.size)
+                keep = True
+            return fds[0], size, directory, sock if keep else None
         finally:
-            sock.close()
-        sizes = (POOL_ATTACHED.size, POOL_ATTACHED.size + POOL_DIRECTORY.size)
-        if (
-            answer.code != 0
-            or answer.op != OP_POOL_ATTACH
-            or len(answer.meta) not in sizes
-            or len(fds) != 1
-        ):
-            _close_fds(fds)
-            if answer.code != 0:
-                raise error_for(answer.code, answer.message)
-            raise Unavailable("shm socket: a POOL_ATTACH answer without the pool")
-        (size,) = POOL_ATTACHED.unpack_from(answer.meta)
-        directory = None
-        if len(answer.meta) > POOL_ATTACHED.size:
-            directory = POOL_DIRECTORY.unpack_from(answer.meta, POOL_ATTACHED.size)
-        return fds[0], size, directory
+            if not keep:
+                sock.close()
 
     def get_into_region(self, request: pb.GetIntoRegionRequest) -> Answers:
         if "get_many" in self.offered and len(request.items) > 1:

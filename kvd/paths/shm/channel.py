@@ -366,6 +366,12 @@ class ShmChannel:
             await send_with_fd(loop, conn, answer, fd)
         finally:
             os.close(fd)
+        # With a directory the connection is held open while the client
+        # keeps it (it sends nothing): its end tells a client reading the
+        # directory that this daemon is gone. Not a frame connection: no idle
+        # timeout, but it counts against max_connections like any other.
+        if self.ops.store.pool.directory is not None and await loop.sock_recv(conn, 1):
+            raise ProtocolError("a POOL_ATTACH connection carries no frame after it")
 
     async def _serve(self, reader: asyncio.StreamReader, peer: _Peer, caller: Caller) -> None:
         """Region ops of a connection whose HELLO was answered."""

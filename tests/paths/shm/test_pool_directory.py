@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -130,6 +132,40 @@ def test_a_deleted_value_is_a_miss_at_once(pooled: DaemonProcess) -> None:
         assert _pool(client).direct_hits == hits
 
 
+def test_a_restarted_daemon_is_never_read_through_the_old_directory(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """The old pool's mapping outlives its daemon, and still names the value:
+    the client sees the attach's connection end and maps the new pool."""
+    where = tmp_path / "restarted"
+    first = daemon_factory(*POOL_READS, workdir=where)
+    key, value = _key(8), _value(65_536, 8)
+    with Client(first.socket_target) as client:
+        client.put(NS, key, value)
+        out = memoryview(bytearray(len(value)))
+        assert client.get_into(NS, key, out) == len(value)
+        old = _pool(client)
+        assert old.direct_hits == 1
+        first.stop()
+        second = daemon_factory(*POOL_READS, workdir=where)
+        with Client(second.socket_target, direct_pool_reads=False) as other:
+            assert other.delete(NS, [key]) == 1  # L2 had kept it
+        deadline = time.monotonic() + 10
+        while True:  # the first calls may find the daemon still starting
+            try:
+                got = client.get_into(NS, key, out)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert got is None  # deleted on the daemon there now
+        assert old.direct_hits == 1
+        client.put(NS, key, value)
+        assert client.get_into(NS, key, out) == len(value) and bytes(out) == value
+        assert _pool(client) is not old and _pool(client).direct_hits == 1
+
+
 def _churn(target: str, rounds: int, ready: Any) -> None:
     """Delete and put the same keys again and again: each put may take the
     pages another key's value had a moment before."""
@@ -190,9 +226,15 @@ def shared_pool() -> Any:
         directory.ways,
     )
     assert len(POOL_DIRECTORY.pack(*fields)) == POOL_DIRECTORY.size
-    mapped = PoolMap(pool.read_only_fd(), pool.capacity_bytes, fields)
-    assert mapped.directory is not None
+    daemon_end, watch = socket.socketpair()
+    unwatched = PoolMap(pool.read_only_fd(), pool.capacity_bytes, fields)
+    assert unwatched.directory is None  # no directory without a watch on its daemon
+    unwatched.close()
+    mapped = PoolMap(pool.read_only_fd(), pool.capacity_bytes, fields, watch)
+    assert mapped.directory is not None and not mapped.daemon_gone()
     yield pool, mapped
+    daemon_end.close()
+    assert mapped.daemon_gone()
     mapped.close()
     pool.close()
 
@@ -280,9 +322,12 @@ def test_a_directory_that_does_not_fit_is_not_used() -> None:
             (0, 128, 4, 4),  # tags not after the pool
             ((1 << 20) - 4096, 1 << 20, 3, 4),  # not a power of two
         ]:
-            mapped = PoolMap(os.dup(fd), (1 << 20) - 4096 if fields[0] != 0 else 1 << 16, fields)
+            size = (1 << 20) - 4096 if fields[0] != 0 else 1 << 16
+            daemon_end, watch = socket.socketpair()
+            mapped = PoolMap(os.dup(fd), size, fields, watch)
             assert mapped.directory is None
             assert mapped.read_direct(NS, b"k", memoryview(bytearray(8))) is None
             mapped.close()
+            daemon_end.close()
     finally:
         os.close(fd)

@@ -93,7 +93,9 @@ def test_the_mapping_cannot_write_the_pool(pooled: DaemonProcess) -> None:
     value = _value(65_536, 7)
     with Client(pooled.socket_target, direct_pool_reads=False) as client:
         client.put(NS, b"v", value)
-        fd, size, directory = _ops(client).attach_pool()
+        fd, size, directory, watch = _ops(client).attach_pool()
+        assert watch is not None  # held open by the daemon while it lives
+        watch.close()
         try:
             with pytest.raises(PermissionError):
                 mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
