@@ -22,7 +22,7 @@ import mmap
 import os
 import select
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -244,13 +244,21 @@ def map_pool(ops: RegionOps, direct: bool = True) -> PoolMap | None:
 
 def touch_frame(ns: str, keys: Sequence[bytes]) -> bytes | None:
     """A POOL_TOUCH of ``keys``; None when they differ in width."""
+    return _keys_frame(OP_POOL_TOUCH, ns, keys, lambda width: TOUCH_REF.pack(len(keys), width))
+
+
+def _keys_frame(
+    op: int, ns: str, keys: Sequence[bytes], ref: Callable[[int], bytes]
+) -> bytes | None:
+    """A frame of ``op`` over ``keys`` of one width, ``ref(width)`` after its
+    header; None when the keys differ in width."""
     widths = set(map(len, keys))
     if len(widths) != 1:
         return None
     (width,) = widths
     data = b"".join(keys)
-    head = encode_request(OP_POOL_TOUCH, 0, ns.encode(), length=len(data))
-    return head[: REQUEST.size] + TOUCH_REF.pack(len(keys), width) + head[REQUEST.size :] + data
+    head = encode_request(op, 0, ns.encode(), length=len(data))
+    return head[: REQUEST.size] + ref(width) + head[REQUEST.size :] + data
 
 
 def tell_touched(client: BulkClient, touched: dict[str, list[bytes]], batch_keys: int) -> None:
@@ -303,14 +311,9 @@ def read_all(
 def pool_get_frame(ns: str, keys: Sequence[bytes], release: int) -> bytes | None:
     """A POOL_GET of ``keys`` releasing pin ``release`` first; None when the
     keys differ in width (then the batch goes as region gets)."""
-    widths = set(map(len, keys))
-    if len(widths) != 1:
-        return None
-    (width,) = widths
-    data = b"".join(keys)
-    head = encode_request(OP_POOL_GET, 0, ns.encode(), length=len(data))
-    ref = POOL_REF.pack(release, len(keys), width)
-    return head[: REQUEST.size] + ref + head[REQUEST.size :] + data
+    return _keys_frame(
+        OP_POOL_GET, ns, keys, lambda width: POOL_REF.pack(release, len(keys), width)
+    )
 
 
 def exchange(conn: Connection, frame: bytes, count: int) -> tuple[int, list[PoolItem]]:
