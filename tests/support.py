@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvd.tools.bench.daemon import SpawnedDaemon
 
@@ -35,6 +35,8 @@ class DaemonProcess(SpawnedDaemon):
 
 DaemonFactory = Callable[..., DaemonProcess]
 
+T = TypeVar("T")
+
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
@@ -43,6 +45,19 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def first_answer(call: Callable[[], T], timeout_s: float = 10.0) -> T:
+    """``call()``'s result once it stops raising: the first calls after a
+    daemon restarted may find it still starting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def stop_process(pid: int, timeout_s: float = 5.0) -> None:

@@ -28,7 +28,6 @@ A get whose copy had begun may still land after it: its region is retired
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvd.client.bulk import Answer
-from kvd.client.pool_reads import UNPINNED, PoolMap, map_pool, read_all, tell_touched
+from kvd.client.pool_path import PoolPath
 from kvd.client.regions import Call, ClientRegion, address_of, close_region, create_region
 from kvd.client.shm_socket import BatchAnswer, RegionOps, RegionResult
 from kvd.client.spans import ALIGN_BYTES, Spans
@@ -62,9 +61,6 @@ STAGING_BYTES = 64 << 20
 # with its size and is fetched again with exact room.
 GET_ROOM_BYTES = 4 << 20
 BATCH_ITEMS_MAX = 256
-# Gets read through the pool's directory told to the daemon at once (one
-# POOL_TOUCH round trip per this many: the hits and recency lag by at most it).
-TOUCH_BATCH_KEYS = 256
 
 _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
@@ -113,10 +109,10 @@ class ShmPath:
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
         self._spans: Spans | None = None
-        self._want_pool = pool_reads
-        self.verify_pool_reads = verify_pool_reads
-        self._direct = direct_pool_reads
-        self._pool: PoolMap | None = None
+        self.pools = PoolPath(
+            pool_reads, verify_pool_reads, direct_pool_reads, BATCH_ITEMS_MAX,
+            self._region_get_many_into, self.renew,
+        )  # fmt: skip
 
     def _rpc(self, name: str) -> Call:
         return lambda request, _: self._call(name, request)
@@ -134,26 +130,18 @@ class ShmPath:
             raise Unavailable("the daemon offers no shm socket: regions cannot be attached")
         self._staging_spans()
         self._ops.client.with_connection(lambda conn: None)
-        self._attach_pool(self._ops)
-
-    def _attach_pool(self, ops: RegionOps) -> None:
-        """Map the daemon's pool where it offers pool reads and lets this
-        client; else gets keep to regions."""
-        if self._pool is not None:
-            self._tell_touched(ops, self._pool)
-            self._pool.close()
-        self._pool = map_pool(ops, self._direct) if self._want_pool else None
+        self.pools.attach(self._ops)
 
     @property
     def pool_reads(self) -> bool:
         """Whether gets copy straight out of the daemon's L1 (``kvd.client.pool_reads``)."""
-        return self._pool is not None
+        return self.pools.map is not None
 
     @property
     def direct_pool_reads(self) -> bool:
         """Whether gets find values in the pool's directory and copy them
         without a frame (``kvd.client.pool_reads``)."""
-        return self._pool is not None and self._pool.directory is not None
+        return self.pools.map is not None and self.pools.map.directory is not None
 
     @property
     def over_socket(self) -> bool:
@@ -261,7 +249,7 @@ class ShmPath:
             except (KvdError, OSError):
                 return None
             self._ops, self._renamed = ops, renamed
-            self._attach_pool(ops)
+            self.pools.attach(ops)
         failed.close()
         return renamed
 
@@ -269,11 +257,7 @@ class ShmPath:
         with self._lock:
             regions, self._regions = self._regions, []
             self._staging = None
-        if self._pool is not None:
-            if self._ops is not None:
-                self._tell_touched(self._ops, self._pool)
-            self._pool.close()
-            self._pool = None
+        self.pools.close(self._ops)
         if self._ops is not None:
             self._ops.close()
         for region in regions:
@@ -416,7 +400,7 @@ class ShmPath:
 
     # ---- gets ------------------------------------------------------------------------
     def get_into(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
-        got = self._pool_get(ns, [key], [buffer])
+        got = self.pools.get(self._ops, ns, [key], [buffer])
         if got is not None:
             return got[0]
         where = self.locate(buffer) if self._ops is not None else None
@@ -474,7 +458,7 @@ class ShmPath:
         """Values into ``buffers``: one batch per run of buffers in one region
         (others get room in staging and one more copy); sizes, None for a miss.
         With pool reads, straight out of the daemon's L1 into ``buffers``."""
-        got = self._pool_get(ns, keys, buffers)
+        got = self.pools.get(self._ops, ns, keys, buffers)
         if got is not None:
             return got
         return self._region_get_many_into(ns, keys, buffers)
@@ -508,79 +492,6 @@ class ShmPath:
             finally:
                 self._unstage(staged)
             start = end
-        return sizes
-
-    def _pool_get(
-        self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
-    ) -> list[int | None] | None:
-        """Gets straight out of the daemon's pool, first through its directory
-        (no frame), the others with a POOL_GET; None when none can go that
-        way (no pool mapped, keys of different widths, a daemon that
-        restarted): then as region gets. Items the daemon would not pin, or
-        that the POOL_GET could not take, are region gets."""
-        ops, pool = self._ops, self._pool
-        if ops is None or pool is None:
-            return None
-        if pool.daemon_gone():
-            # Its pages and directory are a dead daemon's: map the one there now.
-            pool.take_touched()
-            self._attach_pool(ops)
-            pool = self._pool
-            if pool is None:
-                return None
-        if pool.directory is None:
-            return self._pool_get_framed(ops, pool, ns, keys, buffers)
-        sizes = [pool.read_direct(ns, key, buf) for key, buf in zip(keys, buffers, strict=True)]
-        if pool.touched_count >= TOUCH_BATCH_KEYS:
-            self._tell_touched(ops, pool)
-        rest = [i for i, size in enumerate(sizes) if size is None]
-        if not rest:
-            return sizes
-        rest_keys, rest_buffers = [keys[i] for i in rest], [buffers[i] for i in rest]
-        got = self._pool_get_framed(ops, pool, ns, rest_keys, rest_buffers)
-        if got is None:
-            if len(rest) == len(keys):
-                return None
-            got = self._region_get_many_into(ns, rest_keys, rest_buffers)
-        for i, size in zip(rest, got, strict=True):
-            sizes[i] = size
-        return sizes
-
-    @staticmethod
-    def _tell_touched(ops: RegionOps, pool: PoolMap) -> None:
-        """Tell the daemon what was read through the directory (hits, and
-        the eviction policy's recency); advisory: a failure loses only that."""
-        touched = pool.take_touched()
-        if touched:
-            with contextlib.suppress(KvdError):
-                tell_touched(ops.client, touched, TOUCH_BATCH_KEYS)
-
-    def _pool_get_framed(
-        self,
-        ops: RegionOps,
-        pool: PoolMap,
-        ns: str,
-        keys: Sequence[bytes],
-        buffers: Sequence[memoryview],
-    ) -> list[int | None] | None:
-        """Gets with POOL_GET frames; None when they cannot go that way."""
-        verify = self.verify_pool_reads
-        try:
-            sizes = read_all(ops.client, pool, ns, keys, buffers, BATCH_ITEMS_MAX, verify)
-        except DeadlineExceeded:
-            raise
-        except (Unavailable, PermissionDenied):
-            self.renew(ops)  # maps the new daemon's pool, if it lets us
-            return None
-        if sizes is None:
-            return None
-        refused = [i for i, size in enumerate(sizes) if size == UNPINNED]
-        if refused:
-            again = self._region_get_many_into(
-                ns, [keys[i] for i in refused], [buffers[i] for i in refused]
-            )
-            for i, size in zip(refused, again, strict=True):
-                sizes[i] = size
         return sizes
 
     def get_many(self, ns: str, keys: Sequence[bytes]) -> list[bytes | None]:

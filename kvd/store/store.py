@@ -41,6 +41,7 @@ from typing import Any
 
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2 import L2Record, L2Tier
+from kvd.store.chains import scan_chain
 from kvd.store.entries import Entries
 from kvd.store.eviction.policy import EvictionPolicy, make_policy
 from kvd.store.index import (
@@ -454,28 +455,21 @@ class Store:
         """Count gets a client served itself out of L1 (the pool's
         directory) as hits, and give them to the eviction policy as a get
         would: the hits and their bytes. A key no longer in L1 counts nothing."""
-        ns = self.entries.by_name.get(ns_name)
-        if ns is None:
-            return 0, 0
-        hits = nbytes = 0
-        for key in keys:
-            entry = ns.entries.get(key)
-            if entry is None:
-                continue
-            hits += 1
-            nbytes += entry.size
-            self.learning.touch((ns.id, key))
-        ns.hits += hits
-        self.counters.hits += hits
-        self.counters.bytes_out += nbytes
-        return hits, nbytes
+        found = [e for e in map(partial(self._l1, ns_name), keys) if e is not None]
+        for entry in found:
+            self._hit(entry)
+        return len(found), sum(entry.size for entry in found)
 
     def _reader(self, entry: Entry, tier: int, views: bool = True) -> Reader:
+        self._hit(entry)
+        return self._pin(entry, tier, views)
+
+    def _hit(self, entry: Entry) -> None:
+        """A get served: counted, and the policy's recency."""
         entry.ns.hits += 1
         self.counters.hits += 1
         self.counters.bytes_out += entry.size
         self.learning.touch((entry.ns.id, entry.key))
-        return self._pin(entry, tier, views)
 
     def _pin(self, entry: Entry, tier: int, views: bool = True) -> Reader:
         self.entries.pin(entry)
@@ -518,28 +512,12 @@ class Store:
             raise InvalidArgument(
                 f"lease_ms={lease_ms} is over lease_ms_max={self.limits.lease_ms_max}"
             )
-        # One pass, the namespace's index at hand: ~0.2 µs a key here.
         ns = self.entries.namespace(ns_name)
-        resident = ns.entries
-        l2 = self.l2
-        pins: list[Entry | L2Record] = []
-        touched: list[bytes] = []
-        for key in keys:
-            entry = resident.get(key)
-            if entry is not None:
-                touched.append(key)
-                pins.append(entry)
-                continue
-            record = l2.lookup(ns_name, key) if l2 is not None else None
-            if record is None:
-                break
-            pins.append(record)
-        l1_hits = leading_l1 = len(touched)
-        if l1_hits < len(pins):  # an L2 hit among them: the L1 run before the first
-            leading_l1 = next(i for i, p in enumerate(pins) if not isinstance(p, Entry))
+        scan = scan_chain(ns.entries, self.l2, ns_name, keys)
+        pins, l1_hits = scan.pins, len(scan.in_l1)
         # The policy learns how each chain's lookup went (the first of a namespace too).
         key_of = partial(policy_key, ns.id)
-        self.learning.defer_lookup(touched, list(keys), leading_l1, key_of, mine)
+        self.learning.defer_lookup(scan.in_l1, list(keys), scan.leading_l1, key_of, mine)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         if self.prefetcher is not None and self.placement is not None and l1_hits < len(pins):
             prefetch = self.placement.prefetch

@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 
 from kvd.client import Client
+from kvd.client.pool_path import TOUCH_BATCH_KEYS
 from kvd.client.pool_reads import PoolMap
-from kvd.client.shm import TOUCH_BATCH_KEYS, ShmPath
+from kvd.client.shm import ShmPath
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.wire.checksum import checksum
 from kvd.wire.shm import DIRECTORY_SLOT, POOL_DIRECTORY, TAG
 from tests.sockets import metric
-from tests.support import DaemonFactory, DaemonProcess
+from tests.support import DaemonFactory, DaemonProcess, first_answer
 
 NS = "pool-directory"
 POOL_READS = ("--shm-pool-reads", "true")
@@ -58,7 +59,7 @@ def _shm(client: Client) -> ShmPath:
 
 
 def _pool(client: Client) -> PoolMap:
-    pool = _shm(client)._pool
+    pool = _shm(client).pools.map
     assert pool is not None and pool.directory is not None
     return pool
 
@@ -150,15 +151,7 @@ def test_a_restarted_daemon_is_never_read_through_the_old_directory(
         second = daemon_factory(*POOL_READS, workdir=where)
         with Client(second.socket_target, direct_pool_reads=False) as other:
             assert other.delete(NS, [key]) == 1  # L2 had kept it
-        deadline = time.monotonic() + 10
-        while True:  # the first calls may find the daemon still starting
-            try:
-                got = client.get_into(NS, key, out)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        got = first_answer(lambda: client.get_into(NS, key, out))
         assert got is None  # deleted on the daemon there now
         assert old.direct_hits == 1
         client.put(NS, key, value)

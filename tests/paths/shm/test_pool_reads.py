@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from kvd.wire.errors import CODE_NUMBERS, FailedPrecondition, InvalidArgument
 from kvd.wire.shm import OP_POOL_GET, POOL_REF
 from tests.paths.support import TOKEN_A, TOKEN_ADMIN, token_file
 from tests.sockets import metric
-from tests.support import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, first_answer, wait_until
 
 NS = "pool-reads"
 POOL_READS = ("--shm-pool-reads", "true")
@@ -113,7 +112,7 @@ def test_the_mapping_cannot_write_the_pool(pooled: DaemonProcess) -> None:
         with Client(pooled.socket_target) as direct:
             out = memoryview(bytearray(len(value)))
             assert direct.get_into(NS, b"v", out) == len(value) and bytes(out) == value
-            assert _shm(direct)._pool is not None and _shm(direct)._pool.direct_hits == 1
+            assert _shm(direct).pools.map is not None and _shm(direct).pools.map.direct_hits == 1
         with Client(pooled.socket_target, pool_reads=False) as regions_only:
             assert "shm-pool" not in regions_only.paths
             assert regions_only.get(NS, b"v") == value
@@ -130,7 +129,7 @@ def test_a_pin_keeps_its_pages_until_released(daemon_factory: DaemonFactory) -> 
     value = _value(1 << 20, 1)
     with Client(daemon.socket_target, direct_pool_reads=False) as client:
         client.put(NS, b"pinned", value)
-        pool = _shm(client)._pool
+        pool = _shm(client).pools.map
         assert pool is not None
         conn = _ops(client).client._connect()
         try:
@@ -304,14 +303,6 @@ def test_gets_go_on_after_the_daemon_restarts(
         first.stop()
         second = daemon_factory(*POOL_READS, workdir=where)
         assert second.socket == first.socket
-        deadline = time.monotonic() + 10
-        while True:  # the first calls may find the daemon still starting
-            try:
-                got = client.get_into(NS, key, out)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        got = first_answer(lambda: client.get_into(NS, key, out))
         assert got == len(value) and bytes(out) == value  # L2 kept it
         assert _shm(client).pool_reads
