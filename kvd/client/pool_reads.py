@@ -44,6 +44,7 @@ from kvd.wire.shm import (
     TAG,
     TIER_SHIFT,
     TOUCH_REF,
+    bucket_offset,
     directory_digest,
 )
 
@@ -154,9 +155,7 @@ class PoolMap:
             return None
         view = self._view
         digest = directory_digest(ns, key)
-        at = directory.slots + (int.from_bytes(digest[:8], "little") & directory.mask) * (
-            directory.ways * DIRECTORY_SLOT.size
-        )
+        at = directory.slots + bucket_offset(digest, directory.mask, directory.ways)
         for _ in range(directory.ways):
             (seq,) = TAG.unpack_from(view, at)
             if not seq & 1:

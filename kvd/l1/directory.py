@@ -36,7 +36,7 @@ import mmap
 import struct
 from collections.abc import Sequence
 
-from kvd.wire.shm import DIRECTORY_FIELDS, DIRECTORY_SLOT, TAG, directory_digest
+from kvd.wire.shm import DIRECTORY_FIELDS, DIRECTORY_SLOT, TAG, bucket_offset, directory_digest
 
 WAYS = 4
 _ALIGN = mmap.PAGESIZE
@@ -81,9 +81,7 @@ class Directory:
         or -1 when its bucket is full. ``uid`` is new (never published before)."""
         digest = directory_digest(ns, key)
         view = self._view
-        base = self.slots_offset + (int.from_bytes(digest[:8], "little") & self._mask) * (
-            WAYS * DIRECTORY_SLOT.size
-        )
+        base = self.slots_offset + bucket_offset(digest, self._mask, WAYS)
         slot, kept = -1, False
         for way in range(WAYS):
             at = base + way * DIRECTORY_SLOT.size

@@ -145,6 +145,12 @@ def directory_digest(ns: str, key: bytes) -> bytes:
     return hashlib.blake2b(len(name).to_bytes(2, "little") + name + key, digest_size=16).digest()
 
 
+def bucket_offset(digest: bytes, mask: int, ways: int) -> int:
+    """Where a digest's bucket lies among the directory's slots: its first 8
+    bytes, little-endian, modulo the bucket count (``mask`` + 1, a power of two)."""
+    return (int.from_bytes(digest[:8], "little") & mask) * ways * DIRECTORY_SLOT.size
+
+
 def region_ref_bytes(flags: int) -> int:
     """Bytes of a region op's reference and, with ``FLAG_DEADLINE``, its deadline."""
     return REGION_REF.size + (DEADLINE.size if flags & FLAG_DEADLINE else 0)

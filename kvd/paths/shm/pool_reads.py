@@ -154,10 +154,24 @@ def attach_answer(request: Request, pool: Pool) -> bytes:
 
 def touch_rest_bytes(request: Request, max_keys: int) -> int:
     """Bytes after a POOL_TOUCH's header, bounded by ``max_keys`` of the longest width."""
+    return _keys_rest_bytes(request, max_keys, TOUCH_REF.size, "pool touch")
+
+
+def _keys_rest_bytes(request: Request, max_keys: int, ref_bytes: int, what: str) -> int:
+    """Bytes after the header of a frame of keys (``ref_bytes`` of its
+    reference first), bounded by ``max_keys`` of the longest width before
+    they are read."""
     limit = max_keys * KEY_BYTES_MAX
     if request.length > limit:
-        raise ProtocolError(f"pool touch of {request.length} key bytes is over {limit}")
-    return TOUCH_REF.size + request.tail_bytes + request.length
+        raise ProtocolError(f"{what} of {request.length} key bytes is over {limit}")
+    return ref_bytes + request.tail_bytes + request.length
+
+
+def _keys(request: Request, rest: bytes, ref_bytes: int, count: int, width: int) -> list[bytes]:
+    """The ``count`` keys of ``width`` bytes after a frame's reference and names."""
+    if not 0 < width <= KEY_BYTES_MAX or request.length != count * width:
+        raise InvalidArgument(f"{request.length} key bytes are not {count} keys of {width} bytes")
+    return split_keys(rest[ref_bytes + request.tail_bytes :], width)
 
 
 def touch(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> bytes:
@@ -169,9 +183,7 @@ def touch(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> byte
     ns = namespace_of(ops, request, rest, TOUCH_REF.size, caller)
     if count > ops.store.limits.max_lookup_keys:
         raise InvalidArgument(f"{count} keys in one touch, max {ops.store.limits.max_lookup_keys}")
-    if not 0 < width <= KEY_BYTES_MAX or request.length != count * width:
-        raise InvalidArgument(f"{request.length} key bytes are not {count} keys of {width} bytes")
-    keys = split_keys(rest[TOUCH_REF.size + request.tail_bytes :], width)
+    keys = _keys(request, rest, TOUCH_REF.size, count, width)
     hits, nbytes = ops.store.touched(ns, keys)
     if hits:
         ops.values.served(DIRECT_OP_NAME, "l1", nbytes, hits=hits)
@@ -181,10 +193,7 @@ def touch(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> byte
 def rest_bytes(request: Request, max_items: int) -> int:
     """Bytes after a POOL_GET's header, its keys bounded by ``max_items`` of
     the longest width before they are read."""
-    limit = max_items * KEY_BYTES_MAX
-    if request.length > limit:
-        raise ProtocolError(f"pool get of {request.length} key bytes is over {limit}")
-    return POOL_REF.size + request.tail_bytes + request.length
+    return _keys_rest_bytes(request, max_items, POOL_REF.size, "pool get")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,9 +210,7 @@ def batch_of(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> P
     release, count, width = POOL_REF.unpack_from(rest)
     ns = namespace_of(ops, request, rest, POOL_REF.size, caller)
     ops.check_batch(count)
-    if not 0 < width <= KEY_BYTES_MAX or request.length != count * width:
-        raise InvalidArgument(f"{request.length} key bytes are not {count} keys of {width} bytes")
-    return PoolBatch(release, ns, split_keys(rest[POOL_REF.size + request.tail_bytes :], width))
+    return PoolBatch(release, ns, _keys(request, rest, POOL_REF.size, count, width))
 
 
 def get_now(ops: RegionOps, batch: PoolBatch, pins: Pins) -> list[Reader | None] | None:
