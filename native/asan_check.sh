@@ -3,8 +3,9 @@
 # run the tests that drive it against it: the ring (tests/io/test_backend.py),
 # record reads and their checks in C (tests/io/test_backend_records.py,
 # tests/l2/test_format.py), the L2 tier on top (tests/l2/test_tier.py) and the
-# region copies' batch (tests/io/test_copy_many.py) and the native cut of striped
-# record reads (tests/io/test_layout.py).
+# region copies' batch (tests/io/test_copy_many.py), the native cut of striped
+# record reads (tests/io/test_layout.py) and the gets through the pool's
+# directory (tests/io/test_pool_read_many.py).
 # Usage: native/asan_check.sh [pytest args]
 set -eu
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,4 +34,4 @@ ASAN_OPTIONS=detect_leaks=0:quarantine_size_mb=0 \
 PYTHONMALLOC=malloc \
     "$python" -m pytest -q -p no:cacheprovider tests/io/test_backend.py \
     tests/io/test_backend_records.py tests/l2/test_format.py tests/l2/test_tier.py \
-    tests/io/test_copy_many.py tests/io/test_layout.py "$@"
+    tests/io/test_copy_many.py tests/io/test_layout.py tests/io/test_pool_read_many.py "$@"

@@ -82,11 +82,11 @@ kvd_copy_many_py(PyObject *Py_UNUSED(module), PyObject *args)
     size_t slots = total ? (size_t)total : 1;
     copy_job *jobs = PyMem_Calloc(njobs ? (size_t)njobs : 1, sizeof(copy_job));
     Py_buffer *views = PyMem_Calloc(slots, sizeof(Py_buffer));
-    kvd_span *spans = PyMem_Calloc(slots, sizeof(kvd_span));
+    kvd_piece *pieces = PyMem_Calloc(slots, sizeof(kvd_piece));
     uint64_t *digests = PyMem_Calloc(njobs ? (size_t)njobs : 1, sizeof(uint64_t));
     Py_ssize_t held = 0;
     PyObject *result = NULL;
-    if (jobs == NULL || views == NULL || spans == NULL || digests == NULL) {
+    if (jobs == NULL || views == NULL || pieces == NULL || digests == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -136,25 +136,12 @@ kvd_copy_many_py(PyObject *Py_UNUSED(module), PyObject *args)
     for (Py_ssize_t j = 0; j < njobs; j++) {
         Py_buffer *span = &views[jobs[j].first];
         Py_buffer *pages = span + 1;
-        uint8_t *at = span->buf;
-        for (Py_ssize_t p = 0; p < jobs[j].npages; p++) {
-            if (to_pages)
-                memcpy(pages[p].buf, at, (size_t)pages[p].len);
-            else
-                memcpy(at, pages[p].buf, (size_t)pages[p].len);
-            at += pages[p].len;
-        }
-        /* Hashed where the bytes landed, right after the copy (a 64 KiB value
-         * is still in cache): the pool pages for a put, the span for a get. */
-        if (to_pages) {
-            kvd_span *mine = &spans[jobs[j].first];
-            for (Py_ssize_t p = 0; p < jobs[j].npages; p++)
-                mine[p] = (kvd_span){pages[p].buf, (size_t)pages[p].len};
-            digests[j] = kvd_xxh3_spans(mine, (int)jobs[j].npages, jobs[j].bytes);
-        } else {
-            kvd_span landed = {span->buf, (size_t)jobs[j].bytes};
-            digests[j] = kvd_xxh3_spans(&landed, 1, jobs[j].bytes);
-        }
+        kvd_piece *mine = &pieces[jobs[j].first];
+        for (Py_ssize_t p = 0; p < jobs[j].npages; p++)
+            mine[p] = (kvd_piece){pages[p].buf, (size_t)pages[p].len};
+        /* Hashed where the bytes landed, chunk by chunk right after each is
+         * copied (still in cache): the pool pages for a put, the span for a get. */
+        digests[j] = kvd_xxh3_copy(mine, (int)jobs[j].npages, span->buf, to_pages);
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(njobs);
@@ -173,7 +160,7 @@ done:
         release_all(views, held);
     PyMem_Free(jobs);
     PyMem_Free(views);
-    PyMem_Free(spans);
+    PyMem_Free(pieces);
     PyMem_Free(digests);
     Py_DECREF(jobs_seq);
     return result;

@@ -47,7 +47,10 @@ align_up(uint64_t n, uint64_t unit)
 }
 
 #define KVD_XXH3_SPANS xxh3_spans_sse2
+#define KVD_XXH3_COPY xxh3_copy_sse2
 static uint64_t xxh3_spans_sse2(const kvd_span *spans, int nspans, uint64_t nbytes);
+static uint64_t xxh3_copy_sse2(const kvd_piece *pieces, int npieces, uint8_t *flat,
+                               int to_pieces);
 #include "kvd_xxh3_spans.h"
 
 uint64_t
@@ -61,6 +64,18 @@ kvd_xxh3_spans(const kvd_span *spans, int nspans, uint64_t nbytes)
         return kvd_xxh3_spans_avx2(spans, nspans, nbytes);
 #endif
     return xxh3_spans_sse2(spans, nspans, nbytes);
+}
+
+uint64_t
+kvd_xxh3_copy(const kvd_piece *pieces, int npieces, uint8_t *flat, int to_pieces)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f"))
+        return kvd_xxh3_copy_avx512(pieces, npieces, flat, to_pieces);
+    if (__builtin_cpu_supports("avx2"))
+        return kvd_xxh3_copy_avx2(pieces, npieces, flat, to_pieces);
+#endif
+    return xxh3_copy_sse2(pieces, npieces, flat, to_pieces);
 }
 
 static uint64_t

@@ -34,12 +34,29 @@ typedef struct {
     size_t key_len;
 } kvd_expect;
 
+/* Writable memory: a piece of a copy's far side (kvd_xxh3_copy). */
+typedef struct {
+    uint8_t *buf;
+    size_t len;
+} kvd_piece;
+
+/* A large copy is hashed in chunks of this many bytes, each right after it
+ * lands (it stays in the L2 cache meanwhile). */
+#define KVD_COPY_CHUNK (256u * 1024u)
+
 /* xxh3-64 (seed 0) of the concatenation of `spans`, cut at `nbytes`. */
 uint64_t kvd_xxh3_spans(const kvd_span *spans, int nspans, uint64_t nbytes);
+/* Copy the pieces' bytes, in order, to `flat` (to_pieces 0) or `flat`'s
+ * bytes over the pieces (to_pieces 1), and return the xxh3-64 of the bytes
+ * as read where they landed. */
+uint64_t kvd_xxh3_copy(const kvd_piece *pieces, int npieces, uint8_t *flat, int to_pieces);
 #if defined(__x86_64__) && defined(__GNUC__)
 /* The same, built for AVX2 and AVX-512F: call only where the CPU has them. */
 uint64_t kvd_xxh3_spans_avx2(const kvd_span *spans, int nspans, uint64_t nbytes);
 uint64_t kvd_xxh3_spans_avx512(const kvd_span *spans, int nspans, uint64_t nbytes);
+uint64_t kvd_xxh3_copy_avx2(const kvd_piece *pieces, int npieces, uint8_t *flat, int to_pieces);
+uint64_t kvd_xxh3_copy_avx512(const kvd_piece *pieces, int npieces, uint8_t *flat,
+                              int to_pieces);
 #endif
 
 /* KVD_READ_OK when `header` (header_len bytes: 4096 or 8192) is the record

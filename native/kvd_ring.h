@@ -134,5 +134,6 @@ void recs_free(RingObject *self);
 PyObject *kvd_check_record_py(PyObject *module, PyObject *args);
 PyObject *kvd_xxh3_64_py(PyObject *module, PyObject *arg);
 PyObject *kvd_copy_many_py(PyObject *module, PyObject *args);
+PyObject *kvd_pool_read_many_py(PyObject *module, PyObject *args);
 
 #endif

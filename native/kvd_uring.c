@@ -423,6 +423,10 @@ static PyMethodDef module_methods[] = {
     {"copy_many", (PyCFunction)kvd_copy_many_py, METH_VARARGS,
      "copy_many(jobs, to_pages) -> list[int]: copy each (span, pages) job one way or the "
      "other with the GIL released; the xxh3-64 of each job's bytes where they landed."},
+    {"pool_read_many", (PyCFunction)kvd_pool_read_many_py, METH_VARARGS,
+     "pool_read_many(pool, layout, digests, buffers, verify) -> list[int]: gets through "
+     "the pool's directory with the GIL released; each value's size, or -1 where it was "
+     "not read so."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -19,5 +19,6 @@
 #endif
 
 #define KVD_XXH3_SPANS kvd_xxh3_spans_avx2
+#define KVD_XXH3_COPY kvd_xxh3_copy_avx2
 #include "kvd_xxh3_spans.h"
 #endif

@@ -40,8 +40,11 @@ LAYERS = (
 # one (the command, the bench, the demo: clients of a daemon) may import it.
 ENGINE_SIDE = ("kvd.client", "kvd.connectors")
 # kvd.client speaks the wire and nothing else.
-CLIENT_MAY_IMPORT = ("kvd.client", "kvd.wire", "kvd.util", "kvd.v1")
+# kvd.io._uring is the C extension alone (no daemon code): the client's gets
+# through the pool's directory import it once a directory is mapped.
+CLIENT_MAY_IMPORT = ("kvd.client", "kvd.wire", "kvd.util", "kvd.v1", "kvd.io._uring")
 FRESH_IMPORT_TIMEOUT_S = 60
+NATIVE_MODULES = ("kvd.io._uring",)  # built from native/, no .py of their own
 LIST_KVD_MODULES = "import sys\nprint('\\n'.join(m for m in sys.modules if m.startswith('kvd')))"
 
 
@@ -61,8 +64,11 @@ def _under(name: str, packages: tuple[str, ...]) -> bool:
 
 
 def _resolve(name: str, modules: Mapping[str, object]) -> str | None:
-    """The module an import of ``name`` loads last: itself, or the nearest
-    package above it that is a module of kvd (``kvd.a.B`` -> ``kvd.a``)."""
+    """The module an import of ``name`` loads last: itself (a C extension
+    too), or the nearest package above it that is a module of kvd
+    (``kvd.a.B`` -> ``kvd.a``)."""
+    if name in NATIVE_MODULES:
+        return name
     while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None

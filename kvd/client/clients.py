@@ -118,9 +118,11 @@ class Client:
         bulk TCP port has no TLS (``bulk=True`` with ``tls`` is refused).
         ``pool_reads``: on the shm path, copy gets straight out of the daemon's
         L1 where the daemon lets this client (``kvd.client.pool_reads``);
-        ``verify_pool_reads``: check each such copy against its checksum;
+        ``verify_pool_reads``: check each such copy against its checksum (off:
+        a copy through the directory is still checked against the owner tags
+        of its pages, before and after; only where kvd.io._uring is built);
         ``direct_pool_reads``: find values in the pool's directory and copy
-        them without asking the daemon (always checked)."""
+        them without asking the daemon."""
         if tls is not None and bulk:
             raise InvalidArgument(
                 "the bulk TCP port has no TLS: bulk=True would send values in clear"

@@ -20,8 +20,8 @@ RegionGets = Callable[[str, Sequence[bytes], Sequence[memoryview]], list[int | N
 
 class PoolPath:
     """``want``: map the pool where the daemon lets this client; ``verify``:
-    check each framed copy against its checksum (a directory copy always
-    is); ``direct``: read through the directory; ``batch_items``: keys of a
+    check each copy against its checksum (a directory copy made in Python
+    always is); ``direct``: read through the directory; ``batch_items``: keys of a
     POOL_GET frame at most. ``regions`` gets items as
     region gets (those the daemon would not pin), ``renew`` re-attaches the
     shm path after its daemon restarted (it calls ``attach``)."""
@@ -47,7 +47,7 @@ class PoolPath:
         """Map the daemon's pool where it offers pool reads and lets this
         client; else gets keep to regions."""
         self.close(ops)
-        self.map = map_pool(ops, self._direct) if self._want else None
+        self.map = map_pool(ops, self._direct, self.verify) if self._want else None
 
     def close(self, ops: RegionOps | None) -> None:
         """Tell the daemon what is owed (with ``ops``) and unmap."""
@@ -78,7 +78,7 @@ class PoolPath:
                 return None
         if pool.directory is None:
             return self._framed(ops, pool, ns, keys, buffers)
-        sizes = [pool.read_direct(ns, key, buf) for key, buf in zip(keys, buffers, strict=True)]
+        sizes = pool.read_direct_many(ns, keys, buffers)
         if pool.touched_count >= TOUCH_BATCH_KEYS:
             self._tell_touched(ops, pool)
         rest = [i for i, size in enumerate(sizes) if size is None]

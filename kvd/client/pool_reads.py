@@ -18,6 +18,7 @@ value. A daemon that refuses the attach leaves the client on region gets.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import select
@@ -34,6 +35,7 @@ from kvd.wire.errors import CODE_NUMBERS, DataLoss, InvalidArgument, KvdError, e
 from kvd.wire.shm import (
     DIRECTORY_FIELDS,
     DIRECTORY_SLOT,
+    FLAG_NO_ANSWER,
     OP_POOL_GET,
     OP_POOL_TOUCH,
     POOL_ANSWER,
@@ -47,6 +49,29 @@ from kvd.wire.shm import (
     bucket_offset,
     directory_digest,
 )
+
+logger = logging.getLogger("kvd.client")
+
+# Gets through the pool's directory: the pool's mapping, its layout (tags,
+# slots, mask, ways, pool bytes), the keys' directory digests, a buffer each,
+# and whether to hash each copy; each value's size, or -1 where not read so.
+PoolReadMany = Callable[
+    [memoryview, tuple[int, int, int, int, int], Sequence[bytes], Sequence[memoryview], bool],
+    list[int],
+]
+
+
+def native_pool_reads() -> PoolReadMany | None:
+    """The native batch of gets through the pool's directory
+    (``kvd.io._uring.pool_read_many``: slot lookups, tag checks, copies and
+    their checksums in one call, without the GIL), or None when not built.
+    Imported only once a directory is mapped: importing the client loads no
+    native code, and the extension holds no daemon code."""
+    try:
+        import kvd.io._uring as _uring
+    except ImportError:
+        return None
+    return _uring.pool_read_many
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +134,16 @@ class PoolMap:
         size: int,
         directory: tuple[int, int, int, int] | None = None,
         watch: socket.socket | None = None,
+        *,
+        verify: bool = True,
+        native: bool = True,
     ) -> None:
         """Takes ``fd`` (closed here once mapped) and ``watch``, the attach's
         connection, which the daemon keeps open while it lives: the directory
-        is read only while it is (without it, none is)."""
+        is read only while it is (without it, none is). Gets through the
+        directory run in native code where it is built and ``native``
+        (``kvd.io.backend.native_pool_reads``), in Python otherwise; native
+        ones hash each copy only with ``verify``, Python ones always."""
         self._watch = watch
         self._poll: select.poll | None = None
         try:
@@ -132,6 +163,13 @@ class PoolMap:
             os.close(fd)
         self.size = size
         self._view = memoryview(self._mmap)
+        self.verify = verify
+        self._native = native_pool_reads() if native and self.directory is not None else None
+        if self.directory is not None:
+            logger.debug(
+                "gets through the pool's directory: %s",
+                "native" if self._native is not None else "Python (kvd.io._uring not built)",
+            )
         self.touched: dict[str, list[bytes]] = {}
         self.touched_count = 0
         self.direct_hits = 0
@@ -143,18 +181,41 @@ class PoolMap:
         (a daemon without a directory)."""
         return self._poll is not None and bool(self._poll.poll(0))
 
-    def read_direct(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
-        """Copy ``key``'s value into ``buffer`` through the directory,
-        without a frame: its size, or None when it cannot be read so (not
-        in the directory, being rewritten, reused while copied, too large
-        for ``buffer``, or not matching its checksum): then ask the daemon.
-        The copy is always checked: the tags make a torn read plain on a
-        CPU that keeps loads in order, the checksum on any other."""
+    def read_direct_many(
+        self, ns: str, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Copy each key's value into its buffer through the directory,
+        without a frame: its size, or None where it cannot be read so (not in
+        the directory, being rewritten, reused while copied, too large for
+        its buffer, or not matching its checksum): then ask the daemon."""
         directory = self.directory
         if directory is None:
-            return None
+            return [None] * len(keys)
+        digests = [directory_digest(ns, key) for key in keys]
+        if self._native is None:
+            sizes = [self._read_one(d, buf) for d, buf in zip(digests, buffers, strict=True)]
+        else:
+            layout = (directory.tags, directory.slots, directory.mask, directory.ways, self.size)
+            got = self._native(self._view, layout, digests, buffers, self.verify)
+            sizes = [None if size < 0 else size for size in got]
+        hits = [key for key, size in zip(keys, sizes, strict=True) if size is not None]
+        if hits:
+            self.direct_hits += len(hits)
+            self.touched.setdefault(ns, []).extend(hits)
+            self.touched_count += len(hits)
+        return sizes
+
+    def read_direct(self, ns: str, key: bytes, buffer: memoryview) -> int | None:
+        """One get through the directory (``read_direct_many``)."""
+        return self.read_direct_many(ns, [key], [buffer])[0]
+
+    def _read_one(self, digest: bytes, buffer: memoryview) -> int | None:
+        """The Python get through the directory. The copy is always checked:
+        the tags make a torn read plain on a CPU that keeps loads in order,
+        the checksum on any other."""
+        directory = self.directory
+        assert directory is not None
         view = self._view
-        digest = directory_digest(ns, key)
         at = directory.slots + bucket_offset(digest, directory.mask, directory.ways)
         for _ in range(directory.ways):
             (seq,) = TAG.unpack_from(view, at)
@@ -176,9 +237,6 @@ class PoolMap:
         dst[:size] = view[offset : offset + size]
         if xxhash.xxh3_64_intdigest(dst[:size]) != checksum or TAG.unpack_from(view, tag)[0] != uid:
             return None
-        self.direct_hits += 1
-        self.touched.setdefault(ns, []).append(key)
-        self.touched_count += 1
         return int(size)
 
     def take_touched(self) -> dict[str, list[bytes]]:
@@ -226,10 +284,11 @@ _NOT_FOUND = CODE_NUMBERS["NOT_FOUND"]
 _RESOURCE_EXHAUSTED = CODE_NUMBERS["RESOURCE_EXHAUSTED"]
 
 
-def map_pool(ops: RegionOps, direct: bool = True) -> PoolMap | None:
+def map_pool(ops: RegionOps, direct: bool = True, verify: bool = True) -> PoolMap | None:
     """The daemon's pool mapped, where it offers pool reads and lets this
     client; None otherwise (refused: not an admin token; or gone). With
-    ``direct``, its directory too, where the daemon takes POOL_TOUCH."""
+    ``direct``, its directory too, where the daemon takes POOL_TOUCH;
+    ``verify``: hash each copy through it (``PoolMap``)."""
     if "pool_get" not in ops.offered:
         return None
     try:
@@ -238,16 +297,18 @@ def map_pool(ops: RegionOps, direct: bool = True) -> PoolMap | None:
         return None
     if not direct or "pool_touch" not in ops.offered:
         directory = None
-    return PoolMap(fd, size, directory, watch)
+    return PoolMap(fd, size, directory, watch, verify=verify)
 
 
 def touch_frame(ns: str, keys: Sequence[bytes]) -> bytes | None:
-    """A POOL_TOUCH of ``keys``; None when they differ in width."""
-    return _keys_frame(OP_POOL_TOUCH, ns, keys, lambda width: TOUCH_REF.pack(len(keys), width))
+    """A POOL_TOUCH of ``keys`` that asks for no answer; None when they differ in width."""
+    return _keys_frame(
+        OP_POOL_TOUCH, ns, keys, lambda width: TOUCH_REF.pack(len(keys), width), FLAG_NO_ANSWER
+    )
 
 
 def _keys_frame(
-    op: int, ns: str, keys: Sequence[bytes], ref: Callable[[int], bytes]
+    op: int, ns: str, keys: Sequence[bytes], ref: Callable[[int], bytes], flags: int = 0
 ) -> bytes | None:
     """A frame of ``op`` over ``keys`` of one width, ``ref(width)`` after its
     header; None when the keys differ in width."""
@@ -256,13 +317,15 @@ def _keys_frame(
         return None
     (width,) = widths
     data = b"".join(keys)
-    head = encode_request(op, 0, ns.encode(), length=len(data))
+    head = encode_request(op, 0, ns.encode(), length=len(data), flags=flags)
     return head[: REQUEST.size] + ref(width) + head[REQUEST.size :] + data
 
 
 def tell_touched(client: BulkClient, touched: dict[str, list[bytes]], batch_keys: int) -> None:
     """Tell the daemon the gets read through the directory (POOL_TOUCH
-    frames of at most ``batch_keys`` keys of one width each)."""
+    frames of at most ``batch_keys`` keys of one width each). No answer is
+    awaited: the daemon counts them while this client goes on (a round trip
+    per 256 gets cost ~4 µs a get here); a full socket buffer holds it back."""
     frames: list[bytes] = []
     for ns, keys in touched.items():
         by_width: dict[int, list[bytes]] = {}
@@ -276,7 +339,7 @@ def tell_touched(client: BulkClient, touched: dict[str, list[bytes]], batch_keys
 
     def work(conn: Connection) -> None:
         for frame in frames:
-            exchange_batch(conn, frame, OP_POOL_TOUCH)
+            conn.send([memoryview(frame)])
 
     if frames:
         client.with_connection(work)

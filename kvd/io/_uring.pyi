@@ -47,6 +47,17 @@ def copy_many(jobs: Sequence[tuple[Buffer, Sequence[Buffer]]], to_pages: bool, /
     """Copy each (span, pages) job, span -> pages when to_pages, else pages ->
     span, with the GIL released; each job's xxh3-64 where its bytes landed."""
 
+def pool_read_many(
+    pool: Buffer,
+    layout: tuple[int, int, int, int, int],
+    digests: Sequence[bytes],
+    buffers: Sequence[Buffer],
+    verify: bool,
+    /,
+) -> list[int]:
+    """Gets through the pool's directory with the GIL released: each value's
+    size once copied into its buffer, or -1 where it was not read so."""
+
 class Ring:
     """A bounded io_uring instance: at most `depth` ops in flight."""
 

@@ -122,6 +122,9 @@ POOL_PAGE_BYTES = 64 * 1024  # a tag per page of the pool (kvd.l1.pool's pages)
 # After a POOL_TOUCH's header: item count, key width.
 TOUCH_REF = struct.Struct("<II")
 FLAG_DEADLINE = 4  # request flag, after kvd.wire.bulk's DURABLE 1 and CHECKSUM 2
+# Request flag of a POOL_TOUCH only: the daemon sends no answer, not even a
+# refusal (it counts one), so the client goes on without a round trip.
+FLAG_NO_ANSWER = 16
 # struct ucred of SO_PEERCRED: pid, uid, gid.
 PEERCRED = struct.Struct("3i")
 SOCKET_NAME = "kvd.sock"

@@ -31,7 +31,9 @@ def _jobs(region: np.ndarray, layouts: list[list[int]]) -> list[CopyJob]:
     return jobs
 
 
-LAYOUTS = [[65536], [1], [65536, 65536, 1000], [4096] * 40, [3 << 20, 65536]]
+# The last two pass the native copy's 256 KiB chunks, whole and mid-chunk.
+LAYOUTS = [[65536], [1], [65536, 65536, 1000], [4096] * 40, [3 << 20, 65536],
+           [(1 << 20) + 7, 300000, 5]]  # fmt: skip
 
 
 @needs_native

@@ -4,16 +4,16 @@ A shared-memory get or put moves no value bytes over any socket, so what it
 costs beyond the copy is the round trip that asks for it. Over gRPC that is
 ~0.6 ms on a small machine; over this Unix socket, with the bulk protocol's
 40-byte frames (docs/bulk-protocol.md, "Region ops"), it is a few tens of µs.
-Regions are attached here too: a REGION_ATTACH frame passes the region's
-sealed memfd with SCM_RIGHTS (``kvd.paths.shm.regions`` says what the daemon checks), on
-a connection of its own, since only the first frame of a connection is read
-with room for a descriptor (asyncio's streams read with plain ``recv``,
-which drops them). Detaching is a gRPC call. This module only parses frames
-into plain values (``kvd.paths.ops.items``), calls the op layer's
-``RegionOps.get_into_region`` and ``put_from_region`` (the gRPC region calls'
-own) inside its ``Tally``, and encodes the answer: both ways give the same
-answers, limits and metrics. A chain's LOOKUP and its lease's RELEASE are
-answered the same way by ``kvd.paths.shm.index_ops``. No protobuf here.
+Regions are attached here too: a REGION_ATTACH frame passes the region's sealed
+memfd with SCM_RIGHTS (``kvd.paths.shm.regions`` says what it checks), on a
+connection of its own, since only a connection's first frame is read with
+room for a descriptor (asyncio's streams read with plain ``recv``, which
+drops them). Detaching is a gRPC call. This module only parses frames into
+plain values (``kvd.paths.ops.items``), calls the op layer's
+``RegionOps.get_into_region`` and ``put_from_region`` (the gRPC region
+calls' own) inside its ``Tally``, and encodes the answer: both ways give the
+same answers, limits and metrics. A chain's LOOKUP and its lease's RELEASE
+are answered the same way by ``kvd.paths.shm.index_ops``. No protobuf here.
 
 Who may get here: the socket's directory is the daemon's alone (created with
 mode ``kvd.paths.socket_dirs.DIR_MODE`` set by ``chmod``, whatever the umask; an existing one
@@ -86,6 +86,7 @@ from kvd.wire.shm import (
     ATTACHED,
     DEADLINE,
     FLAG_DEADLINE,
+    FLAG_NO_ANSWER,
     OP_LOOKUP,
     OP_POOL_ATTACH,
     OP_POOL_GET,
@@ -397,6 +398,8 @@ class ShmChannel:
                 request = decode_request(header, max_value_bytes, CHANNEL_OPS)
                 if request.op == OP_HELLO:
                     raise ProtocolError("HELLO must come first, and only once")
+                if request.flags & FLAG_NO_ANSWER and request.op != OP_POOL_TOUCH:
+                    raise ProtocolError("only a POOL_TOUCH may go unanswered")
                 rest = await reader.readexactly(self._rest_bytes(request))
                 peer.waiting = _BUSY
                 if not peer.unanswered:  # nothing ahead of it: it may answer at once
@@ -491,9 +494,8 @@ class ShmChannel:
     def _op_now(
         self, request: Request, rest: bytes, caller: Caller, pins: pool_reads.Pins
     ) -> bytes | None:
-        """The answer of an op that needs no waiting (``get_now``, ``put_now``),
-        else None: the op then runs as a task. Without a task and the writer's
-        turn a lone get's round trip on a 2-CPU VM fell from ~280 to ~200 µs."""
+        """The answer of an op that needs no waiting (``get_now``, ``put_now``), else
+        None: then a task (without one a lone get's round trip fell ~280 -> ~200 µs)."""
         if request.op in INDEX_OPS:
             return index_now(self.ops, request, rest, caller)
         if request.op == OP_REGION_GET_MANY:

@@ -18,6 +18,7 @@ from kvd.wire.errors import InvalidArgument, KvdError, error_number
 from kvd.wire.limits import KEY_BYTES_MAX
 from kvd.wire.lookup import LookupResult
 from kvd.wire.shm import (
+    FLAG_NO_ANSWER,
     FLAG_RELEASED,
     LOOKUP_ANSWER,
     LOOKUP_REF,
@@ -106,5 +107,8 @@ def _lookup_answer(request: Request, found: LookupResult) -> bytes:
 
 
 def refusal(request: Request, exc: KvdError) -> bytes:
-    """The answer of an op refused with ``exc`` (its ``Tally`` counted it)."""
+    """The answer of an op refused with ``exc`` (its ``Tally`` counted it):
+    nothing for a frame that asked for no answer (``FLAG_NO_ANSWER``)."""
+    if request.flags & FLAG_NO_ANSWER:
+        return b""
     return encode_response(request.op, request.request_id, error_number(exc), message=str(exc))

@@ -64,6 +64,7 @@ from kvd.wire.bulk import MESSAGE_BYTES_MAX, ProtocolError, Request, encode_resp
 from kvd.wire.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvd.wire.limits import KEY_BYTES_MAX
 from kvd.wire.shm import (
+    FLAG_NO_ANSWER,
     OP_POOL_ATTACH,
     OP_POOL_GET,
     OP_POOL_TOUCH,
@@ -187,6 +188,8 @@ def touch(ops: RegionOps, request: Request, rest: bytes, caller: Caller) -> byte
     hits, nbytes = ops.store.touched(ns, keys)
     if hits:
         ops.values.served(DIRECT_OP_NAME, "l1", nbytes, hits=hits)
+    if request.flags & FLAG_NO_ANSWER:
+        return b""
     return encode_response(OP_POOL_TOUCH, request.request_id)
 
 

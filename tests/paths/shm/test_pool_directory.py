@@ -24,13 +24,21 @@ import pytest
 
 from kvd.client import Client
 from kvd.client.pool_path import TOUCH_BATCH_KEYS
-from kvd.client.pool_reads import PoolMap
+from kvd.client.pool_reads import PoolMap, native_pool_reads, touch_frame
 from kvd.client.shm import ShmPath
 from kvd.l1.pool import PAGE_BYTES, Pool
+from kvd.wire.bulk import encode_request
 from kvd.wire.checksum import checksum
-from kvd.wire.shm import DIRECTORY_SLOT, POOL_DIRECTORY, TAG
+from kvd.wire.shm import (
+    DIRECTORY_SLOT,
+    FLAG_NO_ANSWER,
+    OP_POOL_TOUCH,
+    POOL_DIRECTORY,
+    TAG,
+    TOUCH_REF,
+)
 from tests.sockets import metric
-from tests.support import DaemonFactory, DaemonProcess, first_answer
+from tests.support import DaemonFactory, DaemonProcess, first_answer, wait_until
 
 NS = "pool-directory"
 POOL_READS = ("--shm-pool-reads", "true")
@@ -121,6 +129,37 @@ def test_touches_go_in_batches_and_keep_a_value_in_l1(daemon_factory: DaemonFact
         assert bytes(out) == _value(PAGE_BYTES, 1000)
 
 
+def test_a_touch_gets_no_answer_and_a_bad_one_no_refusal(pooled: DaemonProcess) -> None:
+    """A POOL_TOUCH asks for no answer: the next frame on its connection
+    gets its own. A bad one (keys that are not its count) is counted as
+    refused, and answers nothing either; the flag on any other op ends the
+    connection."""
+    key, value = _key(8), _value(1000, 8)
+    hits = 'kvd_hits_total{op="shm_pool_direct",tier="l1"}'
+    refused = 'kvd_requests_total{code="INVALID_ARGUMENT",op="shm_pool_touch"}'
+    with Client(pooled.socket_target) as client:
+        client.put(NS, key, value)
+        conn = _shm(client)._ops.client._connect()  # type: ignore[union-attr]
+        try:
+            frame = touch_frame(NS, [key, key])
+            assert frame is not None
+            head = encode_request(OP_POOL_TOUCH, 7, NS.encode(), length=10, flags=FLAG_NO_ANSWER)
+            bad = head[:40] + TOUCH_REF.pack(3, 4) + head[40:] + b"k" * 10
+            asked = encode_request(OP_POOL_TOUCH, 9, NS.encode(), length=len(key))
+            conn.send([memoryview(frame + bad + asked[:40] + TOUCH_REF.pack(1, len(key)) +
+                                  asked[40:] + key)])  # fmt: skip
+            answer = conn.answer()
+            assert (answer.op, answer.request_id, answer.code) == (OP_POOL_TOUCH, 9, 0)
+            assert wait_until(lambda: _sample(pooled.metrics_port, hits) == 3)
+            assert _sample(pooled.metrics_port, refused) == 1
+            other = encode_request(OP_POOL_TOUCH - 1, 3, NS.encode(), flags=FLAG_NO_ANSWER)
+            conn.send([memoryview(other)])
+            assert conn.sock.recv(4096) == b""  # closed: nothing more is read from it
+        finally:
+            conn.close()
+        assert client.get_into(NS, key, memoryview(bytearray(1000))) == 1000
+
+
 def test_a_deleted_value_is_a_miss_at_once(pooled: DaemonProcess) -> None:
     key, value = _key(7), _value(65_536, 7)
     with Client(pooled.socket_target) as client:
@@ -207,8 +246,12 @@ def test_values_reused_while_read_never_come_back_wrong(pooled: DaemonProcess) -
 # ---- the pool and its directory, in this process -------------------------------------
 
 
-@pytest.fixture
-def shared_pool() -> Any:
+@pytest.fixture(params=["native", "python"])
+def shared_pool(request: pytest.FixtureRequest) -> Any:
+    """A shared pool and its mapping, read through the directory in native
+    code (where built) or in Python."""
+    if request.param == "native" and native_pool_reads() is None:
+        pytest.skip("kvd.io._uring is not built")
     pool = Pool(64 * PAGE_BYTES, shared=True)
     assert pool.directory is not None
     directory = pool.directory
@@ -223,7 +266,9 @@ def shared_pool() -> Any:
     unwatched = PoolMap(pool.read_only_fd(), pool.capacity_bytes, fields)
     assert unwatched.directory is None  # no directory without a watch on its daemon
     unwatched.close()
-    mapped = PoolMap(pool.read_only_fd(), pool.capacity_bytes, fields, watch)
+    mapped = PoolMap(
+        pool.read_only_fd(), pool.capacity_bytes, fields, watch, native=request.param == "native"
+    )
     assert mapped.directory is not None and not mapped.daemon_gone()
     yield pool, mapped
     daemon_end.close()
