@@ -113,7 +113,7 @@ class PoolPath:
     ) -> list[int | None] | None:
         """Gets with POOL_GET frames; None when they cannot go that way."""
         try:
-            sizes = read_all(ops.client, pool, ns, keys, buffers, self._batch_items, self.verify)
+            sizes = read_all(ops.client, pool, ns, keys, buffers, self._batch_items)
         except DeadlineExceeded:
             raise
         except (Unavailable, PermissionDenied):

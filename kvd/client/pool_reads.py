@@ -140,10 +140,10 @@ class PoolMap:
     ) -> None:
         """Takes ``fd`` (closed here once mapped) and ``watch``, the attach's
         connection, which the daemon keeps open while it lives: the directory
-        is read only while it is (without it, none is). Gets through the
-        directory run in native code where it is built and ``native``
-        (``kvd.io.backend.native_pool_reads``), in Python otherwise; native
-        ones hash each copy only with ``verify``, Python ones always."""
+        is read only while it is (without it, none is). ``verify``: check
+        each copy against its checksum. Gets through the directory run in
+        native code where it is built and ``native`` (``native_pool_reads``),
+        in Python otherwise, which check the checksum whatever ``verify``."""
         self._watch = watch
         self._poll: select.poll | None = None
         try:
@@ -244,10 +244,11 @@ class PoolMap:
         touched, self.touched, self.touched_count = self.touched, {}, 0
         return touched
 
-    def copy(self, item: PoolItem, buffer: memoryview, verify: bool) -> bool:
+    def copy(self, item: PoolItem, buffer: memoryview) -> bool:
         """Copy ``item``'s value into ``buffer`` (room checked by the caller);
         False when ``verify`` finds bytes that do not match its checksum, or
         the spans do not make the value."""
+        verify = self.verify
         dst = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
         pool = self._view
         if len(item.spans) == 1:  # the common case: one run of pages
@@ -352,7 +353,6 @@ def read_all(
     keys: Sequence[bytes],
     buffers: Sequence[memoryview],
     batch_items: int,
-    verify: bool,
 ) -> list[int | None] | None:
     """``read_batch`` over ``keys`` in batches of ``batch_items``, each on a
     connection of ``client``; None as soon as one cannot go this way."""
@@ -361,7 +361,7 @@ def read_all(
         end = min(len(keys), start + batch_items)
 
         def work(conn: Connection, start: int = start, end: int = end) -> list[int | None] | None:
-            return read_batch(conn, pool, ns, keys, buffers, start, end, verify)
+            return read_batch(conn, pool, ns, keys, buffers, start, end)
 
         got = client.with_connection(work)
         if got is None:
@@ -414,7 +414,6 @@ def read_batch(
     buffers: Sequence[memoryview],
     start: int,
     end: int,
-    verify: bool,
 ) -> list[int | None] | None:
     """``keys[start:end]`` copied out of ``pool`` into their buffers, over
     ``conn`` (releasing its last pin): sizes, None for a miss, ``UNPINNED``
@@ -438,7 +437,7 @@ def read_batch(
             error = error_for(item.code, item.message)
         elif item.size > len(buffer):
             error = InvalidArgument(f"buffer of {len(buffer)} bytes is too small for {item.size}")
-        elif not pool.copy(item, buffer, verify):
+        elif not pool.copy(item, buffer):
             error = DataLoss("value copied out of the pool does not match its checksum")
         if error is not None:
             raise error if len(keys) == 1 else type(error)(f"item {i}: {error}")
