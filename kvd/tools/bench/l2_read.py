@@ -33,6 +33,7 @@ RAM-backed loop devices made for the run (kvd.tools.bench.ramdisk).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import mmap
 import os
 import random
@@ -64,6 +65,12 @@ DEPTHS = (1, 8, 32)
 DEPTH_MAX = 256
 READ_PATHS = ("store", "tier", "batch", "store-batch")
 BATCH_READERS = 2  # batch path: one batch in flight while the other's results are handled
+# Random choices drawn before the clock starts (this many reads' worth,
+# shared out among the readers) and then cycled: drawn per read, Python's
+# random cost ~1.5 us of a 64 KiB read's ~13 us of CPU, work fio does not
+# do. Reads through a cycle again stay cold: O_DIRECT reads cache nothing,
+# and the store cases evict what they read.
+DRAWS = 1 << 17
 IO_DEPTH = 128  # the io backend's depth: above every reader depth benched by default
 DATA_FILE = "l2-bench.dat"
 
@@ -113,6 +120,18 @@ class Case:
 
 def _key(i: int) -> bytes:
     return b"blk%08d" % i
+
+
+def _draws(
+    seed: int, count: int, per: int, readers: int, distinct: bool = False
+) -> list[list[int]]:
+    """One reader's share of DRAWS: groups of ``per`` random indexes below
+    ``count`` (distinct within a group when asked), drawn with ``seed``."""
+    rng = random.Random(seed)
+    groups = max(1, DRAWS // (per * readers))
+    if distinct:
+        return [rng.sample(range(count), per) for _ in range(groups)]
+    return [[rng.randrange(count) for _ in range(per)] for _ in range(groups)]
 
 
 def _devices(target: Target) -> DeviceSet:
@@ -177,13 +196,20 @@ async def _read_store(
     await tier.recover()
     store.start()
     read_bytes = 0
+    readers = min(depth, BATCH_READERS)
+    shares = [depth // readers + (i < depth % readers) for i in range(readers)]
+    if batched:
+        draws = [[[_key(i) for i in group] for group in _draws(seed, count, n, readers, True)]
+                 for seed, n in enumerate(shares)]  # fmt: skip
+    else:
+        draws = [[[_key(i)] for (i,) in _draws(seed, count, 1, depth)] for seed in range(depth)]
     deadline = time.perf_counter() + seconds
 
     async def worker(seed: int) -> None:
         nonlocal read_bytes
-        rng = random.Random(seed)
+        keys = itertools.cycle(draws[seed])
         while time.perf_counter() < deadline:
-            key = _key(rng.randrange(count))
+            (key,) = next(keys)
             reader = await store.fetch("bench", key)
             assert reader is not None, "a stored block is missing"
             if reader.tier == 2:
@@ -191,11 +217,11 @@ async def _read_store(
             reader.close()
             store.evict("bench", key)  # keep every read cold
 
-    async def batch_worker(seed: int, keys_per_get: int) -> None:
+    async def batch_worker(seed: int) -> None:
         nonlocal read_bytes
-        rng = random.Random(seed)
+        groups = itertools.cycle(draws[seed])
         while time.perf_counter() < deadline:
-            keys = [_key(i) for i in rng.sample(range(count), keys_per_get)]
+            keys = next(groups)
             readers = await store.fetch_many("bench", keys)
             for i, key in enumerate(keys):
                 reader = readers.get(i)
@@ -207,13 +233,11 @@ async def _read_store(
                 reader.close()
                 store.evict("bench", key)
 
-    readers = min(depth, BATCH_READERS)
-    shares = [depth // readers + (i < depth % readers) for i in range(readers)]
     reads_before = tier.counters.reads
     cpu_before, start = time.process_time(), time.perf_counter()
     try:
         if batched:
-            await asyncio.gather(*(batch_worker(i, n) for i, n in enumerate(shares)))
+            await asyncio.gather(*(batch_worker(i) for i in range(readers)))
         else:
             await asyncio.gather(*(worker(i) for i in range(depth)))
     finally:
@@ -237,41 +261,44 @@ async def _read_tier(
         runs = pool.alloc(pool.capacity_bytes)
         view = pool.views(runs, pool.capacity_bytes)[0]
         done_bytes = 0
+        readers = min(depth, BATCH_READERS)
+        shares = [depth // readers + (i < depth % readers) for i in range(readers)]
+        firsts = [sum(shares[:i]) for i in range(readers)]
+        # Per reader (batched) or per slot: groups of records to read at once.
+        per = list(enumerate(shares)) if batched else [(slot, 1) for slot in range(depth)]
+        draws = [[[records[i] for i in group] for group in _draws(seed, len(records), n, len(per))]
+                 for seed, n in per]  # fmt: skip
         deadline = time.perf_counter() + seconds
 
         async def worker(slot: int) -> None:
             nonlocal done_bytes
-            rng = random.Random(slot)
             page = view[slot * read_bytes : (slot + 1) * read_bytes]
+            picks = itertools.cycle(draws[slot])
             while time.perf_counter() < deadline:
-                record = records[rng.randrange(len(records))]
+                (record,) = next(picks)
                 await tier.read(record, [page])
                 done_bytes += record.size
             page.release()
 
-        async def batch_worker(first: int, count: int) -> None:
+        async def batch_worker(reader: int, first: int, count: int) -> None:
             nonlocal done_bytes
-            rng = random.Random(first)
             pages = [
                 [view[i * read_bytes : (i + 1) * read_bytes]] for i in range(first, first + count)
             ]
+            picks = itertools.cycle(draws[reader])
             while time.perf_counter() < deadline:
-                batch = [records[rng.randrange(len(records))] for _ in range(count)]
+                batch = next(picks)
                 errors = await tier.read_many(list(zip(batch, pages, strict=True)))
                 assert not any(errors), errors
                 done_bytes += sum(r.size for r in batch)
             for page in pages:
                 page[0].release()
 
-        readers = min(depth, BATCH_READERS)
-        shares = [depth // readers + (i < depth % readers) for i in range(readers)]
-        firsts = [sum(shares[:i]) for i in range(readers)]
         cpu_before, start = time.process_time(), time.perf_counter()
         try:
             if batched:
-                await asyncio.gather(
-                    *(batch_worker(f, n) for f, n in zip(firsts, shares, strict=True))
-                )
+                at = zip(firsts, shares, strict=True)
+                await asyncio.gather(*(batch_worker(r, f, n) for r, (f, n) in enumerate(at)))
             else:
                 await asyncio.gather(*(worker(i) for i in range(depth)))
         finally:
