@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvd.tools.bench import shmem
 from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.support import DaemonFactory, DaemonProcess
 
@@ -34,6 +35,18 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
 @pytest.fixture
 def daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
     return daemon_factory()
+
+
+@pytest.fixture
+def shmem_huge_pages() -> Iterator[str]:
+    """The kernel's shmem huge pages on ``advise`` for the test (as an operator
+    sets them for kvd), the old mode back after; skipped where it cannot be
+    set (not root, no THP, a read-only /sys)."""
+    try:
+        with shmem.shmem_huge_pages("advise") as old:
+            yield old
+    except shmem.ShmemError as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

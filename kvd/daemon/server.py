@@ -62,6 +62,7 @@ from kvd.store.eviction.policy import make_policy
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
 from kvd.util import crashpoints, logs
+from kvd.util.hugepages import shmem_mode
 from kvd.v1 import kvd_pb2
 from kvd.wire.grpc import add_kvstore
 
@@ -293,6 +294,8 @@ class Daemon:
                 if cfg.metrics_listen
                 else "",
                 "dram_bytes": self.pool.capacity_bytes,
+                "dram_huge_page_bytes": self.pool.huge_page_bytes(),
+                "shmem_huge_pages": shmem_mode() if self.pool.shared else "",
                 "ssd_paths": ",".join(cfg.ssd_path),
                 "ssd_bytes": self.l2.capacity_bytes if self.l2 is not None else 0,
                 "ssd_direct": self.l2.devices.direct if self.l2 is not None else False,

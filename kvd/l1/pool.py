@@ -21,7 +21,8 @@ client finds a value without asking the daemon. ``read_only_fd``
 hands out a descriptor opened read-only, through which no process can write
 or resize the pool. Such an arena has huge pages only where the kernel gives
 them to shared memory (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
-``advise`` or ``always``).
+``advise`` or ``always``; kvd.util.hugepages), and so do the clients'
+mappings of it; the daemon logs how much of the arena it got at start.
 
 This module imports nothing from the server, grpc or metrics.
 """
@@ -37,6 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvd.l1.directory import Directory, directory_bytes
+from kvd.util.hugepages import huge_page_bytes
 from kvd.wire.shm import POOL_PAGE_BYTES
 
 PAGE_BYTES = POOL_PAGE_BYTES  # 64 KiB; a client that maps the pool reads tags per page
@@ -105,6 +107,10 @@ class Pool:
             self._arena.madvise(_MADV_POPULATE_WRITE)
         except OSError:  # kernels before 5.14: write one byte per page
             np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+
+    def huge_page_bytes(self) -> int:
+        """Bytes of the arena on huge pages (read from /proc: call it once, at start)."""
+        return huge_page_bytes(self._arena)
 
     @property
     def shared(self) -> bool:

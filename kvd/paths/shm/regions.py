@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from kvd.util.hugepages import map_shared
 from kvd.wire.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -239,7 +240,7 @@ class RegionRegistry:
             raise InvalidArgument("region memfd is not on the kernel's tmpfs (hugetlb?)")
         if _owner_gone(fd):
             raise InvalidArgument("hold a shared flock on the region while it is attached")
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _populate(info, size))
+        return map_shared(fd, size, populate=_populate(info, size))
 
     def get(self, region_id: int, token: bytes, caller: Caller) -> Region:
         """The caller's region; NotFound for an unknown id, a wrong token and
@@ -321,16 +322,17 @@ def _unmap(region: Region) -> None:
     os.close(region.fd)
 
 
-def _populate(info: os.stat_result, size: int) -> int:
-    """``MAP_POPULATE`` for a region the client allocated in full and no larger
-    than ``POPULATE_BYTES_MAX``, else 0 (its pages fault in on first use).
+def _populate(info: os.stat_result, size: int) -> bool:
+    """Whether to map a region in full at attach: one the client allocated in
+    full and no larger than ``POPULATE_BYTES_MAX`` (the others' pages fault
+    in on first use). Its huge pages, where it has them, map whole.
 
     Faulting pages in during the first copies cost a restore of 84 MiB into a
     fresh region here 16k faults and ~0.25 s of CPU (copy threads contend on
     the page tables); MAP_POPULATE maps 64 MiB in ~8 ms, once per region. A
     region with holes is not populated: the daemon would allocate them."""
     allocated = info.st_blocks * 512 >= size
-    return mmap.MAP_POPULATE if allocated and size <= POPULATE_BYTES_MAX else 0
+    return allocated and size <= POPULATE_BYTES_MAX
 
 
 # ---- copies (worker threads: no state changes, only bytes) --------------------------

@@ -51,9 +51,9 @@ CHAIN_VALUES = 64
 CHAIN_MAX_BYTES = 64 << 10
 # Gets copied out of the daemon's L1 by the client (shm_pool_reads), checked
 # against their checksums or not, after a frame each, or found through the
-# pool's directory without one: on a daemon of their own, whose L1 is
-# shared memory.
-POOL_PATHS = ("shm-pool", "shm-pool-trust", "shm-pool-direct")
+# pool's directory without one, checked or not: on a daemon of their own,
+# whose L1 is shared memory.
+POOL_PATHS = ("shm-pool", "shm-pool-trust", "shm-pool-direct", "shm-pool-direct-trust")
 # Long enough to average a few hundred 64 KiB ops or a dozen 32 MiB ones on
 # 2 cores; 100+ cases at this length keep a full run near 90 s.
 CASE_SECONDS = 0.5

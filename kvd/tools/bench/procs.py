@@ -52,12 +52,14 @@ class Case:
 # shm-pool: gets copied out of the daemon's L1 by the client, each copy
 # checked against its checksum, after a POOL_GET frame; shm-pool-trust: the
 # same, unchecked; shm-pool-direct: found in the pool's directory and copied
-# without a frame (checked).
+# without a frame (checked); shm-pool-direct-trust: the same, unchecked (the
+# owner tags alone tell a copy of reused pages).
 _EXPECTED_PATHS = {
     "shm": {"shm", "shm-socket"},
     "shm-pool": {"shm", "shm-socket", "shm-pool"},
     "shm-pool-trust": {"shm", "shm-socket", "shm-pool"},
     "shm-pool-direct": {"shm", "shm-socket", "shm-pool", "shm-pool-direct"},
+    "shm-pool-direct-trust": {"shm", "shm-socket", "shm-pool", "shm-pool-direct"},
     "bulk": {"bulk"},
     "grpc": set(),
 }
@@ -66,8 +68,8 @@ _EXPECTED_PATHS = {
 def kvd_client(path: str, tcp_target: str, unix_target: str) -> Client:
     if path == "shm":
         client = Client(unix_target, timeout_s=60, pool_reads=False)
-    elif path == "shm-pool-direct":
-        client = Client(unix_target, timeout_s=60)
+    elif path.startswith("shm-pool-direct"):
+        client = Client(unix_target, timeout_s=60, verify_pool_reads=path == "shm-pool-direct")
     elif path.startswith("shm-pool"):
         client = Client(
             unix_target,

@@ -369,3 +369,25 @@ def test_a_directory_that_does_not_fit_is_not_used() -> None:
             daemon_end.close()
     finally:
         os.close(fd)
+
+
+def test_unchecked_directory_copies_only_where_stores_keep_their_order(
+    pooled: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify_pool_reads=False`` skips the checksum of a directory copy on
+    x86 alone (its stores keep their order); elsewhere it stays on, and the
+    framed pool reads (pins) go unchecked as asked."""
+    import platform
+
+    with Client(pooled.socket_target, verify_pool_reads=False) as client:
+        client.put(NS, _key(1), _value(PAGE_BYTES, 1))
+        pool = _pool(client)
+        assert not pool.verify
+        assert pool.direct_verify is (platform.machine() not in ("x86_64", "AMD64", "i686", "i386"))
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with Client(pooled.socket_target, verify_pool_reads=False) as client:
+        pool = _pool(client)
+        assert not pool.verify and pool.direct_verify
+        out = memoryview(bytearray(PAGE_BYTES))
+        assert client.get_into(NS, _key(1), out) == PAGE_BYTES
+        assert bytes(out) == _value(PAGE_BYTES, 1)

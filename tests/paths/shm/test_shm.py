@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fcntl
 import itertools
-import mmap
 import os
 import signal
 import subprocess
@@ -131,10 +130,10 @@ def test_a_region_with_holes_is_not_populated() -> None:
     fd = os.memfd_create("holes", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, 1 << 20)
-        assert _populate(os.fstat(fd), 1 << 20) == 0
+        assert not _populate(os.fstat(fd), 1 << 20)
         os.posix_fallocate(fd, 0, 1 << 20)
-        assert _populate(os.fstat(fd), 1 << 20) == mmap.MAP_POPULATE
-        assert _populate(os.fstat(fd), POPULATE_BYTES_MAX + 4096) == 0  # too large: no stall
+        assert _populate(os.fstat(fd), 1 << 20)
+        assert not _populate(os.fstat(fd), POPULATE_BYTES_MAX + 4096)  # too large: no stall
     finally:
         os.close(fd)
 
