@@ -38,12 +38,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvd.l1.directory import Directory, directory_bytes
-from kvd.util.hugepages import huge_page_bytes
+from kvd.util.hugepages import MADV_POPULATE_WRITE, huge_page_bytes
 from kvd.wire.shm import POOL_PAGE_BYTES
 
 PAGE_BYTES = POOL_PAGE_BYTES  # 64 KiB; a client that maps the pool reads tags per page
-# madvise(MADV_POPULATE_WRITE), Linux 5.14+; not named by Python 3.11's mmap.
-_MADV_POPULATE_WRITE = 23
 
 # Merge the free stack when it holds this many runs: a sort of 4096 tuples
 # takes ~1 ms, paid at most once per 2048 frees.
@@ -104,7 +102,7 @@ class Pool:
     def _touch(self) -> None:
         """Fault every page in now: dram_bytes is claimed at start, not on first put."""
         try:
-            self._arena.madvise(_MADV_POPULATE_WRITE)
+            self._arena.madvise(MADV_POPULATE_WRITE)
         except OSError:  # kernels before 5.14: write one byte per page
             np.frombuffer(self._arena, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
 
