@@ -1,10 +1,11 @@
 """Client side of the shared-memory path: regions, their allocator, the batch calls.
 
-A region is a memfd the client creates, sizes, allocates in full
-(``posix_fallocate``: a node short of memory fails here, in the client, and
-the pages are the client's), seals (``F_SEAL_SHRINK | F_SEAL_GROW |
-F_SEAL_SEAL``: its size is final, so the daemon's copies cannot fault), maps,
-and passes to the daemon on the shm socket (``RegionOps.attach``). A shared
+A region is a memfd the client creates, sizes, seals (``F_SEAL_SHRINK |
+F_SEAL_GROW | F_SEAL_SEAL``: its size is final, so the daemon's copies
+cannot fault), allocates in full as it maps it (``MADV_POPULATE_WRITE``, on
+huge pages where the kernel gives them: a node short of memory fails here,
+in the client, and the pages are the client's; kvd.util.hugepages), and
+passes to the daemon on the shm socket (``RegionOps.attach``). A shared
 ``flock`` on a second open file description of it, which never leaves this
 process, tells the daemon the client lives (it frees the region once that
 lock is gone, i.e. once this process exits). Nothing is ever created in the

@@ -1,6 +1,6 @@
 """Same-node shared-memory regions: the registry and the copies.
 
-A region is a memfd the client creates, sizes, allocates (``fallocate``),
+A region is a memfd the client creates, sizes, allocates (as it maps it),
 seals against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``, then
 ``F_SEAL_SEAL``) and passes to the daemon with SCM_RIGHTS on the shm socket
 (``kvd.paths.shm.channel``). The daemon maps the descriptor it was given and from
@@ -329,7 +329,7 @@ def _populate(info: os.stat_result, size: int) -> bool:
 
     Faulting pages in during the first copies cost a restore of 84 MiB into a
     fresh region here 16k faults and ~0.25 s of CPU (copy threads contend on
-    the page tables); MAP_POPULATE maps 64 MiB in ~8 ms, once per region. A
+    the page tables); populating maps 64 MiB in ~8 ms, once per region. A
     region with holes is not populated: the daemon would allocate them."""
     allocated = info.st_blocks * 512 >= size
     return allocated and size <= POPULATE_BYTES_MAX
