@@ -152,9 +152,11 @@ def _paths_run(args: argparse.Namespace) -> int:
         try:
             cold = (cold_daemon.target, cold_daemon.socket_target) if cold_daemon else None
             pooled = (pool_daemon.target, pool_daemon.socket_target) if pool_daemon else None
+            pids = {d.target: d.proc.pid for d in (daemon, pool_daemon) if d is not None}
             rows = paths.run(
                 tcp_target, unix_target, sizes, _progress, peers=not args.no_peers, cold=cold,
                 cold_dir=str(Path(tmp) / "cold") if cold_daemon else None, pooled=pooled,
+                server_pids=pids,
             )  # fmt: skip
         finally:
             for spawned in (daemon, cold_daemon, pool_daemon):

@@ -74,6 +74,8 @@ class Row:
     clients: int
     gbps: float | None
     note: str = ""
+    # The clients' and the server's CPU per value (µs), where both are known.
+    cpu_us_per_value: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -209,6 +211,7 @@ def kvd_rows(
     size: int,
     progress: Progress,
     procs: ClientProcesses,
+    server_pid: int = 0,
 ) -> list[Row]:
     ns = f"bench-{path}-{size}"
     keys = bench_keys("v", _fill_count(size))
@@ -235,9 +238,12 @@ def kvd_rows(
                     "kvd", op, size, keys, f"p{clients}", ns, path, tcp_target, unix_target,
                     batch=batch,
                 )  # fmt: skip
-                gbps = procs.measure(case, CASE_SECONDS, clients)
+                got = procs.measure(case, CASE_SECONDS, clients, server_pid)
                 note = f"{batch} values a call" if batch > 1 else ""
-                rows.append(Row(path, op, size, clients, gbps, note))
+                rows.append(Row(path, op, size, clients, got.gbps, note, got.cpu_us_per_value))
+                if op == "put":
+                    # Its write-back would count as the next case's CPU.
+                    _wait_written_back(filler)
             if clients == 1 and size <= CHAIN_MAX_BYTES:
                 chain = bench_keys("chain", CHAIN_VALUES)
                 for key in chain:
@@ -246,8 +252,10 @@ def kvd_rows(
                     "kvd", "get-chain", size, chain, "chain", ns, path, tcp_target, unix_target,
                     batch=CHAIN_VALUES,
                 )  # fmt: skip
-                gbps = procs.measure(case, CASE_SECONDS, 1)
-                rows.append(Row(path, "get-chain", size, 1, gbps, f"{CHAIN_VALUES} values a call"))
+                _wait_written_back(filler)
+                got = procs.measure(case, CASE_SECONDS, 1, server_pid)
+                rows.append(Row(path, "get-chain", size, 1, got.gbps,
+                                f"{CHAIN_VALUES} values a call", got.cpu_us_per_value))  # fmt: skip
         filler.delete_namespace(ns)
     return rows
 
@@ -292,8 +300,8 @@ def _wait_written_back(client: Client, limit_s: float = 60.0) -> None:
     the disk with earlier writes (the fio ceiling has it alone)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        stats = client.stats()
-        if not stats["writeback_queue"] and not stats["writeback_writing"]:
+        stats = client.stats()  # a daemon without L2 has no write-back
+        if not stats.get("writeback_queue") and not stats.get("writeback_writing"):
             return
         time.sleep(0.05)
 
@@ -379,8 +387,9 @@ def redis_rows(sizes: tuple[int, ...], progress: Progress, procs: ClientProcesse
                 progress(f"paths: redis {size_label(size)} x{clients}")
                 for op in ("get", "put"):
                     case = Case("redis", op, size, keys, port=port)
-                    gbps = procs.measure(case, CASE_SECONDS, clients)
-                    rows.append(Row("redis", op, size, clients, gbps))
+                    got = procs.measure(case, CASE_SECONDS, clients, proc.pid)
+                    rows.append(Row("redis", op, size, clients, got.gbps, "",
+                                    got.cpu_us_per_value))  # fmt: skip
             filler.flushall()
             filler.close()
     except (OSError, RuntimeError) as exc:
@@ -525,21 +534,26 @@ def run(
     cold: tuple[str, str] | None = None,
     cold_dir: str | None = None,
     pooled: tuple[str, str] | None = None,
+    server_pids: dict[str, int] | None = None,
 ) -> list[Row]:
     """Every path and ceiling; ``cold`` is a small-L1 daemon's (tcp, unix)
     targets, ``cold_dir`` a directory on its file system for the fio ceiling,
-    ``pooled`` a daemon's with pool reads on (``POOL_PATHS``)."""
+    ``pooled`` a daemon's with pool reads on (``POOL_PATHS``); ``server_pids``
+    the daemons' process ids by tcp target, for their CPU per value."""
+    pids = server_pids or {}
     rows = ceiling_rows(sizes, progress)
     progress(f"paths: starting {max(CLIENTS)} client processes")
     procs = ClientProcesses(max(CLIENTS))
     try:
         for path in ("shm", "bulk", "grpc"):
             for size in sizes:
-                rows += kvd_rows(path, tcp_target, unix_target, size, progress, procs)
+                rows += kvd_rows(path, tcp_target, unix_target, size, progress, procs,
+                                 pids.get(tcp_target, 0))  # fmt: skip
         if pooled is not None:
             for path in POOL_PATHS:
                 for size in sizes:
-                    rows += kvd_rows(path, pooled[0], pooled[1], size, progress, procs)
+                    rows += kvd_rows(path, pooled[0], pooled[1], size, progress, procs,
+                                     pids.get(pooled[0], 0))  # fmt: skip
         if peers:
             rows += redis_rows(sizes, progress, procs)
     finally:

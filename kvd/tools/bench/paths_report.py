@@ -136,6 +136,15 @@ def markdown(rows: list[Row]) -> str:
         lines.append(f"| {path} | {op} | {clients} | " + " | ".join(cells) + " |")
     lines += ["", "GB/s, aggregate over the clients. One client's mean time per op, in µs:", ""]
     lines += latency_lines(rows, sizes)
+    cpu = cpu_lines(rows, sizes)
+    if cpu:
+        lines += [
+            "",
+            "CPU per value, the client processes' and the server's together (user and "
+            "kernel), in µs, one client:",
+            "",
+            *cpu,
+        ]
     lines += [
         "",
         "Targets, then L2-cold gets against fio:",
@@ -221,3 +230,25 @@ def chart(rows: list[Row], path: Path) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def cpu_lines(rows: list[Row], sizes: list[int]) -> list[str]:
+    """A table of the clients' and server's CPU µs per value, one client, per
+    path and op; empty when no row has it."""
+    measured = [r for r in rows if r.clients == 1 and r.cpu_us_per_value is not None]
+    if not measured:
+        return []
+    lines = ["| path | op | " + " | ".join(size_label(s) for s in sizes) + " |",
+             "|" + "---|" * (len(sizes) + 2)]  # fmt: skip
+    seen: list[tuple[str, str]] = []
+    for r in measured:
+        if (r.path, r.op) not in seen:
+            seen.append((r.path, r.op))
+    for path, op in seen:
+        cells = []
+        for size in sizes:
+            match = [r for r in measured if (r.path, r.op, r.size_bytes) == (path, op, size)]
+            cpu = match[0].cpu_us_per_value if match else None
+            cells.append("" if cpu is None else f"{cpu:.1f}")
+        lines.append(f"| {path} | {op} | " + " | ".join(cells) + " |")
+    return lines

@@ -13,6 +13,7 @@ ready, then all run the op from one start time for the same seconds.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -22,6 +23,43 @@ from typing import Any
 import numpy as np
 
 from kvd.client import Client
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One case: aggregate GB/s, the values moved, and the CPU the clients
+    (all threads, user and kernel) and the server (when known) spent."""
+
+    gbps: float
+    values: int
+    client_cpu_s: float
+    server_cpu_s: float | None
+
+    @property
+    def cpu_us_per_value(self) -> float | None:
+        """Clients' and server's CPU per value moved: what one get or put
+        costs the machine, which other load on it moves far less than GB/s."""
+        if self.server_cpu_s is None or not self.values:
+            return None
+        return (self.client_cpu_s + self.server_cpu_s) / self.values * 1e6
+
+
+def process_cpu_ns(pid: int) -> int | None:
+    """CPU time of every live thread of ``pid`` so far, in ns (``schedstat``:
+    the scheduler's own clock, not /proc/PID/stat's 10 ms ticks; a daemon's
+    threads live as long as it does); None when the process is gone."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that ended meanwhile
+    except OSError:
+        return None
+    return total
+
 
 # Building 16 clients (a gRPC channel, DescribePaths, two regions each) on 2
 # busy cores takes a few seconds; a process that says nothing for this long
@@ -108,8 +146,9 @@ class ClientProcesses:
         for proc in self._procs:
             proc.start()
 
-    def measure(self, case: Case, seconds: float, clients: int) -> float:
-        """Aggregate GB/s of ``clients`` processes running ``case`` at once."""
+    def measure(self, case: Case, seconds: float, clients: int, server_pid: int = 0) -> Measured:
+        """``clients`` processes running ``case`` at once: aggregate GB/s, and
+        CPU per value (the clients', and the server's when ``server_pid``)."""
         assert 1 <= clients <= self.count, "more clients than processes"
         inboxes = self._inboxes[:clients]
         for inbox in inboxes:
@@ -121,12 +160,20 @@ class ClientProcesses:
             inbox.put(None if failed else (start, seconds))
         if failed:
             raise RuntimeError(f"a client process failed: {failed[0]}")
+        server_before = process_cpu_ns(server_pid) if server_pid else None
         done = self._collect("done", clients)
+        server_after = process_cpu_ns(server_pid) if server_pid else None
         failed = [value for kind, value in done if kind == "error"]
         if failed:
             raise RuntimeError(f"a client process failed: {failed[0]}")
-        moved = case.size * case.batch * sum(int(value) for _, value in done)
-        return moved / seconds / 1e9
+        values = case.batch * sum(int(value[0]) for _, value in done)
+        client_cpu_s = sum(float(value[1]) for _, value in done)
+        server_cpu_s = None
+        if server_before is not None and server_after is not None:
+            # The server's CPU from just before the start to the last report:
+            # the start delay and the reports' wait add a little idle time.
+            server_cpu_s = (server_after - server_before) / 1e9
+        return Measured(case.size * values / seconds / 1e9, values, client_cpu_s, server_cpu_s)
 
     def _collect(self, phase: str, clients: int) -> list[tuple[str, Any]]:
         """One message from each running process (its phase's, or an error)."""
@@ -169,10 +216,11 @@ def _serve(index: int, inbox: Any, outbox: Any) -> None:
             while time.time() < start:
                 time.sleep(0.001)
             count, stop = 0, start + seconds
+            cpu_s = time.process_time()
             while time.time() < stop:
                 op(count)
                 count += 1
-            outbox.put(("done", index, count))
+            outbox.put(("done", index, (count, time.process_time() - cpu_s)))
         except Exception as exc:  # as above
             outbox.put(("error", index, repr(exc)))
         finally:

@@ -1,5 +1,6 @@
 """A tiny `kvd bench paths` run: every kvd path and ceiling produces a number,
-and the results land as JSON and markdown (peers left out: they are optional)."""
+each kvd case its CPU per value, and the results land as JSON and markdown
+(peers left out: they are optional)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         fio = measured[("fio", f"read QD{depth}", 1)]
         assert fio is None if shutil.which("fio") is None else fio > 0
     assert "| shm | get | 1 |" in result.with_suffix(".md").read_text()
+    # CPU per value, the clients' and the daemon's, for every kvd case with one
+    # client (a daemon's threads' schedstat; a get costs more than nothing).
+    cpu = {(r["path"], r["op"], r["clients"]): r["cpu_us_per_value"] for r in data["rows"]}
+    for path in ("shm", "bulk", "grpc", *paths.POOL_PATHS):
+        assert cpu[(path, "get", 1)] > 0 and cpu[(path, "get-chain", 1)] > 0
+    assert cpu[("memcpy", "copy", 1)] is None
+    assert "CPU per value" in result.with_suffix(".md").read_text()
     assert {t["target"] for t in data["targets"]} >= {
         "bulk get 4 MiB / loopback TCP",
         "shm get-batch 4 MiB / memcpy",
@@ -50,3 +58,36 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     }
     # The chart, both panels, where matplotlib (the bench extra) is installed.
     assert result.with_suffix(".png").exists() == (find_spec("matplotlib") is not None)
+
+
+def test_a_process_cpu_time_counts_every_thread() -> None:
+    """``process_cpu_ns`` sums the scheduler's clock over a process's live
+    threads (a daemon's are), so a thread that burns CPU shows; a process
+    that is gone is None."""
+    import os
+    import threading
+    import time
+
+    from kvd.tools.bench.procs import process_cpu_ns
+
+    spun, leave = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        leave.wait(10)
+
+    before = process_cpu_ns(os.getpid())
+    assert before is not None
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert spun.wait(10)
+        after = process_cpu_ns(os.getpid())
+    finally:
+        leave.set()
+        thread.join()
+    assert after is not None and after - before >= 40_000_000  # its 50 ms, less clock
+    assert process_cpu_ns(2**22 + 12345) is None  # no such process
