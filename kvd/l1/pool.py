@@ -7,11 +7,18 @@ of page runs, ``(first_page, page_count)``; callers move bytes through
 ``views()``, memoryview slices of the arena, so copies go straight between a
 socket or a shared region and the pool.
 
-Free space is a stack of runs rather than a per-page list: a 2 TiB pool has
-32 M pages, and a Python list of that many ints would cost ~1 GiB. Runs are
-split on allocation and pushed back on free; when the stack grows past
-``_COALESCE_RUNS`` it is sorted and merged (amortised O(log n) per free), so
-fragmentation stays bounded and a value rarely needs more than a few runs.
+Free space is runs rather than a per-page list: a 2 TiB pool has 32 M
+pages, and a Python list of that many ints would cost ~1 GiB. The free runs
+sit in size classes (class b: runs of 2**b to 2**(b+1) - 1 pages), each a
+stack, the most recently freed on top. A value takes one run that holds it
+whole where there is one, from the smallest class that has such a run
+(a 64 KiB value reuses a freed page, not a piece of the large run), split
+on allocation; only when no run is large enough is it gathered from several,
+the largest first. Runs are pushed back on free; when there are more than
+``_COALESCE_RUNS`` they are sorted and merged (amortised O(log n) per free),
+so fragmentation stays bounded. With one stack for every size, a 4 MiB value
+put after 2,048 64 KiB values were freed took 64 one-page runs, with a 2 GiB
+run free beside them: a copy per run, and no place in the directory.
 
 With ``shared`` (the ``shm_pool_reads`` setting) the arena is a sealed
 memfd instead, so trusted same-node clients can map it read-only and copy
@@ -43,9 +50,16 @@ from kvd.wire.shm import POOL_PAGE_BYTES
 
 PAGE_BYTES = POOL_PAGE_BYTES  # 64 KiB; a client that maps the pool reads tags per page
 
-# Merge the free stack when it holds this many runs: a sort of 4096 tuples
-# takes ~1 ms, paid at most once per 2048 frees.
+# Merge the free runs when there are this many: a sort of 4096 tuples takes
+# ~1 ms, paid at most once per 2048 frees.
 _COALESCE_RUNS = 4096
+# Size classes of free runs (class b: 2**b .. 2**(b+1) - 1 pages): 2**47
+# pages of 64 KiB is far past any machine's memory.
+_CLASSES = 48
+# Runs of a value's own class looked at for one that holds it whole (that
+# class's runs may be a little smaller than the value; every run of a class
+# above holds it).
+_FIT_SCAN = 8
 
 # A value spread over more runs than this triggers a merge of the free stack
 # first: each run costs a slice and a copy call (~1 µs) on every access.
@@ -96,7 +110,10 @@ class Pool:
             self._arena.madvise(mmap.MADV_HUGEPAGE)
         self._touch()
         self._view = memoryview(self._arena)
-        self._free: list[Run] = [(0, page_count)]
+        self._classes: list[list[Run]] = [[] for _ in range(_CLASSES)]
+        self._nonempty = 0  # bit b set: class b holds a run
+        self._run_count = 0
+        self._push((0, page_count))
         self.free_pages = page_count
 
     def _touch(self) -> None:
@@ -152,48 +169,105 @@ class Pool:
             raise PoolFull(f"need {need} pages, {self.free_pages} free")
         runs = self._take(need)
         if len(runs) > _RUNS_PER_VALUE_MAX:
-            # Recently freed small runs sit on top of the stack; merge them
-            # back into large ones rather than scatter one value over many.
-            self._free.extend(runs)
+            # Only small runs are left: merge freed neighbours back into large
+            # ones rather than scatter one value over many.
+            for run in runs:
+                self._push(run)
             self._coalesce()
             runs = self._take(need)
         self.free_pages -= need
         return runs
 
+    def _push(self, run: Run) -> None:
+        cls = run[1].bit_length() - 1
+        self._classes[cls].append(run)
+        self._nonempty |= 1 << cls
+        self._run_count += 1
+
+    def _pop(self, cls: int, index: int = -1) -> Run:
+        stack = self._classes[cls]
+        run = stack[index]
+        if index != -1:
+            stack[index] = stack[-1]
+        stack.pop()
+        if not stack:
+            self._nonempty &= ~(1 << cls)
+        self._run_count -= 1
+        return run
+
+    def _split(self, run: Run, need: int) -> Run:
+        """``need`` pages off the front of ``run``; the rest is free again."""
+        first, count = run
+        if count > need:
+            self._push((first + need, count - need))
+        return (first, min(count, need))
+
     def _take(self, need: int) -> list[Run]:
+        cls = need.bit_length() - 1
+        stack = self._classes[cls]
+        if stack and stack[-1][1] == need:
+            # The common case, a run of exactly the value's pages on top (a
+            # 64 KiB value reusing a freed page): 0.9 µs an alloc and free.
+            first, _ = stack.pop()
+            if not stack:
+                self._nonempty &= ~(1 << cls)
+            self._run_count -= 1
+            return [(first, need)]
+        for index in range(len(stack) - 1, max(len(stack) - 1 - _FIT_SCAN, -1), -1):
+            if stack[index][1] >= need:
+                return [self._split(self._pop(cls, index), need)]
+        above = self._nonempty >> (cls + 1)
+        if above:
+            larger = cls + 1 + (above & -above).bit_length() - 1
+            return [self._split(self._pop(larger), need)]
+        # No run holds it whole: gather, the largest runs first (every class
+        # above ``cls`` is empty here, and the caller checked free_pages).
         runs: list[Run] = []
-        free = self._free
-        while need:
-            first, count = free.pop()
-            if count > need:
-                free.append((first + need, count - need))
-                count = need
-            runs.append((first, count))
-            need -= count
+        for smaller in range(cls, -1, -1):
+            stack = self._classes[smaller]
+            while stack and need:
+                first, count = stack.pop()
+                self._run_count -= 1
+                if count > need:  # the rest goes to this class or a smaller one
+                    self._push((first + need, count - need))
+                    count = need
+                runs.append((first, count))
+                need -= count
+            if not stack:
+                self._nonempty &= ~(1 << smaller)
+            if not need:
+                break
+        assert not need, "free pages counted but not found"
         return runs
 
     def free(self, runs: Sequence[Run]) -> None:
         if self.directory is not None:
             self.directory.clear(runs)  # before the pages can be reused
+        classes = self._classes
         for run in runs:
-            assert run[0] >= 0 and run[0] + run[1] <= self.page_count, f"bad run {run}"
-            self._free.append(run)
-            self.free_pages += run[1]
+            first, count = run
+            assert first >= 0 and first + count <= self.page_count, f"bad run {run}"
+            cls = count.bit_length() - 1
+            classes[cls].append(run)
+            self._nonempty |= 1 << cls
+            self.free_pages += count
+        self._run_count += len(runs)
         assert self.free_pages <= self.page_count, "double free"
-        if len(self._free) > _COALESCE_RUNS:
+        if self._run_count > _COALESCE_RUNS:
             self._coalesce()
 
     def _coalesce(self) -> None:
         merged: list[Run] = []
-        for first, count in sorted(self._free):
+        for first, count in sorted(run for stack in self._classes for run in stack):
             if merged and merged[-1][0] + merged[-1][1] == first:
                 merged[-1] = (merged[-1][0], merged[-1][1] + count)
             else:
                 assert not merged or merged[-1][0] + merged[-1][1] < first, "overlapping runs"
                 merged.append((first, count))
-        # Largest runs on top of the stack: big values get few runs.
-        merged.sort(key=lambda run: run[1])
-        self._free = merged
+        self._classes = [[] for _ in range(_CLASSES)]
+        self._nonempty = self._run_count = 0
+        for run in merged:
+            self._push(run)
 
     def views(self, runs: Sequence[Run], nbytes: int) -> list[memoryview]:
         """Writable slices of the arena covering the first ``nbytes`` of ``runs``."""

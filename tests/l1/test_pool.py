@@ -103,3 +103,36 @@ def test_chunked_groups_views() -> None:
         2 * PAGE_BYTES,
         PAGE_BYTES + 100,
     ]
+
+
+def test_a_large_value_takes_one_run_where_one_holds_it() -> None:
+    """After 2,048 one-page values were freed, a 4 MiB value takes one run
+    of 64 pages (it took 64 one-page runs with one stack for all sizes),
+    and a one-page value reuses a freed page, not a piece of the large run."""
+    pool = Pool(4096 * PAGE_BYTES)
+    singles = [pool.alloc(PAGE_BYTES) for _ in range(2048)]
+    for runs in singles:
+        pool.free(runs)
+    big = [pool.alloc(64 * PAGE_BYTES) for _ in range(16)]
+    assert all(len(runs) == 1 and runs[0][1] == 64 for runs in big)
+    freed = {runs[0][0] for runs in singles}
+    small = pool.alloc(PAGE_BYTES)
+    assert small[0][0] in freed  # a freed page, on top of its class
+    assert pool.free_pages == 4096 - 16 * 64 - 1
+
+
+def test_a_value_no_run_holds_is_gathered_largest_runs_first() -> None:
+    """In a fragmented pool a value takes the largest free runs first, and
+    every page is accounted for."""
+    pool = Pool(64 * PAGE_BYTES)
+    one, two, four = (pool.alloc(n * PAGE_BYTES) for n in (1, 2, 4))
+    rest = pool.alloc(57 * PAGE_BYTES)
+    for runs in (one, two, four):
+        pool.free(runs)
+    runs = pool.alloc(6 * PAGE_BYTES)  # no free run holds 6 pages
+    assert runs == [four[0], two[0]]
+    assert pool.free_pages == 1
+    pool.free(runs)
+    pool.free(rest)
+    assert pool.free_pages == 64
+    assert sum(count for _, count in pool.alloc(64 * PAGE_BYTES)) == 64
