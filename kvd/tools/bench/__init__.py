@@ -122,7 +122,7 @@ def _paths(args: argparse.Namespace) -> int:
 def _paths_run(args: argparse.Namespace) -> int:
     import shutil
 
-    from kvd.tools.bench import paths, paths_report
+    from kvd.tools.bench import paths, paths_peers, paths_report
     from kvd.tools.bench.daemon import SpawnedDaemon
 
     sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
@@ -154,7 +154,8 @@ def _paths_run(args: argparse.Namespace) -> int:
             pooled = (pool_daemon.target, pool_daemon.socket_target) if pool_daemon else None
             pids = {d.target: d.proc.pid for d in (daemon, pool_daemon) if d is not None}
             rows = paths.run(
-                tcp_target, unix_target, sizes, _progress, peers=not args.no_peers, cold=cold,
+                tcp_target, unix_target, sizes, _progress,
+                peers=None if args.no_peers else paths_peers.PEERS, cold=cold,
                 cold_dir=str(Path(tmp) / "cold") if cold_daemon else None, pooled=pooled,
                 server_pids=pids,
             )  # fmt: skip

@@ -13,26 +13,23 @@ worker), each with its own client and pre-allocated buffer, for
 ``CASE_SECONDS``, and reports aggregate GB/s. Ceilings and Mooncake run in
 threads of this process. Gets
 read values that are resident in L1 (written just before); puts write new
-keys, so they include the daemon's write-back to L2 behind them. A peer that
-cannot start is reported as skipped with the reason.
+keys, so they include the daemon's write-back to L2 behind them. The peers
+live in ``kvd.tools.bench.paths_peers`` and are handed to ``run``; a peer
+that cannot start is reported as skipped with the reason.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,10 +57,21 @@ CASE_SECONDS = 0.5
 # Values written per size before the gets: enough distinct keys that a get
 # does not hit one cache-hot value, few enough to stay far inside L1.
 FILL_BYTES = 128 << 20
-START_TIMEOUT_S = 15.0
 
 Progress = Callable[[str], None]
 Op = Callable[[int], None]
+
+
+class Peers(Protocol):
+    """The peers a user would pick instead (``kvd.tools.bench.paths_peers``),
+    handed to ``run``: rows measured beside kvd's, in the same client
+    processes, and rows measured after them in this process."""
+
+    def beside_kvd(
+        self, sizes: tuple[int, ...], progress: Progress, procs: ClientProcesses
+    ) -> list[Row]: ...
+
+    def after_kvd(self, sizes: tuple[int, ...], progress: Progress) -> list[Row]: ...
 
 
 @dataclass
@@ -123,7 +131,7 @@ def measure(size: int, workers: list[Op]) -> float:
 # ---- ceilings -------------------------------------------------------------------------
 def memcpy_gbps(size: int) -> float:
     """Copies from as many distinct sources as the kvd gets read: caches do not help either."""
-    count = _fill_count(size)
+    count = fill_count(size)
     src = np.ones(size * count, dtype=np.uint8)
     dst = np.empty(size, dtype=np.uint8)
     return measure(
@@ -138,7 +146,7 @@ def bench_keys(prefix: str, count: int) -> tuple[bytes, ...]:
     return tuple(hashlib.sha256(b"%s%d" % (prefix.encode(), i)).digest() for i in range(count))
 
 
-def _fill_count(size: int) -> int:
+def fill_count(size: int) -> int:
     return max(2, min(32, FILL_BYTES // size))
 
 
@@ -153,7 +161,7 @@ class LoopbackServer:
     def __init__(self, sizes: tuple[int, ...]) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        total = max(size * _fill_count(size) for size in sizes)
+        total = max(size * fill_count(size) for size in sizes)
         self.data = np.ones(total, dtype=np.uint8).data  # every page touched
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -180,7 +188,7 @@ _REQUEST = struct.Struct("<QQ")
 
 def tcp_gbps(server: LoopbackServer, size: int, clients: int) -> float:
     socks: list[socket.socket] = []
-    count = _fill_count(size)
+    count = fill_count(size)
 
     def worker(index: int) -> Op:
         sock = socket.create_connection(("127.0.0.1", server.port))
@@ -214,7 +222,7 @@ def kvd_rows(
     server_pid: int = 0,
 ) -> list[Row]:
     ns = f"bench-{path}-{size}"
-    keys = bench_keys("v", _fill_count(size))
+    keys = bench_keys("v", fill_count(size))
     value = value_bytes(size)
     rows = []
     with kvd_client(path, tcp_target, unix_target) as filler:
@@ -338,208 +346,24 @@ def fio_rows(directory: str, sizes: tuple[int, ...], progress: Progress) -> list
     return rows
 
 
-# ---- peers ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on port {port}")
-
-
-def redis_rows(sizes: tuple[int, ...], progress: Progress, procs: ClientProcesses) -> list[Row]:
-    server = shutil.which("redis-server")
-    try:
-        import redis
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:
-        return _skipped("redis", sizes, "redis-py not installed (pip install 'kvd[bench]')")
-    if server is None:
-        return _skipped("redis", sizes, "redis-server not installed (apt install redis-server)")
-    if not HIREDIS_AVAILABLE:
-        return _skipped("redis", sizes, "hiredis parser not installed: not redis' best setup")
-    port = _free_port()
-    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(
-        [server, *args, "--proto-max-bulk-len", "1gb"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    rows: list[Row] = []
-    try:
-        _wait_port(port, proc)
-        for size in sizes:
-            value = value_bytes(size).tobytes()
-            keys = bench_keys("v", _fill_count(size))
-            filler = redis.Redis(port=port)
-            for key in keys:
-                filler.set(key, value)
-            for clients in CLIENTS:
-                progress(f"paths: redis {size_label(size)} x{clients}")
-                for op in ("get", "put"):
-                    case = Case("redis", op, size, keys, port=port)
-                    got = procs.measure(case, CASE_SECONDS, clients, proc.pid)
-                    rows.append(Row("redis", op, size, clients, got.gbps, "",
-                                    got.cpu_us_per_value))  # fmt: skip
-            filler.flushall()
-            filler.close()
-    except (OSError, RuntimeError) as exc:
-        return _skipped("redis", sizes, f"could not run: {exc}")
-    finally:
-        proc.terminate()
-        proc.wait(10)
-    return rows
-
-
-_MOONCAKE_HOLDER = """
-import sys, time
-from mooncake.store import MooncakeDistributedStore
-store = MooncakeDistributedStore()
-rc = store.setup(sys.argv[1], sys.argv[2], 1 << 30, 16 << 20, "tcp", "", sys.argv[3])
-print("ready", rc, flush=True)
-time.sleep(600)
-"""
-
-
-def mooncake_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
-    """Mooncake Store, TCP transport: values live in another process's segment."""
-    master = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-    try:
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped,unused-ignore]
-    except ImportError:
-        return _skipped(
-            "mooncake", sizes, "mooncake-transfer-engine-non-cuda not installed (kvd[bench])"
-        )
-    if not os.path.exists(master):
-        return _skipped("mooncake", sizes, "mooncake_master not found")
-    rpc_port, http_port = _free_port(), _free_port()
-    metadata = f"http://127.0.0.1:{http_port}/metadata"
-    master_addr = f"127.0.0.1:{rpc_port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    rows: list[Row] = []
-    try:
-        procs.append(
-            subprocess.Popen(
-                [
-                    master,
-                    "--rpc_address=127.0.0.1",
-                    f"--rpc_port={rpc_port}",
-                    "--enable_http_metadata_server=true",
-                    "--http_metadata_server_host=127.0.0.1",
-                    f"--http_metadata_server_port={http_port}",
-                    f"--metrics_port={_free_port()}",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-        _wait_port(rpc_port, procs[0])
-        _wait_port(http_port, procs[0])
-        holder = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _MOONCAKE_HOLDER,
-                f"127.0.0.1:{_free_port()}",
-                metadata,
-                master_addr,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
-        procs.append(holder)
-        assert holder.stdout is not None
-        if holder.stdout.readline().split() != [b"ready", b"0"]:
-            return _skipped("mooncake", sizes, "the segment holder did not start")
-        store = MooncakeDistributedStore()
-        rc = store.setup(
-            f"127.0.0.1:{_free_port()}", metadata, 0, 256 << 20, "tcp", "", master_addr
-        )
-        if rc != 0:
-            return _skipped("mooncake", sizes, f"setup returned {rc}")
-        try:
-            for size in sizes:
-                progress(f"paths: mooncake {size_label(size)} x1")
-                try:
-                    rows += _mooncake_size(store, size)
-                except (AssertionError, RuntimeError) as exc:
-                    # One size failing (an object evicted under a get) is that
-                    # size's rows, reported as skipped; the run goes on.
-                    rows += _skipped("mooncake", (size,), f"failed: {exc}")
-        finally:
-            store.close()
-    except (OSError, RuntimeError) as exc:
-        return _skipped("mooncake", sizes, f"could not run: {exc}")
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
-    return rows
-
-
-def _mooncake_size(store: Any, size: int) -> list[Row]:
-    """Get and put GB/s of one value size; the previous sizes' objects removed
-    first, so Mooncake's eviction never takes a value the gets read."""
-    store.remove_all()
-    src = value_bytes(size)
-    dst = np.empty_like(src)
-    for array in (src, dst):
-        store.register_buffer(array.ctypes.data, size)
-    try:
-        keys = [f"v{size}-{i}" for i in range(max(2, min(8, FILL_BYTES // size)))]
-        for key in keys:
-            store.put_from(key, src.ctypes.data, size)
-
-        def get(i: int) -> None:
-            expect_size(store.get_into(keys[i % len(keys)], dst.ctypes.data, size), size)
-
-        def put(i: int) -> None:
-            store.put_from(f"p{size}-{i}", src.ctypes.data, size)
-
-        return [
-            Row("mooncake", "get", size, 1, measure(size, [get])),
-            Row("mooncake", "put", size, 1, measure(size, [put])),
-        ]
-    finally:
-        for array in (src, dst):
-            store.unregister_buffer(array.ctypes.data)
-
-
-def _skipped(path: str, sizes: tuple[int, ...], reason: str) -> list[Row]:
-    return [
-        Row(path, op, size, 1, None, f"skipped: {reason}")
-        for size in sizes
-        for op in ("get", "put")
-    ]
-
-
 # ---- the run --------------------------------------------------------------------------
 def run(
     tcp_target: str,
     unix_target: str,
     sizes: tuple[int, ...] = SIZES_BYTES,
     progress: Progress = print,
-    peers: bool = True,
+    peers: Peers | None = None,
     cold: tuple[str, str] | None = None,
     cold_dir: str | None = None,
     pooled: tuple[str, str] | None = None,
     server_pids: dict[str, int] | None = None,
 ) -> list[Row]:
-    """Every path and ceiling; ``cold`` is a small-L1 daemon's (tcp, unix)
-    targets, ``cold_dir`` a directory on its file system for the fio ceiling,
-    ``pooled`` a daemon's with pool reads on (``POOL_PATHS``); ``server_pids``
-    the daemons' process ids by tcp target, for their CPU per value."""
+    """Every path and ceiling; ``peers`` the peers' suite (Redis, Mooncake:
+    ``kvd.tools.bench.paths_peers.PEERS``) or None; ``cold`` is a small-L1
+    daemon's (tcp, unix) targets, ``cold_dir`` a directory on its file
+    system for the fio ceiling, ``pooled`` a daemon's with pool reads on
+    (``POOL_PATHS``); ``server_pids`` the daemons' process ids by tcp target,
+    for their CPU per value."""
     pids = server_pids or {}
     rows = ceiling_rows(sizes, progress)
     progress(f"paths: starting {max(CLIENTS)} client processes")
@@ -554,8 +378,8 @@ def run(
                 for size in sizes:
                     rows += kvd_rows(path, pooled[0], pooled[1], size, progress, procs,
                                      pids.get(pooled[0], 0))  # fmt: skip
-        if peers:
-            rows += redis_rows(sizes, progress, procs)
+        if peers is not None:
+            rows += peers.beside_kvd(sizes, progress, procs)
     finally:
         procs.close()
     if cold is not None:
@@ -568,8 +392,8 @@ def run(
                 rows += cold_rows(path, cold[0], cold[1], size)
         if cold_dir is not None:
             rows += fio_rows(cold_dir, sizes, progress)
-    if peers:
-        rows += mooncake_rows(sizes, progress)
+    if peers is not None:
+        rows += peers.after_kvd(sizes, progress)
     # The ceilings again, keeping the higher figure: this machine's memory and
     # loopback speed drift within a run, and a ratio to a low ceiling flatters.
     again = {(r.path, r.size_bytes, r.clients): r for r in ceiling_rows(sizes, progress)}
