@@ -3,6 +3,7 @@ the chart of GB/s per size per path with the ceilings drawn."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,18 +164,23 @@ def markdown(rows: list[Row]) -> str:
 
 def latency_lines(rows: list[Row], sizes: list[int]) -> list[str]:
     """A table of one client's mean µs per op (size / GB/s), per path and op."""
+    kvd_and_peers = [r for r in rows if r.clients == 1 and r.path not in ("memcpy", "fio")]
+    return _per_op_table(
+        kvd_and_peers, sizes, lambda r: f"{r.size_bytes / r.gbps / 1e3:.1f}" if r.gbps else ""
+    )
+
+
+def _per_op_table(rows: list[Row], sizes: list[int], cell: Callable[[Row], str]) -> list[str]:
+    """A table of ``cell`` of each row, a line per path and op (in the rows'
+    order), a column per size; ``rows`` are one client's."""
     lines = ["| path | op | " + " | ".join(size_label(s) for s in sizes) + " |",
              "|" + "---|" * (len(sizes) + 2)]  # fmt: skip
-    seen: list[tuple[str, str]] = []
-    for r in rows:
-        if r.clients == 1 and r.path not in ("memcpy", "fio") and (r.path, r.op) not in seen:
-            seen.append((r.path, r.op))
-    for path, op in seen:
-        cells = []
-        for size in sizes:
-            gbps = _find(rows, path, op, size)
-            cells.append("" if not gbps else f"{size / gbps / 1e3:.1f}")
-        lines.append(f"| {path} | {op} | " + " | ".join(cells) + " |")
+    by_case = {(r.path, r.op, r.size_bytes): r for r in reversed(rows)}  # the first wins
+    for path, op in dict.fromkeys((r.path, r.op) for r in rows):
+        cells = [by_case.get((path, op, size)) for size in sizes]
+        lines.append(
+            f"| {path} | {op} | " + " | ".join("" if r is None else cell(r) for r in cells) + " |"
+        )
     return lines
 
 
@@ -238,17 +244,4 @@ def cpu_lines(rows: list[Row], sizes: list[int]) -> list[str]:
     measured = [r for r in rows if r.clients == 1 and r.cpu_us_per_value is not None]
     if not measured:
         return []
-    lines = ["| path | op | " + " | ".join(size_label(s) for s in sizes) + " |",
-             "|" + "---|" * (len(sizes) + 2)]  # fmt: skip
-    seen: list[tuple[str, str]] = []
-    for r in measured:
-        if (r.path, r.op) not in seen:
-            seen.append((r.path, r.op))
-    for path, op in seen:
-        cells = []
-        for size in sizes:
-            match = [r for r in measured if (r.path, r.op, r.size_bytes) == (path, op, size)]
-            cpu = match[0].cpu_us_per_value if match else None
-            cells.append("" if cpu is None else f"{cpu:.1f}")
-        lines.append(f"| {path} | {op} | " + " | ".join(cells) + " |")
-    return lines
+    return _per_op_table(measured, sizes, lambda r: f"{r.cpu_us_per_value:.1f}")
