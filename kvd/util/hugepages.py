@@ -22,6 +22,7 @@ This module imports nothing of the daemon or the client: both use it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -51,14 +52,12 @@ def shmem_mode(path: Path = SHMEM_ENABLED) -> str:
     return "unknown"
 
 
-def advise_huge(mapping: mmap.mmap) -> bool:
-    """Ask for huge pages on ``mapping`` before its pages are touched; False
-    where the kernel refuses (no THP, or a mapping it cannot back so)."""
-    try:
+def advise_huge(mapping: mmap.mmap) -> None:
+    """Ask for huge pages on ``mapping`` before its pages are touched; where
+    the kernel refuses (no THP, or a mapping it cannot back so) the pages
+    are 4 KiB ones."""
+    with contextlib.suppress(AttributeError, OSError):
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        return False
-    return True
 
 
 def map_shared(fd: int, size: int, *, populate: bool = True, writable: bool = True) -> mmap.mmap:

@@ -240,7 +240,13 @@ class RegionRegistry:
             raise InvalidArgument("region memfd is not on the kernel's tmpfs (hugetlb?)")
         if _owner_gone(fd):
             raise InvalidArgument("hold a shared flock on the region while it is attached")
-        return map_shared(fd, size, populate=_populate(info, size))
+        try:
+            return map_shared(fd, size, populate=_populate(info, size))
+        except OSError:
+            # Populating is a head start here, not an allocation (the client
+            # allocated the pages): where it fails, the pages fault in on
+            # first use, as they did when MAP_POPULATE failed silently.
+            return map_shared(fd, size, populate=False)
 
     def get(self, region_id: int, token: bytes, caller: Caller) -> Region:
         """The caller's region; NotFound for an unknown id, a wrong token and
