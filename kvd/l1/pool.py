@@ -244,7 +244,7 @@ class Pool:
         if self.directory is not None:
             self.directory.clear(runs)  # before the pages can be reused
         classes = self._classes
-        for run in runs:
+        for run in runs:  # _push, inline: every delete and eviction frees
             first, count = run
             assert first >= 0 and first + count <= self.page_count, f"bad run {run}"
             cls = count.bit_length() - 1

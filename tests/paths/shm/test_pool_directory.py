@@ -24,7 +24,12 @@ import pytest
 
 from kvd.client import Client
 from kvd.client.pool_path import TOUCH_BATCH_KEYS
-from kvd.client.pool_reads import PoolMap, native_pool_reads, touch_frame
+from kvd.client.pool_reads import (
+    STORE_ORDERED_MACHINES,
+    PoolMap,
+    native_pool_reads,
+    touch_frame,
+)
 from kvd.client.shm import ShmPath
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.wire.bulk import encode_request
@@ -383,7 +388,7 @@ def test_unchecked_directory_copies_only_where_stores_keep_their_order(
         client.put(NS, _key(1), _value(PAGE_BYTES, 1))
         pool = _pool(client)
         assert not pool.verify
-        assert pool.direct_verify is (platform.machine() not in ("x86_64", "AMD64", "i686", "i386"))
+        assert pool.direct_verify is (platform.machine() not in STORE_ORDERED_MACHINES)
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     with Client(pooled.socket_target, verify_pool_reads=False) as client:
         pool = _pool(client)
