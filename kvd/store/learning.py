@@ -21,6 +21,7 @@ the loop is free, after the answer went out. The queue is bounded: past
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any, Generic
 
 from kvd.store.eviction.chains import K
@@ -31,11 +32,14 @@ from kvd.store.eviction.policy import EvictionPolicy
 PENDING_KEYS_MAX = 65_536
 
 Schedule = Callable[[Callable[[], None]], Any]
+_Lookup = tuple[list[Any], list[Any], int, int | None, Sequence[bool] | None]
 
 
-def policy_key(ns_id: int, key: bytes) -> tuple[int, bytes]:
-    """A value's key in the eviction policy: its namespace's id and its key."""
-    return ns_id, key
+def policy_keys(ns_id: int, keys: Sequence[bytes]) -> list[tuple[int, bytes]]:
+    """The keys of values in the eviction policy: each is its namespace's id
+    and its key (``kvd.store.entries`` makes the same tuples). Made in C (a
+    zip): 35 us for 1,000 keys, against 84 us for a Python call per key."""
+    return list(zip(repeat(ns_id), keys))
 
 
 class DeferredPolicy(Generic[K]):
@@ -45,9 +49,8 @@ class DeferredPolicy(Generic[K]):
         self.policy = policy
         self.name = policy.name
         self.schedule = schedule
-        self._pending: list[
-            tuple[list[Any], list[Any], int, Callable[[Any], K] | None, Sequence[bool] | None]
-        ] = []
+        # Each lookup's (touched, chain, hits, ns_id, mine).
+        self._pending: list[_Lookup] = []
         self._pending_keys = 0
 
     def defer_lookup(
@@ -55,14 +58,15 @@ class DeferredPolicy(Generic[K]):
         touched: list[K],
         chain: list[K],
         hits: int,
-        key_of: Callable[[Any], K] | None = None,
+        ns_id: int | None = None,
         mine: Sequence[bool] | None = None,
     ) -> None:
         """A lookup's calls: ``touch`` of each of ``touched``, then
-        ``on_lookup(chain, hits, mine)``; with ``key_of``, the policy's keys
-        are ``key_of(k)`` of those given, made only when the calls are told."""
+        ``on_lookup(chain, hits, mine)``; with ``ns_id``, the policy's keys
+        are ``policy_keys(ns_id, ...)`` of the keys given, made only when the
+        calls are told."""
         first = not self._pending
-        self._pending.append((touched, chain, hits, key_of, mine))
+        self._pending.append((touched, chain, hits, ns_id, mine))
         self._pending_keys += len(touched) + len(chain)
         if self._pending_keys > PENDING_KEYS_MAX:
             self.settle()
@@ -75,9 +79,9 @@ class DeferredPolicy(Generic[K]):
             return
         pending, self._pending, self._pending_keys = self._pending, [], 0
         policy = self.policy
-        for touched, chain, hits, key_of, mine in pending:
-            if key_of is not None:
-                touched, chain = list(map(key_of, touched)), list(map(key_of, chain))
+        for touched, chain, hits, ns_id, mine in pending:
+            if ns_id is not None:
+                touched, chain = policy_keys(ns_id, touched), policy_keys(ns_id, chain)
             for key in touched:
                 policy.touch(key)
             policy.on_lookup(chain, hits, mine)

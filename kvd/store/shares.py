@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 from kvd.l2 import L2Tier
 from kvd.store.entries import Entries
 from kvd.store.index import StoreLimits, check_keys
-from kvd.store.learning import DeferredPolicy, policy_key
+from kvd.store.learning import DeferredPolicy
 from kvd.wire.errors import InvalidArgument
 
 
@@ -66,5 +65,4 @@ class ChainShares:
                 touched.append(key)
             elif self._l2 is None or self._l2.lookup(ns_name, key) is None:
                 hits = position
-        key_of = partial(policy_key, ns.id)
-        self._learning.defer_lookup(touched, chain, hits, key_of, mine)
+        self._learning.defer_lookup(touched, chain, hits, ns.id, mine)

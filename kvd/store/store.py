@@ -58,7 +58,7 @@ from kvd.store.index import (
     check_keys,
     check_put,
 )
-from kvd.store.learning import DeferredPolicy, policy_key
+from kvd.store.learning import DeferredPolicy
 from kvd.store.leases import LeaseTable, pin_leased, unpin_leased
 from kvd.store.placement import Placement
 from kvd.store.prefetch import Prefetcher
@@ -516,8 +516,7 @@ class Store:
         scan = scan_chain(ns.entries, self.l2, ns_name, keys)
         pins, l1_hits = scan.pins, len(scan.in_l1)
         # The policy learns how each chain's lookup went (the first of a namespace too).
-        key_of = partial(policy_key, ns.id)
-        self.learning.defer_lookup(scan.in_l1, list(keys), scan.leading_l1, key_of, mine)
+        self.learning.defer_lookup(scan.in_l1, list(keys), scan.leading_l1, ns.id, mine)
         lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         if self.prefetcher is not None and self.placement is not None and l1_hits < len(pins):
             prefetch = self.placement.prefetch

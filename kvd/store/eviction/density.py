@@ -53,6 +53,7 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import compress
 
 import numpy as np
 import numpy.typing as npt
@@ -246,9 +247,10 @@ class DensityPolicy(ChainPolicy[K]):
         retention = self._retention
         length_bucket = bisect_left(_LENGTH_EDGES, n)  # one per chain
         bound = now + _RETENTION_MAX  # the deadline of the block before
-        for position, key in enumerate(keys):
-            if mine is not None and not mine[position]:
-                continue  # another member's: its length and position still count
+        # In a pool, only this member's keys; the others' still count in the
+        # length and positions (compress skips them in C: half the cost of a
+        # test per position, for a member owning a quarter of the chain).
+        for position, key in enumerate(keys) if mine is None else compress(enumerate(keys), mine):
             node = nodes.get(key)
             if isinstance(node, _DensityNode):
                 gap = self._ended(node.klass, node.gap, node.tick)
