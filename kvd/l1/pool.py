@@ -207,12 +207,8 @@ class Pool:
         stack = self._classes[cls]
         if stack and stack[-1][1] == need:
             # The common case, a run of exactly the value's pages on top (a
-            # 64 KiB value reusing a freed page): 0.9 µs an alloc and free.
-            first, _ = stack.pop()
-            if not stack:
-                self._nonempty &= ~(1 << cls)
-            self._run_count -= 1
-            return [(first, need)]
+            # 64 KiB value reusing a freed page).
+            return [self._pop(cls)]
         for index in range(len(stack) - 1, max(len(stack) - 1 - _FIT_SCAN, -1), -1):
             if stack[index][1] >= need:
                 return [self._split(self._pop(cls, index), need)]
