@@ -183,3 +183,31 @@ def test_density_keeps_nothing_for_keys_not_mine() -> None:
     policy = make_policy("density")
     policy.on_lookup(["x", "y", "z"], 0, [True, False, True])
     assert set(policy._pending) == {"x", "z"}  # type: ignore[attr-defined]
+
+
+def test_density_links_a_members_blocks_into_a_chain_of_their_own() -> None:
+    """A member's blocks of a chain are put with the chain's previous block as
+    parent, another member's; the policy links each to the member's block
+    before it instead, so its share goes tail first."""
+    policy = make_policy("density")
+    chain = ["a", "b", "c", "d", "e"]
+    policy.on_lookup(chain, 0, [False, True, False, True, False])
+    policy.insert("b", "a")
+    policy.insert("d", "c")
+    # b came first and has the earlier access: as two roots b would go first.
+    assert policy.victim(lambda k: False) == "d"
+    policy.remove("d")
+    assert policy.victim(lambda k: False) == "b"
+
+
+def test_density_does_not_hold_a_members_last_block_as_being_put() -> None:
+    """The rest of a chain goes to other members, so the member's last block
+    of it is not a chain still being put: it goes in deadline order, not
+    after every other leaf."""
+    policy = make_policy("density")
+    policy.on_lookup(["a", "b", "c", "d", "e"], 0, [False, True, False, True, False])
+    policy.insert("b", "a")
+    policy.insert("d", "c")
+    policy.on_lookup(["x"], 0, [True])  # a later lookup: a later deadline
+    policy.insert("x", None)
+    assert policy.victim(lambda k: False) == "d"
