@@ -316,8 +316,7 @@ class DensityPolicy(ChainPolicy[K]):
             share_parent = key
         while len(pending) > _PENDING_MAX:
             del pending[next(iter(pending))]
-        shares = self._shares
-        while len(shares) > _PENDING_MAX:
+        while shares is not None and len(shares) > _PENDING_MAX:
             del shares[next(iter(shares))]
         self._close_row()
         if now % _DECAY == 0:
