@@ -2,6 +2,9 @@
 value reads between daemons of the pool: the peer side of
 ``kvd.paths.bulk.server``, speaking the same frames (``kvd.wire.bulk``).
 
+A member's Exists (its share of a chain being looked up) is one
+PEER_EXISTS frame each way on the same connections.
+
 A read is one GET frame with ``FLAG_HOP`` (the owner answers from what it
 holds, never asking a third member); its answer's header says the size,
 meta and checksum, then the value's bytes are received straight into the
@@ -44,14 +47,17 @@ from kvd.wire.bulk import (
     OP_NIXL_META,
     OP_NIXL_PIN,
     OP_NIXL_RELEASE,
+    OP_PEER_EXISTS,
     RESPONSE,
     RESPONSE_MAGIC,
     VERSION,
+    encode_exists,
     encode_request,
 )
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import CODE_NAMES, CODE_NUMBERS
 from kvd.wire.limits import META_BYTES_MAX
+from kvd.wire.lookup import ChainShare
 
 # Reads in flight to one member at once, each on its own connection: the
 # router keeps up to 32 peer reads in flight per batch (FETCH_PARALLEL_MAX);
@@ -131,6 +137,31 @@ class BulkConnection:
         if size > max_value_bytes:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
         return BulkAnswer(size, meta, answer[1])
+
+    async def exists(
+        self, namespace: str, width: int, keys: bytes, chain: ChainShare | None
+    ) -> list[bool]:
+        """Which of ``keys`` (of ``width`` bytes, concatenated) the member
+        holds; with ``chain``, they are its share of a chain being looked up."""
+        self.reusable = False
+        rid = next(self._ids)
+        payload = encode_exists(width, keys, chain)
+        request = encode_request(
+            OP_PEER_EXISTS, rid, namespace.encode(), flags=FLAG_HOP, length=len(payload)
+        )
+        await self._send(request + payload)
+        code, _, message, (length, _) = await self._answer(OP_PEER_EXISTS, rid)
+        if code != CODE_OK:
+            self.reusable = True
+            kind = "auth" if CODE_NAMES.get(code) == "PERMISSION_DENIED" else "refused"
+            raise PeerError(f"bulk EXISTS refused: {CODE_NAMES.get(code, code)} {message}", kind)
+        count = len(keys) // width
+        if length != count:
+            raise PeerError(f"bulk EXISTS answered {length} of {count} keys", "protocol")
+        answer = bytearray(length)
+        await self._recv_into(memoryview(answer), None, 0, length)
+        self.reusable = True
+        return [held != 0 for held in answer]
 
     async def nixl_meta(self) -> bytes | None:
         """The member's NIXL agent metadata; None where it has no agent, or

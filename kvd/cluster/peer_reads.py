@@ -18,6 +18,10 @@ Transports (``pool_peer_transport``, the name -> way table is ``TRANSPORTS``):
   for a member that has no bulk port (``bulk_port`` 0), no DescribePaths, or
   a bulk port this daemon cannot connect to (a loopback ``bulk_listen``).
 
+A member's Exists (its share of a chain being looked up) goes the same
+way as its values: a PEER_EXISTS frame on its bulk port where it takes one
+(``exists``), else gRPC.
+
 A member whose DescribePaths names a bulk protocol version other than this
 daemon's is refused (a ``version`` peer error, logged by the router, and
 asked again once it comes back from being skipped).
@@ -44,6 +48,8 @@ from kvd.store.store import Store
 from kvd.wire.bulk import VERSION as BULK_VERSION
 from kvd.wire.checksum import Hasher, checksum, checksum_views
 from kvd.wire.errors import DataLoss, KvdError
+from kvd.wire.lookup import ChainShare
+from kvd.wire.shm import join_keys
 
 log = logging.getLogger("kvd.cluster")
 
@@ -170,15 +176,7 @@ class PeerReads:
                         return await self._read_nixl(member, way, namespace, key)
                     return await self._read_bulk(member, way, namespace, key)
                 except BulkUnreachable as error:
-                    # A member whose bulk_listen is loopback (the default) names a
-                    # port no other node reaches: its values go over gRPC.
-                    log.warning(
-                        "peer's bulk TCP port is unreachable from here; its values are read "
-                        "over gRPC",
-                        extra={"peer": member, "error": str(error)},
-                    )
-                    self._paths[member] = PeerPaths(0, BULK_VERSION)
-                    self._grpc_logged.add(member)
+                    self._unreachable(member, error)
                     left_s = deadline - time.monotonic()
                     return await self._read_grpc(member, namespace, key, left_s)
         except TimeoutError:
@@ -192,6 +190,48 @@ class PeerReads:
                 self._paths.pop(member, None)
                 self._agents.pop(member, None)
             raise
+
+    async def exists(
+        self, member: str, namespace: str, keys: list[bytes], timeout_s: float,
+        chain: ChainShare | None,
+    ) -> list[bool] | None:  # fmt: skip
+        """Which of ``keys`` the member holds, asked on its bulk port (one
+        PEER_EXISTS frame each way) within ``timeout_s``; None where it is to
+        be asked over gRPC: the ``grpc`` transport, no bulk port this daemon
+        reaches, a member that does not take the op (DescribePaths'
+        ``bulk_ops``), keys of different widths. A failure is a ``PeerError``."""
+        joined = join_keys(keys)
+        if joined is None:
+            return None
+        try:
+            async with asyncio.timeout(timeout_s):
+                way = await self._way(member, timeout_s)
+                if way is None or "exists" not in self._paths[member].bulk_ops:
+                    return None
+                try:
+                    async with self.bulk.connection(member, *way) as connection:
+                        return await connection.exists(namespace, *joined, chain)
+                except BulkUnreachable as error:
+                    self._unreachable(member, error)
+                    return None
+        except TimeoutError:
+            self._paths.pop(member, None)
+            raise PeerError(
+                f"{member}: exists took more than {timeout_s * 1000:.0f} ms", "timeout"
+            ) from None
+        except PeerError:
+            self._paths.pop(member, None)  # asked again: it may have restarted
+            raise
+
+    def _unreachable(self, member: str, error: BulkUnreachable) -> None:
+        """A member whose bulk_listen is loopback (the default) names a port
+        no other node reaches: it is asked over gRPC."""
+        log.warning(
+            "peer's bulk TCP port is unreachable from here; its values are read over gRPC",
+            extra={"peer": member, "error": str(error)},
+        )
+        self._paths[member] = PeerPaths(0, BULK_VERSION)
+        self._grpc_logged.add(member)
 
     async def _way(self, member: str, timeout_s: float) -> tuple[str, int] | None:
         """The member's bulk address, or None to read over gRPC."""

@@ -62,10 +62,12 @@ def _kind(code: grpc.StatusCode) -> str:
 @dataclass(frozen=True)
 class PeerPaths:
     """What a member's DescribePaths says of its data paths: its bulk TCP
-    port (0: none) and the bulk protocol version spoken there."""
+    port (0: none), the bulk protocol version spoken there and the peer ops
+    it takes beyond the NIXL ones (``kvd.wire.bulk.BULK_OPS``)."""
 
     bulk_port: int
     bulk_version: int
+    bulk_ops: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class Peers:
             if error.status == "UNIMPLEMENTED":
                 return PeerPaths(0, 0)
             raise
-        return PeerPaths(reply.bulk_port, reply.bulk_version)
+        return PeerPaths(reply.bulk_port, reply.bulk_version, tuple(reply.bulk_ops))
 
     async def exists(
         self, member: str, namespace: str, keys: list[bytes], timeout_s: float,

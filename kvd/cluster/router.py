@@ -325,8 +325,13 @@ class PoolRouter:
         self, member: str, namespace: str, keys: list[bytes], budget_s: float,
         chain: ChainShare | None = None,
     ) -> list[bool]:  # fmt: skip
+        deadline = time.monotonic() + budget_s
         try:
-            return await self.peers.exists(member, namespace, keys, budget_s, chain=chain)
+            found = await self.reads.exists(member, namespace, keys, budget_s, chain)
+            if found is not None:
+                return found
+            left_s = deadline - time.monotonic()
+            return await self.peers.exists(member, namespace, keys, left_s, chain=chain)
         except PeerError as error:
             self._peer_failed(error, member)
             return [False] * len(keys)

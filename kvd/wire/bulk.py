@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from kvd.wire.errors import CODE_NAMES, CODE_NUMBERS, error_number
 from kvd.wire.limits import KEY_BYTES_MAX, META_BYTES_MAX, NAMESPACE_BYTES_MAX
+from kvd.wire.lookup import ChainShare
+from kvd.wire.shm import split_keys
 
 VERSION = 1
 REQUEST_MAGIC = b"KVDQ"
@@ -30,7 +32,12 @@ OPS = frozenset({OP_HELLO, OP_PUT, OP_GET})
 OP_NIXL_META = 7  # answer payload: the daemon's NIXL agent metadata
 OP_NIXL_PIN = 8  # ns, key: pin the value; answer payload NIXL_PIN then its segments
 OP_NIXL_RELEASE = 9  # checksum field: the pin's lease id
-PEER_OPS = frozenset({OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE})
+# ns; payload EXISTS_REF, the keys, their chain positions: which keys the
+# member holds (an Exists between members, without gRPC).
+OP_PEER_EXISTS = 10
+PEER_OPS = frozenset({OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS})
+# DescribePathsResponse.bulk_ops of a daemon: the peer ops beyond the NIXL ones.
+BULK_OPS = ("exists",)
 TCP_OPS = OPS | PEER_OPS
 # NIXL_PIN answer payload: value size, lease id, segment count; then per
 # segment its address and length in the owner's registered pool arena.
@@ -38,6 +45,12 @@ NIXL_PIN = struct.Struct("<QQI")
 NIXL_SEGMENT = struct.Struct("<QQ")
 NIXL_SEGMENTS_MAX = 2048  # a 32 MiB value in 64 KiB pages is at most 512 runs
 NIXL_META_BYTES_MAX = 1 << 20
+# PEER_EXISTS payload: key width, key count, chain length (0: the keys are no
+# chain's share); then the keys, each of the width, concatenated; then, with
+# a chain length, each key's position in the chain (u32, increasing). The
+# answer's payload: a byte per key, 1 where the member holds it.
+EXISTS_REF = struct.Struct("<III")
+EXISTS_POSITION = struct.Struct("<I")
 # Region ops: only on the shm socket (kvd.paths.shm.channel), never on the TCP port.
 OP_REGION_GET = 4
 OP_REGION_PUT = 5
@@ -156,3 +169,33 @@ def split_tail(request: Request, tail: bytes) -> tuple[str, bytes, bytes, bytes]
     except UnicodeDecodeError:
         raise ProtocolError("namespace is not UTF-8") from None
     return ns, tail[a:b], tail[b:c], tail[c:]
+
+
+def exists_payload_bytes_max(max_keys: int) -> int:
+    """The most bytes a PEER_EXISTS payload of ``max_keys`` keys takes."""
+    return EXISTS_REF.size + max_keys * (KEY_BYTES_MAX + EXISTS_POSITION.size)
+
+
+def encode_exists(width: int, keys: bytes, chain: ChainShare | None) -> bytes:
+    """A PEER_EXISTS payload: keys of ``width`` bytes, concatenated in
+    ``keys`` (``kvd.wire.shm.join_keys``); ``chain`` where they are a chain's share."""
+    length, positions = (chain.length, chain.positions) if chain is not None else (0, [])
+    tail = struct.pack(f"<{len(positions)}I", *positions)
+    return b"".join((EXISTS_REF.pack(width, len(keys) // width, length), keys, tail))
+
+
+def decode_exists(payload: bytes) -> tuple[list[bytes], ChainShare | None]:
+    """The keys of a PEER_EXISTS payload and, for a chain's share, where they
+    lie in it; ValueError where its parts do not add up."""
+    if len(payload) < EXISTS_REF.size:
+        raise ValueError(f"an exists payload of {len(payload)} bytes")
+    width, count, length = EXISTS_REF.unpack_from(payload)
+    if not 0 < width <= KEY_BYTES_MAX:
+        raise ValueError(f"key width {width}, not 1..{KEY_BYTES_MAX}")
+    keys_end = EXISTS_REF.size + width * count
+    if len(payload) != keys_end + (EXISTS_POSITION.size * count if length else 0):
+        raise ValueError(f"{count} keys of {width} bytes are not the payload's {len(payload)}")
+    keys = split_keys(payload[EXISTS_REF.size : keys_end], width)
+    if not length:
+        return keys, None
+    return keys, ChainShare(length, list(struct.unpack_from(f"<{count}I", payload, keys_end)))

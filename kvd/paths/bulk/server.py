@@ -83,6 +83,7 @@ from kvd.wire.bulk import (
     NAME_BY_CODE,
     OP_GET,
     OP_HELLO,
+    OP_PEER_EXISTS,
     OP_PUT,
     OP_REGION_GET,
     OP_REGION_PUT,
@@ -101,6 +102,7 @@ from kvd.wire.bulk import (
     encode_request,
     encode_response,
     error_code,
+    exists_payload_bytes_max,
     split_tail,
 )
 from kvd.wire.checksum import Hasher
@@ -265,7 +267,8 @@ class _Connection:
             elif request.op == OP_GET:
                 await self._get(request, tail)
             elif request.op in PEER_OPS:
-                await self.peer_ops.handle(request, tail)
+                payload = await self._peer_payload(request)
+                await self.peer_ops.handle(request, tail, payload)
             else:
                 raise ProtocolError("HELLO sent twice")
 
@@ -289,6 +292,20 @@ class _Connection:
                 await recv_into_exact(self.loop, self.sock, memoryview(token), None)
                 self.token = bytes(token)
         return request, bytes(tail)
+
+    async def _peer_payload(self, request: Request) -> bytes:
+        """A peer op's payload: a PEER_EXISTS's keys (bounded by
+        max_lookup_keys: past it the connection closes before they are
+        read); the other peer ops have none."""
+        if request.op != OP_PEER_EXISTS or not request.length:
+            return b""
+        limit = exists_payload_bytes_max(self.values.store.limits.max_lookup_keys)
+        if request.length > limit:
+            raise ProtocolError(f"an exists payload of {request.length} bytes, over {limit}")
+        payload = bytearray(request.length)
+        async with asyncio.timeout(self.server.limits.frame_timeout_s):
+            await recv_into_exact(self.loop, self.sock, memoryview(payload), None)
+        return bytes(payload)
 
     async def _hello(self, request: Request) -> bool:
         """Answer HELLO; with auth, only a known token gets CODE_OK (and the connection)."""

@@ -59,6 +59,7 @@ from kvd.paths.shm.regions import AttachRefused, Caller, RegionRegistry
 from kvd.store.index import TIER_L1, TIER_L2, TIER_NAMES, PutResult
 from kvd.store.store import Store
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire.bulk import BULK_OPS
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import DeadlineExceeded, InvalidArgument, KvdError
 from kvd.wire.lookup import ChainShare
@@ -360,6 +361,7 @@ class KVStoreService:
             daemon_pid_ns=_PID_NS,
             daemon_clock_ns=time.monotonic_ns(),
             shm_ops=shm_ops(ops.pool_reads),
+            bulk_ops=BULK_OPS if ops.bulk_port else (),
         )
 
     @_unary("shm_put", pooled=False)

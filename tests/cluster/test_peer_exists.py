@@ -1,0 +1,218 @@
+"""A member's Exists on the owner's bulk port (PEER_EXISTS, kvd.cluster.peer_bulk,
+kvd.paths.bulk.peer_ops): a real daemon answers the frame as it answers the
+gRPC Exists, to the pool token only, and refuses a malformed one without
+losing the connection; a real daemon looking a chain up asks an owner that
+offers the op on its bulk port (an owner here that has no gRPC Exists at
+all), and one that does not over gRPC."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvd.client import Client
+from kvd.cluster.rendezvous import Placement
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import bulk
+from kvd.wire.grpc import SERVICE
+from kvd.wire.lookup import ChainShare
+from tests.cluster.cluster import free_ports, keys_owned, recv_all, start_static_pool
+from tests.support import DaemonProcess
+
+ENGINE_TOKEN = "engine-token-team-a"
+POOL_TOKEN = "pool-token-of-this-fleet"
+NS = "team-a/model"
+
+
+def _connect(port: int, token: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    hello = token.encode()
+    sock.sendall(bulk.encode_request(bulk.OP_HELLO, 0, length=len(hello)) + hello)
+    assert _answer(sock)[0] == bulk.CODE_OK
+    return sock
+
+
+def _answer(sock: socket.socket) -> tuple[int, bytes]:
+    """(code, payload) of the next answer; its meta and message are dropped."""
+    head = bulk.RESPONSE.unpack(recv_all(sock, bulk.RESPONSE.size))
+    recv_all(sock, head[6] + head[7])
+    return head[5], recv_all(sock, head[8]) if head[5] == bulk.CODE_OK else b""
+
+
+def _exists(sock: socket.socket, rid: int, payload: bytes, ns: str = NS) -> tuple[int, bytes]:
+    request = bulk.encode_request(
+        bulk.OP_PEER_EXISTS, rid, ns.encode(), flags=bulk.FLAG_HOP, length=len(payload)
+    )
+    sock.sendall(request + payload)
+    return _answer(sock)
+
+
+def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
+    digest = {t: hashlib.sha256(t.encode()).hexdigest() for t in (ENGINE_TOKEN, POOL_TOKEN)}
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        f'[[tokens]]\nname = "team-a"\nsha256 = "{digest[ENGINE_TOKEN]}"\n'
+        'namespaces = ["team-a/*"]\n'
+        f'[[tokens]]\nname = "pool"\nsha256 = "{digest[POOL_TOKEN]}"\nnamespaces = ["*"]\n'
+    )
+    (tmp_path / "pool-token").write_text(POOL_TOKEN + "\n")
+    auth = ["--auth-tokens-file", str(tokens), "--pool-token-file", str(tmp_path / "pool-token")]
+    daemons = start_static_pool(tmp_path, 2, *auth, peer_timeout_ms=2000)
+    owner = daemons[0]
+    try:
+        held = [b"held-%04d" % i for i in range(3)]
+        with Client(owner.target, token=ENGINE_TOKEN, timeout_s=10) as client:
+            for key in held:
+                client.put(NS, key, key)
+        keys = [held[0], b"gone-0000", held[1], held[2]]
+        payload = bulk.encode_exists(9, b"".join(keys), None)
+        share = bulk.encode_exists(9, b"".join(keys), ChainShare(10, [0, 3, 5, 9]))
+        with _connect(owner.bulk_port, POOL_TOKEN) as sock:
+            assert _exists(sock, 1, payload) == (bulk.CODE_OK, b"\x01\x00\x01\x01")
+            assert _exists(sock, 2, share) == (bulk.CODE_OK, b"\x01\x00\x01\x01")
+            # Parts that do not add up, positions out of order: refused, and
+            # the connection goes on.
+            bad = bulk.EXISTS_REF.pack(9, 5, 0) + b"".join(keys)
+            assert _exists(sock, 3, bad)[0] == bulk.CODE_BY_NAME["INVALID_ARGUMENT"]
+            disorder = bulk.encode_exists(9, b"".join(keys), ChainShare(10, [3, 0, 5, 9]))
+            assert _exists(sock, 4, disorder)[0] == bulk.CODE_BY_NAME["INVALID_ARGUMENT"]
+            assert _exists(sock, 5, payload) == (bulk.CODE_OK, b"\x01\x00\x01\x01")
+            # More key bytes than max_lookup_keys allows: closed before they are read.
+            huge = bulk.exists_payload_bytes_max(16_384) + 1
+            sock.sendall(bulk.encode_request(bulk.OP_PEER_EXISTS, 6, NS.encode(), length=huge))
+            assert sock.recv(1) == b""
+        # An engine's token may not ask as a member.
+        with _connect(owner.bulk_port, ENGINE_TOKEN) as sock:
+            assert _exists(sock, 1, payload)[0] == bulk.CODE_BY_NAME["PERMISSION_DENIED"]
+        with grpc.insecure_channel(owner.target) as channel:
+            describe = channel.unary_unary(
+                f"/{SERVICE}/DescribePaths",
+                request_serializer=pb.DescribePathsRequest.SerializeToString,
+                response_deserializer=pb.DescribePathsResponse.FromString,
+            )
+            paths = describe(
+                pb.DescribePathsRequest(), metadata=[("authorization", f"Bearer {POOL_TOKEN}")]
+            )
+            assert list(paths.bulk_ops) == ["exists"]
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+class FakeOwner:
+    """A member holding every key it is asked about: DescribePaths over gRPC,
+    and either a bulk port that answers PEER_EXISTS (``bulk_ops`` names it;
+    no gRPC Exists at all) or a gRPC Exists (``bulk_ops`` empty, as an
+    older daemon's). Records each Exists: its transport, keys and chain."""
+
+    def __init__(self, grpc_port: int, offer_exists: bool) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.stop = threading.Event()
+        self.asked: list[tuple[str, list[bytes], ChainShare | None]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+        bulk_port = self.listener.getsockname()[1]
+        ops = ["exists"] if offer_exists else []
+
+        def describe(request: Any, context: Any) -> pb.DescribePathsResponse:
+            return pb.DescribePathsResponse(
+                bulk_port=bulk_port, bulk_version=bulk.VERSION, bulk_ops=ops
+            )
+
+        def exists(request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
+            chain = None
+            if request.chain_length:
+                chain = ChainShare(request.chain_length, list(request.chain_positions))
+            self.asked.append(("grpc", list(request.keys), chain))
+            return pb.ExistsResponse(exists=[True] * len(request.keys))
+
+        handlers = {
+            "DescribePaths": grpc.unary_unary_rpc_method_handler(
+                describe,
+                request_deserializer=pb.DescribePathsRequest.FromString,
+                response_serializer=pb.DescribePathsResponse.SerializeToString,
+            )
+        }
+        if not offer_exists:
+            handlers["Exists"] = grpc.unary_unary_rpc_method_handler(
+                exists,
+                request_deserializer=pb.ExistsRequest.FromString,
+                response_serializer=pb.ExistsResponse.SerializeToString,
+            )
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        generic = grpc.method_handlers_generic_handler(SERVICE, handlers)
+        self.server.add_generic_rpc_handlers((generic,))
+        self.server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+        self.server.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.stop(0)
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                while True:
+                    head = recv_all(sock, bulk.REQUEST.size)
+                    request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
+                    recv_all(sock, request.tail_bytes)
+                    payload = recv_all(sock, request.length)
+                    if request.op == bulk.OP_HELLO:
+                        sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
+                        continue
+                    assert request.op == bulk.OP_PEER_EXISTS
+                    keys, chain = bulk.decode_exists(payload)
+                    self.asked.append(("bulk", keys, chain))
+                    answer = b"\x01" * len(keys)
+                    head = bulk.encode_response(
+                        bulk.OP_PEER_EXISTS, request.request_id, length=len(answer)
+                    )
+                    sock.sendall(head + answer)
+            except (OSError, ConnectionError):
+                return
+
+
+def _lookup_through(tmp_path: Path, offer_exists: bool) -> list[tuple[str, list[bytes], Any]]:
+    port, owner_port = free_ports(2)
+    owner = FakeOwner(owner_port, offer_exists)
+    peer = f"127.0.0.1:{owner_port}"
+    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members",
+                                      f"static:127.0.0.1:{port},{peer}",
+                                      "--pool-peer-timeout-ms", "2000"], ssd="")  # fmt: skip
+    try:
+        placement = Placement([daemon.target, peer])
+        theirs = keys_owned(placement, peer, 3)
+        mine = keys_owned(placement, daemon.target, 1)
+        chain = [theirs[0], mine[0], theirs[1], theirs[2]]
+        with Client(daemon.target, timeout_s=5) as client:
+            client.put("ns", mine[0], b"here")
+            assert client.lookup("ns", chain) == len(chain)
+        return owner.asked
+    finally:
+        daemon.discard()
+        owner.close()
+
+
+def test_a_lookup_asks_the_owner_on_its_bulk_port(tmp_path: Path) -> None:
+    asked = _lookup_through(tmp_path, offer_exists=True)
+    assert asked == [("bulk", asked[0][1], ChainShare(4, [0, 2, 3]))]
+    assert len(asked[0][1]) == 3
+
+
+def test_an_owner_without_the_frame_is_asked_over_grpc(tmp_path: Path) -> None:
+    asked = _lookup_through(tmp_path, offer_exists=False)
+    assert [(how, chain) for how, _, chain in asked] == [("grpc", ChainShare(4, [0, 2, 3]))]
