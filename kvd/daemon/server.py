@@ -61,7 +61,7 @@ from kvd.paths.socket_dirs import claim_socket_path, secure_directory
 from kvd.store.eviction.policy import make_policy
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
-from kvd.util import crashpoints, logs
+from kvd.util import collector, crashpoints, logs
 from kvd.util.hugepages import shmem_mode
 from kvd.v1 import kvd_pb2
 from kvd.wire.grpc import add_kvstore
@@ -178,6 +178,7 @@ class Daemon:
         )
         self.health = health.aio.HealthServicer()
         self._server: Any = None
+        self._collector: collector.Collector | None = None
         self.fast_paths: FastPaths | None = None
         self.pool_node: PoolNode | None = None
         self.kv_events: KvEventPublisher | None = None
@@ -281,6 +282,9 @@ class Daemon:
             reads = self.pool_node.router.reads
             self.fast_paths.bulk.nixl = reads.nixl
             self.fast_paths.bulk.pool_token = reads.bulk.token.encode()
+        # Full garbage collections on a clock of the daemon's, not every few
+        # seconds for the whole heap (kvd.util.collector).
+        self._collector = collector.take_over()
         self.metrics.up.set(1)
         log.info(
             "kvd started",
@@ -388,6 +392,8 @@ class Daemon:
         if self.kv_events is not None:
             self.kv_events.close()
         self.metrics.close()
+        if self._collector is not None:
+            collector.give_back(self._collector)
         if self.config.socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket)
