@@ -84,6 +84,13 @@ class BulkAnswer:
     checksum: int
 
 
+def _refused(op: str, code: int, message: str) -> PeerError:
+    """A member's refusal of ``op``: ``auth`` for PERMISSION_DENIED (this
+    daemon's token may not), else ``refused``."""
+    kind = "auth" if CODE_NAMES.get(code) == "PERMISSION_DENIED" else "refused"
+    return PeerError(f"bulk {op} refused: {CODE_NAMES.get(code, code)} {message}", kind)
+
+
 class BulkConnection:
     """One connection to a member's bulk port, past its HELLO."""
 
@@ -131,8 +138,7 @@ class BulkConnection:
             return None
         if code != CODE_OK:
             self.reusable = True
-            kind = "auth" if CODE_NAMES.get(code) == "PERMISSION_DENIED" else "refused"
-            raise PeerError(f"bulk GET refused: {CODE_NAMES.get(code, code)} {message}", kind)
+            raise _refused("GET", code, message)
         size = answer[0]
         if size > max_value_bytes:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
@@ -153,8 +159,7 @@ class BulkConnection:
         code, _, message, (length, _) = await self._answer(OP_PEER_EXISTS, rid)
         if code != CODE_OK:
             self.reusable = True
-            kind = "auth" if CODE_NAMES.get(code) == "PERMISSION_DENIED" else "refused"
-            raise PeerError(f"bulk EXISTS refused: {CODE_NAMES.get(code, code)} {message}", kind)
+            raise _refused("EXISTS", code, message)
         count = len(keys) // width
         if length != count:
             raise PeerError(f"bulk EXISTS answered {length} of {count} keys", "protocol")
@@ -197,8 +202,7 @@ class BulkConnection:
         if code == CODE_NOT_FOUND:
             return None
         if code != CODE_OK:
-            kind = "auth" if CODE_NAMES.get(code) == "PERMISSION_DENIED" else "refused"
-            raise PeerError(f"bulk NIXL_PIN refused: {CODE_NAMES.get(code, code)} {message}", kind)
+            raise _refused("NIXL_PIN", code, message)
         if length > NIXL_PIN.size + NIXL_SEGMENTS_MAX * NIXL_SEGMENT.size:
             raise PeerError(f"NIXL_PIN answer of {length} bytes", "protocol")
         payload = bytearray(length)
