@@ -1,13 +1,23 @@
-"""Several real kvd daemons on loopback forming one pool, for tests/pool."""
+"""Several real kvd daemons on loopback forming one pool, for tests/pool;
+and a member played by the test process (``FakeMember``)."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.request
+from collections.abc import Sequence
+from concurrent import futures
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from kvd.cluster.rendezvous import Placement
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import bulk
+from kvd.wire.grpc import SERVICE
 from tests.support import DaemonProcess
 
 
@@ -71,3 +81,60 @@ def recv_all(sock: socket.socket, size: int) -> bytes:
             raise ConnectionError("closed")
         data += piece
     return bytes(data)
+
+
+class FakeMember:
+    """A pool member played by this process, for a member that misbehaves or
+    is old: kvd's gRPC methods in ``handlers`` and DescribePaths (naming its
+    bulk port, ``bulk_version`` and ``bulk_ops``) on ``grpc_port``, and a
+    bulk TCP port whose every connection ``serve`` answers on a thread.
+    ``named_bulk_port``: the port DescribePaths names instead, where nothing
+    listens (a loopback bulk_listen seen from another node)."""
+
+    def __init__(
+        self, grpc_port: int, handlers: dict[str, Any] | None = None, *,
+        bulk_version: int = bulk.VERSION, named_bulk_port: int = 0, bulk_ops: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.bulk_port = named_bulk_port or self.listener.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+        paths = pb.DescribePathsResponse(
+            bulk_port=self.bulk_port, bulk_version=bulk_version, bulk_ops=list(bulk_ops)
+        )
+        describe = grpc.unary_unary_rpc_method_handler(
+            lambda request, context: paths,
+            request_deserializer=pb.DescribePathsRequest.FromString,
+            response_serializer=pb.DescribePathsResponse.SerializeToString,
+        )
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        methods = {"DescribePaths": describe, **(handlers or {})}
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, methods),)
+        )
+        self.server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+        self.server.start()
+
+    def serve(self, sock: socket.socket) -> None:
+        """Answer one bulk connection (closed when this returns)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.stop(0)
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                self.serve(sock)
+            except (OSError, ConnectionError):
+                return

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,14 @@ from kvd.cluster.rendezvous import Placement
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.checksum import checksum
-from kvd.wire.grpc import SERVICE
-from tests.cluster.cluster import free_ports, keys_owned, labelled, recv_all, start_static_pool
+from tests.cluster.cluster import (
+    FakeMember,
+    free_ports,
+    keys_owned,
+    labelled,
+    recv_all,
+    start_static_pool,
+)
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -66,31 +70,14 @@ def test_remote_gets_land_in_l1_with_their_bytes(tmp_path: Path, transport: str)
 BAD_SIZE = 3 * PAGE + 100  # four pages, the last one partly
 
 
-class BadOwner:
-    """DescribePaths over gRPC, and a bulk port answering every GET wrongly
-    according to its key's last word (corrupt, short, stall; else a miss)."""
+class BadOwner(FakeMember):
+    """A bulk port answering every GET wrongly according to its key's last
+    word (corrupt, short, stall; else a miss); its gRPC Get serves every key
+    (for a ``named_bulk_port`` where nothing listens)."""
 
     def __init__(
         self, grpc_port: int, bulk_version: int = bulk.VERSION, named_bulk_port: int = 0
     ) -> None:
-        """``named_bulk_port``: the port DescribePaths names, where nothing
-        listens (a loopback bulk_listen seen from another node); its gRPC Get
-        then serves every key."""
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.bulk_port = named_bulk_port or self.listener.getsockname()[1]
-        self.stop = threading.Event()
-        self.version = bulk_version
-        threading.Thread(target=self._accept, daemon=True).start()
-
-        def describe(request: Any, context: Any) -> pb.DescribePathsResponse:
-            return pb.DescribePathsResponse(bulk_port=self.bulk_port, bulk_version=self.version)
-
-        handler = grpc.unary_unary_rpc_method_handler(
-            describe,
-            request_deserializer=pb.DescribePathsRequest.FromString,
-            response_serializer=pb.DescribePathsResponse.SerializeToString,
-        )
-
         def get(request: pb.GetRequest, context: Any) -> Any:
             value = request.key * 1000
             header = pb.GetHeader(found=True, size=len(value), checksum=checksum(value))
@@ -102,41 +89,20 @@ class BadOwner:
             request_deserializer=pb.GetRequest.FromString,
             response_serializer=pb.GetResponse.SerializeToString,
         )
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        handlers = {"DescribePaths": handler, "Get": get_handler}
-        generic = grpc.method_handlers_generic_handler(SERVICE, handlers)
-        self.server.add_generic_rpc_handlers((generic,))
-        self.server.add_insecure_port(f"127.0.0.1:{grpc_port}")
-        self.server.start()
+        super().__init__(grpc_port, {"Get": get_handler}, bulk_version=bulk_version,
+                         named_bulk_port=named_bulk_port)  # fmt: skip
 
-    def close(self) -> None:
-        self.stop.set()
-        self.server.stop(0)
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        with sock:
-            try:
-                while True:
-                    head = recv_all(sock, bulk.REQUEST.size)
-                    request = bulk.decode_request(head, 1 << 30)
-                    tail = recv_all(sock, request.tail_bytes)
-                    if request.op == bulk.OP_HELLO:
-                        recv_all(sock, request.length)
-                        sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
-                        continue
-                    _, key, _, _ = bulk.split_tail(request, tail)
-                    if not self._answer(sock, request.request_id, key):
-                        return
-            except (OSError, ConnectionError):
+    def serve(self, sock: socket.socket) -> None:
+        while True:
+            head = recv_all(sock, bulk.REQUEST.size)
+            request = bulk.decode_request(head, 1 << 30)
+            tail = recv_all(sock, request.tail_bytes)
+            if request.op == bulk.OP_HELLO:
+                recv_all(sock, request.length)
+                sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
+                continue
+            _, key, _, _ = bulk.split_tail(request, tail)
+            if not self._answer(sock, request.request_id, key):
                 return
 
     def _answer(self, sock: socket.socket, rid: int, key: bytes) -> bool:

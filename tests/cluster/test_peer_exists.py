@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import threading
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.grpc import SERVICE
 from kvd.wire.lookup import ChainShare
-from tests.cluster.cluster import free_ports, keys_owned, recv_all, start_static_pool
+from tests.cluster.cluster import FakeMember, free_ports, keys_owned, recv_all, start_static_pool
 from tests.support import DaemonProcess
 
 ENGINE_TOKEN = "engine-token-team-a"
@@ -105,24 +103,14 @@ def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
             daemon.discard()
 
 
-class FakeOwner:
-    """A member holding every key it is asked about: DescribePaths over gRPC,
-    and either a bulk port that answers PEER_EXISTS (``bulk_ops`` names it;
-    no gRPC Exists at all) or a gRPC Exists (``bulk_ops`` empty, as an
-    older daemon's). Records each Exists: its transport, keys and chain."""
+class FakeOwner(FakeMember):
+    """A member holding every key it is asked about, with either a bulk port
+    that answers PEER_EXISTS (``bulk_ops`` names it; no gRPC Exists at all)
+    or a gRPC Exists (``bulk_ops`` empty, as an older daemon's). Records each
+    Exists: its transport, keys and chain."""
 
     def __init__(self, grpc_port: int, offer_exists: bool) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.stop = threading.Event()
         self.asked: list[tuple[str, list[bytes], ChainShare | None]] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-        bulk_port = self.listener.getsockname()[1]
-        ops = ["exists"] if offer_exists else []
-
-        def describe(request: Any, context: Any) -> pb.DescribePathsResponse:
-            return pb.DescribePathsResponse(
-                bulk_port=bulk_port, bulk_version=bulk.VERSION, bulk_ops=ops
-            )
 
         def exists(request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
             chain = None
@@ -131,59 +119,30 @@ class FakeOwner:
             self.asked.append(("grpc", list(request.keys), chain))
             return pb.ExistsResponse(exists=[True] * len(request.keys))
 
-        handlers = {
-            "DescribePaths": grpc.unary_unary_rpc_method_handler(
-                describe,
-                request_deserializer=pb.DescribePathsRequest.FromString,
-                response_serializer=pb.DescribePathsResponse.SerializeToString,
-            )
-        }
+        handlers = {}
         if not offer_exists:
             handlers["Exists"] = grpc.unary_unary_rpc_method_handler(
                 exists,
                 request_deserializer=pb.ExistsRequest.FromString,
                 response_serializer=pb.ExistsResponse.SerializeToString,
             )
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        generic = grpc.method_handlers_generic_handler(SERVICE, handlers)
-        self.server.add_generic_rpc_handlers((generic,))
-        self.server.add_insecure_port(f"127.0.0.1:{grpc_port}")
-        self.server.start()
+        super().__init__(grpc_port, handlers, bulk_ops=["exists"] if offer_exists else [])
 
-    def close(self) -> None:
-        self.stop.set()
-        self.server.stop(0)
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        with sock:
-            try:
-                while True:
-                    head = recv_all(sock, bulk.REQUEST.size)
-                    request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
-                    recv_all(sock, request.tail_bytes)
-                    payload = recv_all(sock, request.length)
-                    if request.op == bulk.OP_HELLO:
-                        sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
-                        continue
-                    assert request.op == bulk.OP_PEER_EXISTS
-                    keys, chain = bulk.decode_exists(payload)
-                    self.asked.append(("bulk", keys, chain))
-                    answer = b"\x01" * len(keys)
-                    head = bulk.encode_response(
-                        bulk.OP_PEER_EXISTS, request.request_id, length=len(answer)
-                    )
-                    sock.sendall(head + answer)
-            except (OSError, ConnectionError):
-                return
+    def serve(self, sock: socket.socket) -> None:
+        while True:
+            head = recv_all(sock, bulk.REQUEST.size)
+            request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
+            recv_all(sock, request.tail_bytes)
+            payload = recv_all(sock, request.length)
+            if request.op == bulk.OP_HELLO:
+                sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
+                continue
+            assert request.op == bulk.OP_PEER_EXISTS
+            keys, chain = bulk.decode_exists(payload)
+            self.asked.append(("bulk", keys, chain))
+            answer = b"\x01" * len(keys)
+            head = bulk.encode_response(bulk.OP_PEER_EXISTS, request.request_id, length=len(answer))
+            sock.sendall(head + answer)
 
 
 def _lookup_through(tmp_path: Path, offer_exists: bool) -> list[tuple[str, list[bytes], Any]]:

@@ -14,21 +14,23 @@ import mmap
 import os
 import socket
 import threading
-from concurrent import futures
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
 
 from kvd.client import Client
 from kvd.cluster.nixl_node import NixlNode, segments
 from kvd.cluster.rendezvous import Placement
-from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.checksum import checksum
-from kvd.wire.grpc import SERVICE
-from tests.cluster.cluster import free_ports, keys_owned, labelled, recv_all, start_static_pool
+from tests.cluster.cluster import (
+    FakeMember,
+    free_ports,
+    keys_owned,
+    labelled,
+    recv_all,
+    start_static_pool,
+)
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -106,11 +108,11 @@ def test_member_without_nixl_is_read_over_bulk(tmp_path: Path) -> None:
 BAD_SIZE = 3 * PAGE + 100
 
 
-class BadNixlOwner:
-    """DescribePaths, a bulk port and a NIXL agent over a buffer of its own;
-    NIXL_PIN answers by the key's last word: ``corrupt`` pins bytes that do
-    not match the checksum it sends, ``outside`` segments outside its
-    registered memory."""
+class BadNixlOwner(FakeMember):
+    """A bulk port and a NIXL agent over a buffer of its own; NIXL_PIN
+    answers by the key's last word: ``corrupt`` pins bytes that do not match
+    the checksum it sends, ``outside`` segments outside its registered
+    memory."""
 
     def __init__(self, grpc_port: int) -> None:
         self.buffer = mmap.mmap(-1, 4 * BAD_SIZE)
@@ -118,26 +120,9 @@ class BadNixlOwner:
         node = NixlNode.start(memoryview(self.buffer), "bad-owner")
         assert isinstance(node, NixlNode), node
         self.node = node
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.bulk_port = self.listener.getsockname()[1]
-        self.stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(grpc_port)
         self.progressing = threading.Thread(target=self._progress, daemon=True)
         self.progressing.start()
-
-        def describe(request: Any, context: Any) -> pb.DescribePathsResponse:
-            return pb.DescribePathsResponse(bulk_port=self.bulk_port, bulk_version=bulk.VERSION)
-
-        handler = grpc.unary_unary_rpc_method_handler(
-            describe,
-            request_deserializer=pb.DescribePathsRequest.FromString,
-            response_serializer=pb.DescribePathsResponse.SerializeToString,
-        )
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        generic = grpc.method_handlers_generic_handler(SERVICE, {"DescribePaths": handler})
-        self.server.add_generic_rpc_handlers((generic,))
-        self.server.add_insecure_port(f"127.0.0.1:{grpc_port}")
-        self.server.start()
 
     def _progress(self) -> None:
         """The target side of the daemon's READs (a daemon does it while it holds pins)."""
@@ -145,32 +130,18 @@ class BadNixlOwner:
             self.node.progress()
 
     def close(self) -> None:
-        self.stop.set()
+        super().close()
         self.progressing.join(5)
-        self.server.stop(0)
-        self.listener.close()
         self.node.close()
 
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        with sock:
-            try:
-                while True:
-                    head = recv_all(sock, bulk.REQUEST.size)
-                    request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
-                    tail = recv_all(sock, request.tail_bytes)
-                    if request.op == bulk.OP_HELLO:
-                        recv_all(sock, request.length)
-                    sock.sendall(self._answer(request, tail))
-            except (OSError, ConnectionError):
-                return
+    def serve(self, sock: socket.socket) -> None:
+        while True:
+            head = recv_all(sock, bulk.REQUEST.size)
+            request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
+            tail = recv_all(sock, request.tail_bytes)
+            if request.op == bulk.OP_HELLO:
+                recv_all(sock, request.length)
+            sock.sendall(self._answer(request, tail))
 
     def _answer(self, request: bulk.Request, tail: bytes) -> bytes:
         rid = request.request_id
