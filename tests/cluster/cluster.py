@@ -3,6 +3,7 @@ and a member played by the test process (``FakeMember``)."""
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import urllib.request
@@ -53,6 +54,25 @@ def start_static_pool(
             daemon.kill()
         raise
     return daemons
+
+
+# An engine's token, admitted to team-a's namespaces, and the pool's token.
+ENGINE_TOKEN = "engine-token-team-a"
+POOL_TOKEN = "pool-token-of-this-fleet"
+
+
+def pool_auth(root: Path) -> list[str]:
+    """Daemon flags for auth with ``ENGINE_TOKEN`` (namespaces ``team-a/*``)
+    and ``POOL_TOKEN`` (every namespace, and the pool token), written under ``root``."""
+    digest = {t: hashlib.sha256(t.encode()).hexdigest() for t in (ENGINE_TOKEN, POOL_TOKEN)}
+    tokens = root / "tokens.toml"
+    tokens.write_text(
+        f'[[tokens]]\nname = "team-a"\nsha256 = "{digest[ENGINE_TOKEN]}"\n'
+        'namespaces = ["team-a/*"]\n'
+        f'[[tokens]]\nname = "pool"\nsha256 = "{digest[POOL_TOKEN]}"\nnamespaces = ["*"]\n'
+    )
+    (root / "pool-token").write_text(POOL_TOKEN + "\n")
+    return ["--auth-tokens-file", str(tokens), "--pool-token-file", str(root / "pool-token")]
 
 
 def labelled(port: int, name: str, **labels: str) -> float:

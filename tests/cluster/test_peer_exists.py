@@ -7,7 +7,6 @@ all), and one that does not over gRPC."""
 
 from __future__ import annotations
 
-import hashlib
 import socket
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,18 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.grpc import SERVICE
 from kvd.wire.lookup import ChainShare
-from tests.cluster.cluster import FakeMember, free_ports, keys_owned, recv_all, start_static_pool
+from tests.cluster.cluster import (
+    ENGINE_TOKEN,
+    POOL_TOKEN,
+    FakeMember,
+    free_ports,
+    keys_owned,
+    pool_auth,
+    recv_all,
+    start_static_pool,
+)
 from tests.support import DaemonProcess
 
-ENGINE_TOKEN = "engine-token-team-a"
-POOL_TOKEN = "pool-token-of-this-fleet"
 NS = "team-a/model"
 
 
@@ -52,16 +58,7 @@ def _exists(sock: socket.socket, rid: int, payload: bytes, ns: str = NS) -> tupl
 
 
 def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
-    digest = {t: hashlib.sha256(t.encode()).hexdigest() for t in (ENGINE_TOKEN, POOL_TOKEN)}
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(
-        f'[[tokens]]\nname = "team-a"\nsha256 = "{digest[ENGINE_TOKEN]}"\n'
-        'namespaces = ["team-a/*"]\n'
-        f'[[tokens]]\nname = "pool"\nsha256 = "{digest[POOL_TOKEN]}"\nnamespaces = ["*"]\n'
-    )
-    (tmp_path / "pool-token").write_text(POOL_TOKEN + "\n")
-    auth = ["--auth-tokens-file", str(tokens), "--pool-token-file", str(tmp_path / "pool-token")]
-    daemons = start_static_pool(tmp_path, 2, *auth, peer_timeout_ms=2000)
+    daemons = start_static_pool(tmp_path, 2, *pool_auth(tmp_path), peer_timeout_ms=2000)
     owner = daemons[0]
     try:
         held = [b"held-%04d" % i for i in range(3)]

@@ -9,7 +9,6 @@ The bad owner is a NIXL agent and a bulk port in this process."""
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import socket
@@ -24,10 +23,13 @@ from kvd.cluster.rendezvous import Placement
 from kvd.wire import bulk
 from kvd.wire.checksum import checksum
 from tests.cluster.cluster import (
+    ENGINE_TOKEN,
+    POOL_TOKEN,
     FakeMember,
     free_ports,
     keys_owned,
     labelled,
+    pool_auth,
     recv_all,
     start_static_pool,
 )
@@ -197,21 +199,8 @@ def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
         bad.close()
 
 
-ENGINE_TOKEN = "engine-token-team-a"
-POOL_TOKEN = "pool-token-of-this-fleet"
-
-
 def test_with_auth_only_the_pool_token_may_pin(tmp_path: Path) -> None:
-    digest = {t: hashlib.sha256(t.encode()).hexdigest() for t in (ENGINE_TOKEN, POOL_TOKEN)}
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(
-        f'[[tokens]]\nname = "team-a"\nsha256 = "{digest[ENGINE_TOKEN]}"\n'
-        'namespaces = ["team-a/*"]\n'
-        f'[[tokens]]\nname = "pool"\nsha256 = "{digest[POOL_TOKEN]}"\nnamespaces = ["*"]\n'
-    )
-    (tmp_path / "pool-token").write_text(POOL_TOKEN + "\n")
-    auth = ["--auth-tokens-file", str(tokens), "--pool-token-file", str(tmp_path / "pool-token"),
-            "--pool-peer-transport", "nixl"]  # fmt: skip
+    auth = [*pool_auth(tmp_path), "--pool-peer-transport", "nixl"]
     daemons = start_static_pool(tmp_path, 2, *auth, peer_timeout_ms=2000)
     owner, reader = daemons
     try:
