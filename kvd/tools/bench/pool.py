@@ -249,10 +249,11 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
 
 def _lookup_times(client: Client, ns: str, keys: list[bytes], count: int) -> list[float]:
     """``count`` timed lookups of the chain, after ``LOOKUP_WARMUP`` untimed
-    ones (as ``kvd bench lookup``): the second lookup of a 1,000-key chain
-    took 18-24 ms here, on one daemon as on a pool (it waits for the policy's
-    learning of the first, every key first seen), and of 200 lookups such a
-    start would be the p99."""
+    ones (as ``kvd bench lookup``): connections and caches warm on both
+    sides. Before the daemon ran its own full garbage collections
+    (kvd.util.collector), the second lookup of a 1,000-key chain took 18-24
+    ms on one daemon as on a pool, a full collection, and of 200 lookups
+    such a start was the p99."""
     for _ in range(LOOKUP_WARMUP):
         client.lookup(ns, keys)
     seconds = []
