@@ -185,21 +185,22 @@ def _wipe(target: Target) -> None:
 
 def _lay_out(target: Target) -> None:
     """Write every byte the records may take on each path (random bytes, 4 MiB
-    at a time, O_DIRECT), as an SSD in use holds data in every block; what
-    was there before is gone, and no segment marker is left valid."""
-    per_path = _bytes_per_path(target)
-    chunk = LAY_OUT_BYTES
-    with mmap.mmap(-1, chunk) as data:
-        data.write(random.Random(0).randbytes(chunk))
-        for path in target.paths:
-            fd = os.open(path, os.O_WRONLY | os.O_DIRECT | (0 if target.block_devices
-                                                          else os.O_CREAT), 0o600)  # fmt: skip
-            try:
-                for offset in range(0, per_path, chunk):
-                    os.pwritev(fd, [memoryview(data)[: min(chunk, per_path - offset)]], offset)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+    at a time), as an SSD in use holds data in every block; what was there
+    before is gone, and no segment marker is left valid. The paths are opened
+    as the tier opens them: a file is created and reserved (refused on a file
+    system without room for it), a device is used up to its size."""
+    devices = _devices(target)
+    try:
+        span = devices.segment_count * devices.segment_bytes
+        with mmap.mmap(-1, LAY_OUT_BYTES) as data:
+            data.write(random.Random(0).randbytes(LAY_OUT_BYTES))
+            for device in devices.devices:
+                for offset in range(0, span, LAY_OUT_BYTES):
+                    size = min(LAY_OUT_BYTES, span - offset)
+                    os.pwritev(device.fd, [memoryview(data)[:size]], offset)
+                os.fsync(device.fd)
+    finally:
+        devices.close()
 
 
 async def _fill(target: Target, block_bytes: int) -> int:
