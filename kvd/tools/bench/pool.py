@@ -6,7 +6,10 @@ reference measured in the same run.
   daemon offers (``pool_peer_transport``); beside each, the TCP ceiling between
   the same two nodes measured just before it (``kvd.tools.bench.pool_ceiling``:
   on this loaded 2-core VM a ceiling moves by 2x within minutes). Each value is read
-  once (a second read is local: A keeps it in L1, reported beside). Then a
+  once (a second read is local: A keeps it in L1, reported beside). Then as
+  many other values in calls of ``REMOTE_BATCH`` (``get_many_into``, as an
+  engine loads a prefix of large blocks: A fetches a call's values from B in
+  parallel), against the same ceiling. Then a
   chain of 64 values of 64 KiB that B owns, read through A one value at a
   time and in one batch (``get_many_into``: A asks B for all it lacks at
   once), fresh values each round.
@@ -67,6 +70,7 @@ CHAIN_VALUES = 64
 CHAIN_VALUE_BYTES = 64 * 1024
 CHAIN_ROUNDS = 3
 CHAIN_NS = "bench-remote-chain"
+REMOTE_BATCH = 8  # values per get_many_into of the batched remote gets
 CALL_TIMEOUT_S = 60.0
 LOOKUP_WARMUP = 5
 # Peer calls may take 1 s here (the daemon's default is 200 ms): the bench
@@ -161,6 +165,29 @@ def _timed_gets(client: Client, ns: str, keys: list[bytes], first: int,
     return seconds, moved, wrong, misses
 
 
+def _timed_batches(client: Client, ns: str, keys: list[bytes], first: int,
+                   value_bytes: int) -> tuple[float, int, int, int]:  # fmt: skip
+    """``keys`` read ``REMOTE_BATCH`` a call into one region: the calls' seconds,
+    bytes got, wrong bytes, misses (each value checked after its call's clock)."""
+    region = client.buffer(REMOTE_BATCH * value_bytes)
+    views = [region[i * value_bytes : (i + 1) * value_bytes] for i in range(REMOTE_BATCH)]
+    seconds = 0.0
+    moved = wrong = misses = 0
+    for start in range(0, len(keys), REMOTE_BATCH):
+        batch = keys[start : start + REMOTE_BATCH]
+        started = time.perf_counter()
+        got = client.get_many_into(ns, batch, views[: len(batch)])
+        seconds += time.perf_counter() - started
+        for i, (size, view) in enumerate(zip(got, views, strict=False)):
+            if size is None:
+                misses += 1
+                continue
+            moved += size
+            if bytes(view[:size]) != block_value(first + start + i, value_bytes):
+                wrong += size
+    return seconds, moved, wrong, misses
+
+
 def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, Any]:
     """``keys`` (owned by ``owner``'s daemon, ``CHAIN_VALUES`` x 2 per round)
     read through ``engine``'s daemon one at a time and in one batch."""
@@ -203,7 +230,8 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
     between the same two nodes; then the remote chain (``remote_chain``)."""
     extra = ["--pool-peer-transport", transport] if transport else []
     chain_bytes = 2 * CHAIN_ROUNDS * CHAIN_VALUES * CHAIN_VALUE_BYTES
-    dram = f"{options.values * options.value_bytes * 2 + chain_bytes * 2 + 64 * MiB}"
+    # B holds the values of the single and the batched gets, A a copy of each.
+    dram = f"{options.values * options.value_bytes * 4 + chain_bytes * 2 + 64 * MiB}"
     max_value = str(max(options.value_bytes, MiB))
     with Pool(root / f"get-{transport or 'default'}", 2, extra, netns=options.netns,
               peer_timeout_ms=PEER_TIMEOUT_MS,
@@ -214,15 +242,20 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
         used = _transport_used(a.running.log)
         progress(f"pool: remote get, transport {transport or 'default'} (daemon says {used})")
         ns = "bench-remote"
-        keys = _keys_owned(pool.placement(), b.address, ns, "v", options.values + 1)
+        keys = _keys_owned(pool.placement(), b.address, ns, "v", 2 * options.values + 1)
+        single_keys, batch_keys = keys[1 : options.values + 1], keys[options.values + 1 :]
         with Client(b.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S) as put:
             for i, key in enumerate(keys):
                 put.put(ns, key, block_value(i, options.value_bytes))
         with Client(a.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S) as engine:
             _timed_gets(engine, ns, keys[:1], 0, options.value_bytes)  # connections up
-            remote, moved, wrong, misses = _timed_gets(engine, ns, keys[1:], 1, options.value_bytes)
+            remote, moved, wrong, misses = _timed_gets(engine, ns, single_keys, 1,
+                                                       options.value_bytes)  # fmt: skip
             local, moved_local, wrong_local, _ = _timed_gets(
-                engine, ns, keys[1:], 1, options.value_bytes
+                engine, ns, single_keys, 1, options.value_bytes
+            )
+            batched_s, moved_batched, wrong_batched, misses_batched = _timed_batches(
+                engine, ns, batch_keys, options.values + 1, options.value_bytes
             )
             progress(f"pool: remote chain, transport {transport or 'default'}")
             chain_keys = _keys_owned(
@@ -240,9 +273,11 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             "get_p50_ms": float(np.percentile(remote, 50)) * 1e3,
             "get_p99_ms": float(np.percentile(remote, 99)) * 1e3,
             "local_bytes_per_s": moved_local / sum(local),
+            "batch_values": REMOTE_BATCH,
+            "batch_bytes_per_s": moved_batched / batched_s,
             "tcp_ceiling": ceiling,
-            "wrong_bytes": wrong + wrong_local + chain["wrong_bytes"],
-            "misses": misses,
+            "wrong_bytes": wrong + wrong_local + wrong_batched + chain["wrong_bytes"],
+            "misses": misses + misses_batched,
             "chain": chain,
         }
 

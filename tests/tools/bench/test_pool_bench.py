@@ -44,6 +44,7 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     gets = result["remote_get"]
     assert [g["transport_asked"] for g in gets] == [transport or "default"]
     assert all(g["wrong_bytes"] == 0 and g["misses"] == 0 and g["bytes_per_s"] > 0 for g in gets)
+    assert all(g["batch_bytes_per_s"] > 0 and g["batch_values"] == pool.REMOTE_BATCH for g in gets)
     assert gets[0]["tcp_ceiling"]["bytes"] == 2 * 2**20
     chain = gets[0]["chain"]  # a remote chain, one at a time and in one batch
     assert chain["values"] == pool.CHAIN_VALUES and chain["misses"] == 0
@@ -62,4 +63,4 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     faults = result["faults"]["rows"]
     assert [f["fault"] for f in faults][-2:] == ["SIGSTOP", "SIGKILL, restarted"]
     assert all(f["wrong_bytes"] == 0 and f["errors"] == 0 and f["misses"] > 0 for f in faults)
-    assert len(result["targets"]) == len(gets) + 3 + len(faults)
+    assert len(result["targets"]) == 2 * len(gets) + 3 + len(faults)
