@@ -9,18 +9,20 @@ on its L2 serves its keys again. Root only (CI is root)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvd.client import Client, KvdError
 from kvd.tools.bench import netns
-from kvd.tools.bench.pool_nodes import Member, Pool
+from kvd.tools.bench.pool_nodes import UCX_TLS_BETWEEN_NODES, Member, Pool
 from tests.support import DaemonProcess, wait_until
 
 pytestmark = [
@@ -190,6 +192,16 @@ def test_a_killed_member_costs_misses_and_comes_back_warm(pool: Pool) -> None:
     back.check()
     # Served from its L2 file: it came back warm (its L1 started empty).
     assert c.metric("kvd_l2_reads_total") >= len(on_c)
+
+
+def test_members_run_ucx_without_shared_memory_as_separate_nodes(pool: Pool) -> None:
+    """On one host UCX (under NIXL) would move peer reads through shared
+    memory, which no two real nodes share: members run with UCX_TLS=^sm,
+    unless the caller set UCX_TLS."""
+    expected = os.environ.get("UCX_TLS", UCX_TLS_BETWEEN_NODES)
+    for member in pool.members:
+        environ = Path(f"/proc/{member.running.proc.pid}/environ").read_bytes().split(b"\0")
+        assert f"UCX_TLS={expected}".encode() in environ
 
 
 def test_a_crashed_runs_namespaces_are_swept_and_a_lab_leaves_none() -> None:
