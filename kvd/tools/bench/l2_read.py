@@ -165,22 +165,11 @@ async def _close(store: Store, tier: L2Tier) -> None:
 
 
 def _wipe(target: Target) -> None:
-    """Forget earlier runs: remove the files, or zero each segment's first page
-    on the devices (the marker a recovery starts from)."""
+    """Remove the data files of a directory target (devices keep what is on
+    them: ``_lay_out`` overwrites it before the next fill)."""
     if not target.block_devices:
         for path in target.paths:
             Path(path).unlink(missing_ok=True)
-        return
-    with mmap.mmap(-1, 64 << 10) as zeros:
-        for path in target.paths:
-            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-            try:
-                size = os.lseek(fd, 0, os.SEEK_END)
-                for offset in range(0, size - SEGMENT_BYTES + 1, SEGMENT_BYTES):
-                    os.pwritev(fd, [zeros], offset)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 def _lay_out(target: Target) -> None:
@@ -366,8 +355,7 @@ def run(
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     n = len(target.paths)
     for block_bytes in blocks_bytes:
-        _wipe(target)
-        _lay_out(target)
+        _lay_out(target)  # also forgets earlier runs: no segment marker stays valid
         mib, kib = target.data_bytes >> 20, block_bytes >> 10
         progress(f"l2 read: filling {mib} MiB of {kib} KiB blocks")
         count = asyncio.run(_fill(target, block_bytes))
@@ -393,8 +381,7 @@ def run(
                         case = asyncio.run(_read_tier(target, backend, depth, seconds, batched))
                     rows.append(Row(backend, read_path, n, block_bytes, depth, case.gbps,
                                     case.cpu_us_per_read, fio))  # fmt: skip
-    if not target.block_devices:
-        _wipe(target)  # the data files; devices keep the last fill
+    _wipe(target)  # the data files; devices keep the last fill
     return rows
 
 
