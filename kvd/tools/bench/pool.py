@@ -166,26 +166,33 @@ def _timed_gets(client: Client, ns: str, keys: list[bytes], first: int,
 
 
 def _timed_batches(client: Client, ns: str, keys: list[bytes], first: int,
-                   value_bytes: int) -> tuple[float, int, int, int]:  # fmt: skip
-    """``keys`` read ``REMOTE_BATCH`` a call into one region: the calls' seconds,
-    bytes got, wrong bytes, misses (each value checked after its call's clock)."""
-    region = client.buffer(REMOTE_BATCH * value_bytes)
-    views = [region[i * value_bytes : (i + 1) * value_bytes] for i in range(REMOTE_BATCH)]
+                   views: list[memoryview]) -> tuple[float, int, int, int]:  # fmt: skip
+    """``keys`` read ``len(views)`` a call (``get_many_into``) into ``views``: the
+    calls' seconds, bytes got, wrong bytes, misses (each value checked after
+    its call's clock; key i holds ``block_value(first + i)``)."""
+    size = len(views[0])
     seconds = 0.0
     moved = wrong = misses = 0
-    for start in range(0, len(keys), REMOTE_BATCH):
-        batch = keys[start : start + REMOTE_BATCH]
+    for start in range(0, len(keys), len(views)):
+        batch = keys[start : start + len(views)]
+        into = views[: len(batch)]
         started = time.perf_counter()
-        got = client.get_many_into(ns, batch, views[: len(batch)])
+        got = client.get_many_into(ns, batch, into)
         seconds += time.perf_counter() - started
-        for i, (size, view) in enumerate(zip(got, views, strict=False)):
-            if size is None:
+        for i, (size_got, view) in enumerate(zip(got, into, strict=True)):
+            if size_got is None:
                 misses += 1
                 continue
-            moved += size
-            if bytes(view[:size]) != block_value(first + start + i, value_bytes):
-                wrong += size
+            moved += size_got
+            if bytes(view[:size_got]) != block_value(first + start + i, size):
+                wrong += size_got
     return seconds, moved, wrong, misses
+
+
+def _views(client: Client, count: int, size: int) -> list[memoryview]:
+    """``count`` buffers of ``size`` bytes, one after the other in one region."""
+    region = client.buffer(count * size)
+    return [region[i * size : (i + 1) * size] for i in range(count)]
 
 
 def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, Any]:
@@ -193,8 +200,7 @@ def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, 
     read through ``engine``'s daemon one at a time and in one batch."""
     n, size = CHAIN_VALUES, CHAIN_VALUE_BYTES
     owner.put_many(CHAIN_NS, [(key, block_value(i, size)) for i, key in enumerate(keys)])
-    region = engine.buffer(n * size)
-    views = [region[i * size : (i + 1) * size] for i in range(n)]
+    views = _views(engine, n, size)
     single = batch = float("inf")
     wrong = misses = 0
     for round_ in range(CHAIN_ROUNDS):
@@ -205,14 +211,11 @@ def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, 
         single = min(single, sum(seconds))
         wrong, misses = wrong + wrong_one, misses + misses_one
         first += n
-        started = time.perf_counter()
-        got = engine.get_many_into(CHAIN_NS, keys[first : first + n], views)
-        batch = min(batch, time.perf_counter() - started)
-        for i, (size_got, view) in enumerate(zip(got, views, strict=True)):
-            if size_got is None:
-                misses += 1
-            elif bytes(view[:size_got]) != block_value(first + i, size):
-                wrong += size_got
+        batch_s, _, wrong_batch, misses_batch = _timed_batches(
+            engine, CHAIN_NS, keys[first : first + n], first, views
+        )
+        batch = min(batch, batch_s)
+        wrong, misses = wrong + wrong_batch, misses + misses_batch
     return {
         "values": n,
         "value_bytes": size,
@@ -255,8 +258,9 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
                 engine, ns, single_keys, 1, options.value_bytes
             )
             batched_s, moved_batched, wrong_batched, misses_batched = _timed_batches(
-                engine, ns, batch_keys, options.values + 1, options.value_bytes
-            )
+                engine, ns, batch_keys, options.values + 1,
+                _views(engine, REMOTE_BATCH, options.value_bytes),
+            )  # fmt: skip
             progress(f"pool: remote chain, transport {transport or 'default'}")
             chain_keys = _keys_owned(
                 pool.placement(), b.address, CHAIN_NS, "c", 2 * CHAIN_ROUNDS * CHAIN_VALUES
