@@ -86,6 +86,14 @@ POOL_COUNTERS = {
         "kvd_cluster_tells_dropped",
         "Lookups not told to an owner for its eviction policy: too many in flight",
     ),
+    "plans_adopted": (
+        "kvd_cluster_plans_adopted",
+        "Eviction plans of the pool's plan holder this member keeps its blocks by",
+    ),
+    "plans_refused": (
+        "kvd_cluster_plans_refused",
+        "Plans of the pool's plan holder refused: another policy or member size",
+    ),
 }
 
 

@@ -3,7 +3,8 @@ value reads between daemons of the pool: the peer side of
 ``kvd.paths.bulk.server``, speaking the same frames (``kvd.wire.bulk``).
 
 A member's Exists (its share of a chain being looked up) is one
-PEER_EXISTS frame each way on the same connections.
+PEER_EXISTS frame each way on the same connections, and so is the ask for
+a member's eviction plan (PEER_PLAN).
 
 A read is one GET frame with ``FLAG_HOP`` (the owner answers from what it
 holds, never asking a third member); its answer's header says the size,
@@ -48,11 +49,14 @@ from kvd.wire.bulk import (
     OP_NIXL_PIN,
     OP_NIXL_RELEASE,
     OP_PEER_EXISTS,
+    OP_PEER_PLAN,
+    PLAN_BYTES_MAX,
     RESPONSE,
     RESPONSE_MAGIC,
     VERSION,
     encode_exists,
     encode_request,
+    exists_meta,
 )
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import CODE_NAMES, CODE_NUMBERS
@@ -153,8 +157,9 @@ class BulkConnection:
         rid = next(self._ids)
         payload = encode_exists(width, keys, chain)
         request = encode_request(
-            OP_PEER_EXISTS, rid, namespace.encode(), flags=FLAG_HOP, length=len(payload)
-        )
+            OP_PEER_EXISTS, rid, namespace.encode(), meta=exists_meta(chain), flags=FLAG_HOP,
+            length=len(payload),
+        )  # fmt: skip
         await self._send(request + payload)
         code, _, message, (length, _) = await self._answer(OP_PEER_EXISTS, rid)
         if code != CODE_OK:
@@ -167,6 +172,24 @@ class BulkConnection:
         await self._recv_into(memoryview(answer), None, 0, length)
         self.reusable = True
         return [held != 0 for held in answer]
+
+    async def plan(self) -> tuple[str, bytes] | None:
+        """The member's eviction policy's name and plan; None while it has none."""
+        self.reusable = False
+        rid = next(self._ids)
+        await self._send(encode_request(OP_PEER_PLAN, rid, flags=FLAG_HOP))
+        code, meta, message, (length, _) = await self._answer(OP_PEER_PLAN, rid)
+        if code != CODE_OK:
+            self.reusable = True
+            if code == CODE_NOT_FOUND:
+                return None
+            raise _refused("PLAN", code, message)
+        if length > PLAN_BYTES_MAX:
+            raise PeerError(f"a plan of {length} bytes, over {PLAN_BYTES_MAX}", "protocol")
+        plan = bytearray(length)
+        await self._recv_into(memoryview(plan), None, 0, length)
+        self.reusable = True
+        return meta.decode("utf-8", "replace"), bytes(plan)
 
     async def nixl_meta(self) -> bytes | None:
         """The member's NIXL agent metadata; None where it has no agent, or

@@ -20,7 +20,8 @@ Transports (``pool_peer_transport``, the name -> way table is ``TRANSPORTS``):
 
 A member's Exists (its share of a chain being looked up) goes the same
 way as its values: a PEER_EXISTS frame on its bulk port where it takes one
-(``exists``), else gRPC.
+(``exists``), else gRPC. A member's eviction plan is asked on its bulk port
+only (PEER_PLAN, where it takes ``plan``).
 
 A member whose DescribePaths names a bulk protocol version other than this
 daemon's is refused (a ``version`` peer error, logged by the router, and
@@ -218,6 +219,31 @@ class PeerReads:
             self._paths.pop(member, None)
             raise PeerError(
                 f"{member}: exists took more than {timeout_s * 1000:.0f} ms", "timeout"
+            ) from None
+        except PeerError:
+            self._paths.pop(member, None)  # asked again: it may have restarted
+            raise
+
+    async def plan(self, member: str, timeout_s: float) -> tuple[str, bytes] | None:
+        """The member's eviction policy's name and plan, asked on its bulk
+        port within ``timeout_s``; None where it has none or offers none (no
+        bulk port this daemon reaches, no ``plan`` op). A failure is a
+        ``PeerError``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                way = await self._way(member, timeout_s)
+                if way is None or "plan" not in self._paths[member].bulk_ops:
+                    return None
+                try:
+                    async with self.bulk.connection(member, *way) as connection:
+                        return await connection.plan()
+                except BulkUnreachable as error:
+                    self._unreachable(member, error)
+                    return None
+        except TimeoutError:
+            self._paths.pop(member, None)
+            raise PeerError(
+                f"{member}: plan took more than {timeout_s * 1000:.0f} ms", "timeout"
             ) from None
         except PeerError:
             self._paths.pop(member, None)  # asked again: it may have restarted

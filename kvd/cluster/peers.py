@@ -154,6 +154,7 @@ class Peers:
         if chain is not None:
             request.chain_length = chain.length
             request.chain_positions.extend(chain.positions)
+            request.chain_untold = chain.untold
         call = stub.Exists(request, timeout=max(timeout_s, 0.001), metadata=self._metadata)
         reply = await self._call(member, "Exists", timeout_s, call)
         if len(reply.exists) != len(keys):

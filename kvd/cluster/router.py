@@ -12,7 +12,12 @@ put handed on to its owner.
   its share in the background (at most ``TELLS_MAX`` at once). An owner's
   eviction policy learns from its share as if the lookup had been made
   there, and this daemon's policy learns only of the keys it owns, so the
-  members together learn what one daemon serving every engine would.
+  members together learn what one daemon serving every engine would. A
+  member that owns no key of the chain is not asked: the next share it
+  gets from this daemon says how many such lookups it missed
+  (``ChainShare.untold``), so every member's policy clock moves with
+  every lookup of the pool; and every member keeps blocks by one plan
+  (``kvd.cluster.plans``).
 - **Get**: a local miss asks the key's owner (``Store.on_miss``); the value
   is read into local L1 pages over the owner's bulk TCP port (or gRPC:
   ``kvd.cluster.peer_reads``), checked against the checksum the owner sent
@@ -45,10 +50,11 @@ from kvd.cluster import scope
 from kvd.cluster.membership import Membership
 from kvd.cluster.peer_reads import HIT, MISS, PeerReads
 from kvd.cluster.peers import PeerError, Peers
+from kvd.cluster.plans import PoolPlans
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
 from kvd.wire.errors import KvdError
-from kvd.wire.lookup import ChainShare, LookupResult
+from kvd.wire.lookup import UNTOLD_LOOKUPS_MAX, ChainShare, LookupResult
 
 log = logging.getLogger("kvd.cluster")
 
@@ -96,6 +102,8 @@ class PoolCounters:
     forward_errors: int = 0
     forwards_dropped: int = 0
     tells_dropped: int = 0  # lookups an owner was not told of (TELLS_MAX in flight)
+    plans_adopted: int = 0  # the plan holder's eviction plans this member keeps blocks by
+    plans_refused: int = 0  # plans of another policy or member size (it plans for itself)
 
 
 class PoolRouter:
@@ -127,6 +135,13 @@ class PoolRouter:
         self._workers: list[asyncio.Task[None]] = []
         self._errors_logged: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
+        # Per member: this daemon's lookups since it last told the member of
+        # one, of which it owned no key (ChainShare.untold).
+        self._untold: dict[str, int] = {}
+        self.plans = PoolPlans(
+            store.learning, membership, reads, timeout_s=peer_timeout_s,
+            failed=self._peer_failed, is_down=self._is_down,
+        )  # fmt: skip
         membership.on_change(self._members_changed)
 
     def start(self) -> None:
@@ -147,6 +162,7 @@ class PoolRouter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.plans.close()
         while not self._forward_queue.empty():
             reader = self._forward_queue.get_nowait()[3]
             if reader is not None:
@@ -155,6 +171,8 @@ class PoolRouter:
         await self.peers.close()
 
     def stats(self) -> dict[str, int]:
+        self.counters.plans_adopted = self.plans.adopted
+        self.counters.plans_refused = self.plans.refused
         values = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
         values["members"] = len(self.membership.members)
         values["membership_stale"] = int(self.membership.stale)
@@ -164,6 +182,7 @@ class PoolRouter:
         return values
 
     def _members_changed(self, members: tuple[str, ...]) -> None:
+        self._untold = {m: n for m, n in self._untold.items() if m in members}
         self.reads.retain(members)
         task = asyncio.get_running_loop().create_task(self.peers.retain(members))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -226,6 +245,8 @@ class PoolRouter:
         for position, (owner, own) in enumerate(zip(owners, mine, strict=True)):
             if not own:
                 shares.setdefault(owner, []).append(position)
+        self._count_untold(members, me, shares)
+        self.plans.seen()
         if local.prefix_len == len(keys):
             self._tell(namespace, keys, shares, list(shares))
             return local
@@ -267,7 +288,10 @@ class PoolRouter:
         found = self.store.exists(namespace, keys)
         if scope.current().hop:
             if chain is not None:
-                self.store.shares.learn_chain(namespace, keys, chain.length, chain.positions)
+                self.store.shares.learn_chain(
+                    namespace, keys, chain.length, chain.positions, chain.untold
+                )
+                self.plans.seen(1 + chain.untold)
             return found
         shares: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
@@ -301,8 +325,17 @@ class PoolRouter:
         self, owner: str, namespace: str, keys: list[bytes], positions: list[int],
         budget_s: float, chain: bool = True,
     ) -> list[bool]:  # fmt: skip
-        share = ChainShare(len(keys), positions) if chain else None
+        share = ChainShare(len(keys), positions, self._untold.pop(owner, 0)) if chain else None
         return await self._exists(owner, namespace, [keys[p] for p in positions], budget_s, share)
+
+    def _count_untold(
+        self, members: tuple[str, ...], me: str, shares: dict[str, list[int]]
+    ) -> None:
+        """A lookup the members in no share (but this one) will not be told of."""
+        untold = self._untold
+        for member in members:
+            if member != me and member not in shares:
+                untold[member] = min(untold.get(member, 0) + 1, UNTOLD_LOOKUPS_MAX)
 
     def _tell(
         self, namespace: str, keys: list[bytes], shares: dict[str, list[int]],

@@ -32,7 +32,7 @@ from kvd.store.eviction.policy import EvictionPolicy
 PENDING_KEYS_MAX = 65_536
 
 Schedule = Callable[[Callable[[], None]], Any]
-_Lookup = tuple[list[Any], list[Any], int, int | None, Sequence[bool] | None]
+_Lookup = tuple[list[Any], list[Any], int, int | None, Sequence[bool] | None, int]
 
 
 def policy_keys(ns_id: int, keys: Sequence[bytes]) -> list[tuple[int, bytes]]:
@@ -49,7 +49,7 @@ class DeferredPolicy(Generic[K]):
         self.policy = policy
         self.name = policy.name
         self.schedule = schedule
-        # Each lookup's (touched, chain, hits, ns_id, mine).
+        # Each lookup's (touched, chain, hits, ns_id, mine, untold).
         self._pending: list[_Lookup] = []
         self._pending_keys = 0
 
@@ -60,14 +60,17 @@ class DeferredPolicy(Generic[K]):
         hits: int,
         ns_id: int | None = None,
         mine: Sequence[bool] | None = None,
+        untold: int = 0,
     ) -> None:
-        """A lookup's calls: ``touch`` of each of ``touched``, then
-        ``on_lookup(chain, hits, mine)``; with ``ns_id``, the policy's keys
-        are ``policy_keys(ns_id, ...)`` of the keys given, made only when the
-        calls are told."""
+        """A lookup's calls: ``untold`` lookups of none of this member's keys
+        first (``on_lookup`` of an empty chain each: a pool member's clock
+        moves with the pool's lookups), then ``touch`` of each of
+        ``touched``, then ``on_lookup(chain, hits, mine)``; with ``ns_id``,
+        the policy's keys are ``policy_keys(ns_id, ...)`` of the keys given,
+        made only when the calls are told."""
         first = not self._pending
-        self._pending.append((touched, chain, hits, ns_id, mine))
-        self._pending_keys += len(touched) + len(chain)
+        self._pending.append((touched, chain, hits, ns_id, mine, untold))
+        self._pending_keys += len(touched) + len(chain) + untold
         if self._pending_keys > PENDING_KEYS_MAX:
             self.settle()
         elif first and self.schedule is not None:
@@ -79,7 +82,9 @@ class DeferredPolicy(Generic[K]):
             return
         pending, self._pending, self._pending_keys = self._pending, [], 0
         policy = self.policy
-        for touched, chain, hits, ns_id, mine in pending:
+        for touched, chain, hits, ns_id, mine, untold in pending:
+            for _ in range(untold):
+                policy.on_lookup([], 0, [])
             if ns_id is not None:
                 touched, chain = policy_keys(ns_id, touched), policy_keys(ns_id, chain)
             for key in touched:
@@ -106,6 +111,14 @@ class DeferredPolicy(Generic[K]):
     def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         self.settle()
         self.policy.on_lookup(keys, hits, mine)
+
+    def shared_plan(self) -> bytes | None:
+        self.settle()
+        return self.policy.shared_plan()
+
+    def adopt_plan(self, plan: bytes) -> bool:
+        self.settle()
+        return self.policy.adopt_plan(plan)
 
     def __len__(self) -> int:
         self.settle()

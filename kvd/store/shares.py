@@ -16,6 +16,7 @@ from kvd.store.entries import Entries
 from kvd.store.index import StoreLimits, check_keys
 from kvd.store.learning import DeferredPolicy
 from kvd.wire.errors import InvalidArgument
+from kvd.wire.lookup import UNTOLD_LOOKUPS_MAX
 
 
 class ChainShares:
@@ -32,15 +33,26 @@ class ChainShares:
         self._limits = limits
 
     def learn_chain(
-        self, ns_name: str, keys: Sequence[bytes], length: int, positions: Sequence[int]
+        self,
+        ns_name: str,
+        keys: Sequence[bytes],
+        length: int,
+        positions: Sequence[int],
+        untold: int = 0,
     ) -> None:
         """A pool member's share of a chain another member looked up: ``keys``
-        at ``positions`` (increasing) of a chain of ``length`` keys. The
-        policy learns of them as if the lookup had been made here (the other
-        positions are other members' keys: ``EvictionPolicy.on_lookup``'s
-        ``mine``). Its hits are the chain's leading keys that are another
-        member's or held here; nothing is leased."""
+        at ``positions`` (increasing) of a chain of ``length`` keys, after
+        ``untold`` lookups of that member's that held none of this one's
+        keys. The policy learns of them as if the lookups had been made here
+        (the other positions are other members' keys:
+        ``EvictionPolicy.on_lookup``'s ``mine``). Its hits are the chain's
+        leading keys that are another member's or held here; nothing is
+        leased."""
         check_keys(keys, self._limits.max_lookup_keys)
+        if not 0 <= untold <= UNTOLD_LOOKUPS_MAX:
+            raise InvalidArgument(
+                f"a chain share after {untold} untold lookups, not 0..{UNTOLD_LOOKUPS_MAX}"
+            )
         if not 0 < length <= self._limits.max_lookup_keys or len(positions) != len(keys):
             raise InvalidArgument(
                 f"a chain share of {len(keys)} keys at {len(positions)} positions "
@@ -65,4 +77,4 @@ class ChainShares:
                 touched.append(key)
             elif self._l2 is None or self._l2.lookup(ns_name, key) is None:
                 hits = position
-        self._learning.defer_lookup(touched, chain, hits, ns.id, mine)
+        self._learning.defer_lookup(touched, chain, hits, ns.id, mine, untold)

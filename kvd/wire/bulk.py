@@ -33,11 +33,16 @@ OP_NIXL_META = 7  # answer payload: the daemon's NIXL agent metadata
 OP_NIXL_PIN = 8  # ns, key: pin the value; answer payload NIXL_PIN then its segments
 OP_NIXL_RELEASE = 9  # checksum field: the pin's lease id
 # ns; payload EXISTS_REF, the keys, their chain positions: which keys the
-# member holds (an Exists between members, without gRPC).
+# member holds (an Exists between members, without gRPC). Meta, optional:
+# EXISTS_UNTOLD, the lookups untold before this chain (ChainShare.untold).
 OP_PEER_EXISTS = 10
-PEER_OPS = frozenset({OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS})
+# No fields: the daemon's eviction plan, for the pool's members to keep
+# blocks by (kvd.cluster.plans). Answer: meta the policy's name, payload the
+# plan (at most PLAN_BYTES_MAX); NOT_FOUND while it has none.
+OP_PEER_PLAN = 11
+PEER_OPS = frozenset({OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS, OP_PEER_PLAN})
 # DescribePathsResponse.bulk_ops of a daemon: the peer ops beyond the NIXL ones.
-BULK_OPS = ("exists",)
+BULK_OPS = ("exists", "plan")
 TCP_OPS = OPS | PEER_OPS
 # NIXL_PIN answer payload: value size, lease id, segment count; then per
 # segment its address and length in the owner's registered pool arena.
@@ -51,6 +56,9 @@ NIXL_META_BYTES_MAX = 1 << 20
 # answer's payload: a byte per key, 1 where the member holds it.
 EXISTS_REF = struct.Struct("<III")
 EXISTS_POSITION = struct.Struct("<I")
+EXISTS_UNTOLD = struct.Struct("<I")
+# density's plan is 300 bytes; a plan is read into memory whole.
+PLAN_BYTES_MAX = 1 << 16
 # Region ops: only on the shm socket (kvd.paths.shm.channel), never on the TCP port.
 OP_REGION_GET = 4
 OP_REGION_PUT = 5
@@ -184,9 +192,18 @@ def encode_exists(width: int, keys: bytes, chain: ChainShare | None) -> bytes:
     return b"".join((EXISTS_REF.pack(width, len(keys) // width, length), keys, tail))
 
 
-def decode_exists(payload: bytes) -> tuple[list[bytes], ChainShare | None]:
+def exists_meta(chain: ChainShare | None) -> bytes:
+    """A PEER_EXISTS request's meta: the untold lookups, where there are any."""
+    return EXISTS_UNTOLD.pack(chain.untold) if chain is not None and chain.untold else b""
+
+
+def decode_exists(payload: bytes, meta: bytes = b"") -> tuple[list[bytes], ChainShare | None]:
     """The keys of a PEER_EXISTS payload and, for a chain's share, where they
-    lie in it; ValueError where its parts do not add up."""
+    lie in it and the lookups untold before it (``meta``); ValueError where
+    its parts do not add up."""
+    if meta and len(meta) != EXISTS_UNTOLD.size:
+        raise ValueError(f"an exists meta of {len(meta)} bytes, not {EXISTS_UNTOLD.size}")
+    untold = EXISTS_UNTOLD.unpack(meta)[0] if meta else 0
     if len(payload) < EXISTS_REF.size:
         raise ValueError(f"an exists payload of {len(payload)} bytes")
     width, count, length = EXISTS_REF.unpack_from(payload)
@@ -198,4 +215,5 @@ def decode_exists(payload: bytes) -> tuple[list[bytes], ChainShare | None]:
     keys = split_keys(payload[EXISTS_REF.size : keys_end], width)
     if not length:
         return keys, None
-    return keys, ChainShare(length, list(struct.unpack_from(f"<{count}I", payload, keys_end)))
+    positions = list(struct.unpack_from(f"<{count}I", payload, keys_end))
+    return keys, ChainShare(length, positions, untold)

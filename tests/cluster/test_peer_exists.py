@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
@@ -78,6 +79,18 @@ def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
             disorder = bulk.encode_exists(9, b"".join(keys), ChainShare(10, [3, 0, 5, 9]))
             assert _exists(sock, 4, disorder)[0] == bulk.CODE_BY_NAME["INVALID_ARGUMENT"]
             assert _exists(sock, 5, payload) == (bulk.CODE_OK, b"\x01\x00\x01\x01")
+            # A share after 3 lookups that held none of this member's keys;
+            # a meta that is no count is refused.
+            metas = [
+                (7, bulk.EXISTS_UNTOLD.pack(3), "OK"),
+                (8, b"\x03\x00", "INVALID_ARGUMENT"),
+                (9, bulk.EXISTS_UNTOLD.pack(4097), "INVALID_ARGUMENT"),
+            ]
+            for rid, meta, code in metas:
+                request = bulk.encode_request(bulk.OP_PEER_EXISTS, rid, NS.encode(), meta=meta,
+                                              flags=bulk.FLAG_HOP, length=len(share))  # fmt: skip
+                sock.sendall(request + share)
+                assert _answer(sock)[0] == bulk.CODE_BY_NAME[code]
             # More key bytes than max_lookup_keys allows: closed before they are read.
             huge = bulk.exists_payload_bytes_max(16_384) + 1
             sock.sendall(bulk.encode_request(bulk.OP_PEER_EXISTS, 6, NS.encode(), length=huge))
@@ -94,7 +107,7 @@ def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
             paths = describe(
                 pb.DescribePathsRequest(), metadata=[("authorization", f"Bearer {POOL_TOKEN}")]
             )
-            assert list(paths.bulk_ops) == ["exists"]
+            assert list(paths.bulk_ops) == ["exists", "plan"]
     finally:
         for daemon in daemons:
             daemon.discard()
@@ -112,7 +125,8 @@ class FakeOwner(FakeMember):
         def exists(request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
             chain = None
             if request.chain_length:
-                chain = ChainShare(request.chain_length, list(request.chain_positions))
+                positions = list(request.chain_positions)
+                chain = ChainShare(request.chain_length, positions, request.chain_untold)
             self.asked.append(("grpc", list(request.keys), chain))
             return pb.ExistsResponse(exists=[True] * len(request.keys))
 
@@ -129,13 +143,15 @@ class FakeOwner(FakeMember):
         while True:
             head = recv_all(sock, bulk.REQUEST.size)
             request = bulk.decode_request(head, 1 << 30, bulk.TCP_OPS)
-            recv_all(sock, request.tail_bytes)
+            tail = recv_all(sock, request.tail_bytes)
             payload = recv_all(sock, request.length)
             if request.op == bulk.OP_HELLO:
                 sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
                 continue
+            if request.op == bulk.OP_PEER_PLAN:  # not offered: never asked
+                raise AssertionError("a plan was asked of a member that offers none")
             assert request.op == bulk.OP_PEER_EXISTS
-            keys, chain = bulk.decode_exists(payload)
+            keys, chain = bulk.decode_exists(payload, bulk.split_tail(request, tail)[3])
             self.asked.append(("bulk", keys, chain))
             answer = b"\x01" * len(keys)
             head = bulk.encode_response(bulk.OP_PEER_EXISTS, request.request_id, length=len(answer))
@@ -172,3 +188,32 @@ def test_a_lookup_asks_the_owner_on_its_bulk_port(tmp_path: Path) -> None:
 def test_an_owner_without_the_frame_is_asked_over_grpc(tmp_path: Path) -> None:
     asked = _lookup_through(tmp_path, offer_exists=False)
     assert [(how, chain) for how, _, chain in asked] == [("grpc", ChainShare(4, [0, 2, 3]))]
+
+
+@pytest.mark.parametrize("offer_exists", [True, False], ids=["bulk", "grpc"])
+def test_a_member_hears_of_the_lookups_it_owned_no_key_of(
+    tmp_path: Path, offer_exists: bool
+) -> None:
+    """Two lookups reach only member A; the next that holds a key of
+    member B's tells B that it missed two (ChainShare.untold), on either
+    transport, and A that it missed none."""
+    port, a_port, b_port = free_ports(3)
+    a, b = FakeOwner(a_port, offer_exists), FakeOwner(b_port, offer_exists)
+    peers = [f"127.0.0.1:{a_port}", f"127.0.0.1:{b_port}"]
+    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members",
+                                      f"static:127.0.0.1:{port},{','.join(peers)}",
+                                      "--pool-peer-timeout-ms", "2000"], ssd="")  # fmt: skip
+    try:
+        placement = Placement([daemon.target, *peers])
+        of_a = keys_owned(placement, peers[0], 3)
+        of_b = keys_owned(placement, peers[1], 1)
+        with Client(daemon.target, timeout_s=5) as client:
+            assert client.lookup("ns", of_a[:1]) == 1
+            assert client.lookup("ns", of_a[1:2]) == 1
+            assert client.lookup("ns", [of_a[2], of_b[0]]) == 2
+        assert [chain for _, _, chain in a.asked] == [ChainShare(1, [0])] * 2 + [ChainShare(2, [0])]
+        assert [chain for _, _, chain in b.asked] == [ChainShare(2, [1], untold=2)]
+    finally:
+        daemon.discard()
+        a.close()
+        b.close()

@@ -92,5 +92,12 @@ class Recorded:
         self.mines.append(None if mine is None else list(mine))
         self.policy.on_lookup(keys, hits, mine)
 
+    def shared_plan(self) -> bytes | None:
+        return self.policy.shared_plan()
+
+    def adopt_plan(self, plan: bytes) -> bool:
+        self.calls.append(("adopt_plan", len(plan)))
+        return self.policy.adopt_plan(plan)
+
     def __len__(self) -> int:
         return len(self.policy)

@@ -18,6 +18,7 @@ from kvd.store.eviction.policy import make_policy
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import InvalidArgument
+from kvd.wire.lookup import UNTOLD_LOOKUPS_MAX
 from tests.l2 import MiB, open_devices
 from tests.store.support import Recorded, make_store, put, read, run, store_limits
 
@@ -147,6 +148,23 @@ def test_a_bad_chain_share_is_refused(keys: list[bytes], length: int, positions:
         store.shares.learn_chain("ns", keys, length, positions)
     store.learning.settle()
     assert not _lookups(recorded)
+
+
+def test_untold_lookups_come_first_and_are_bounded() -> None:
+    store, recorded = _recording_store()
+    store.shares.learn_chain("ns", [b"a"], 2, [1], untold=2)
+    store.learning.settle()
+    ns_id = store.entries.by_name["ns"].id
+    assert _lookups(recorded) == [
+        ("on_lookup", (), 0),
+        ("on_lookup", (), 0),
+        ("on_lookup", ((ns_id, b""), (ns_id, b"a")), 1),
+    ]
+    for untold in (-1, UNTOLD_LOOKUPS_MAX + 1):
+        with pytest.raises(InvalidArgument, match="untold"):
+            store.shares.learn_chain("ns", [b"a"], 2, [1], untold=untold)
+    store.learning.settle()
+    assert len(_lookups(recorded)) == 3
 
 
 def test_lookup_passes_mine_to_the_policy() -> None:

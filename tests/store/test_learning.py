@@ -40,6 +40,29 @@ def test_queued_calls_reach_the_policy_before_any_other() -> None:
     assert recorded.calls[-1] == ("on_lookup", ("c",), 1)
 
 
+def test_untold_lookups_reach_the_policy_first_as_empty_ones() -> None:
+    """A pool member's clock moves by the lookups it was not told of before
+    the chain it is told of; a plan is adopted after the queue."""
+    recorded = Recorded(make_policy("density"))
+    deferred = DeferredPolicy(recorded)
+    deferred.defer_lookup(["a"], ["a", "b"], 1, untold=3)
+    assert deferred.shared_plan() is None  # nothing planned yet; the queue ran
+    assert recorded.calls == [
+        ("on_lookup", (), 0),
+        ("on_lookup", (), 0),
+        ("on_lookup", (), 0),
+        ("touch", "a"),
+        ("on_lookup", ("a", "b"), 1),
+    ]
+    deferred.defer_lookup([], ["c"], 0, untold=1)
+    assert not deferred.adopt_plan(b"no plan")
+    assert recorded.calls[-3:] == [
+        ("on_lookup", (), 0),
+        ("on_lookup", ("c",), 0),
+        ("adopt_plan", 7),
+    ]
+
+
 def test_the_queue_is_bounded() -> None:
     recorded = Recorded(make_policy("lru"))
     deferred = DeferredPolicy(recorded)

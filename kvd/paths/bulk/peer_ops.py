@@ -19,6 +19,11 @@ member of the pool (docs/bulk-protocol.md, "Pool peer ops").
   gRPC ``Exists`` a member asks while it looks a chain up (the same answers,
   limits, learning and metrics of op ``exists``), one frame each way: on the
   development VM a gRPC call cost an owner about half of its CPU per lookup.
+  Its meta may say how many of the member's lookups held none of this
+  daemon's keys since it last told it of one (``ChainShare.untold``).
+- ``PEER_PLAN``: this daemon's eviction plan (the policy's name in the
+  answer's meta, the plan as payload; NOT_FOUND while it has none), which
+  the other members keep their blocks by (kvd.cluster.plans).
 
 A pin that ended before a late READ finished could let the member read
 bytes of a newer value: its checksum check turns that into a miss, never
@@ -47,6 +52,8 @@ from kvd.wire.bulk import (
     OP_NIXL_PIN,
     OP_NIXL_RELEASE,
     OP_PEER_EXISTS,
+    OP_PEER_PLAN,
+    PLAN_BYTES_MAX,
     Request,
     decode_exists,
     encode_response,
@@ -105,6 +112,9 @@ class PeerOps:
         if request.op == OP_PEER_EXISTS:
             await self._answer(await self._exists(request, tail, payload))
             return
+        if request.op == OP_PEER_PLAN:
+            await self._answer(self._plan(request))
+            return
         if request.op == OP_NIXL_RELEASE:
             self.release(request.checksum)
             await self._answer(encode_response(OP_NIXL_RELEASE, rid))
@@ -160,12 +170,12 @@ class PeerOps:
 
     async def _exists(self, request: Request, tail: bytes, payload: bytes) -> bytes:
         """A PEER_EXISTS's answer: a byte per key, 1 where held here."""
-        ns = split_tail(request, tail)[0]
+        ns, _, _, meta = split_tail(request, tail)
         try:
             with Tally(self.values.metrics, "exists"):
                 self._authorize(ns)
                 try:
-                    keys, chain = decode_exists(payload)
+                    keys, chain = decode_exists(payload, meta)
                 except ValueError as exc:
                     raise InvalidArgument(str(exc)) from None
                 with scope.as_hop():  # a member's question: from here alone
@@ -175,6 +185,18 @@ class PeerOps:
                                    message=str(exc))  # fmt: skip
         answer = bytes(found)
         return encode_response(OP_PEER_EXISTS, request.request_id, length=len(answer)) + answer
+
+    def _plan(self, request: Request) -> bytes:
+        """A PEER_PLAN's answer: the policy's name and its plan."""
+        learning = self.values.store.learning
+        plan = learning.shared_plan()
+        if plan is None:
+            return encode_response(OP_PEER_PLAN, request.request_id, CODE_NOT_FOUND)
+        assert len(plan) <= PLAN_BYTES_MAX, "a policy's plan outgrew the frame's bound"
+        head = encode_response(
+            OP_PEER_PLAN, request.request_id, meta=learning.name.encode(), length=len(plan)
+        )
+        return head + plan
 
     def release(self, lease: int) -> None:
         """End a pin (idempotent: the member's release and the lease may both come)."""

@@ -274,7 +274,9 @@ class KVStoreService:
     async def Exists(self, request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
         chain = None
         if request.chain_length:
-            chain = ChainShare(request.chain_length, list(request.chain_positions))
+            chain = ChainShare(
+                request.chain_length, list(request.chain_positions), request.chain_untold
+            )
         found = await self.values.exists(request.namespace, request.keys, chain=chain)
         return pb.ExistsResponse(exists=found)
 

@@ -180,6 +180,17 @@ class ChainPolicy(Generic[K]):
         the keys where it is true are this policy's (a pool member's share).
         The lookup-driven policies override it."""
 
+    def shared_plan(self) -> bytes | None:
+        """What this policy learned, for the other members of a pool to
+        keep blocks by (``adopt_plan``); None: nothing to share. The
+        lookup-driven policies override it."""
+        return None
+
+    def adopt_plan(self, plan: bytes) -> bool:
+        """Keep blocks by another member's ``shared_plan``; False where this
+        policy cannot (it has no plan, or the bytes are no plan of its)."""
+        return False
+
     def victim(self, skip: Callable[[K], bool]) -> K | None:
         key = self._first_leaf(skip)
         if key is None:

@@ -31,7 +31,11 @@ import it. Priorities differ per policy:
 chain an engine looked up, but this member holds only the keys it owns
 (``mine[i]`` true); the policy learns from the chain as a whole (its length,
 each key's position) and keeps state only for its own keys, so the members
-of a pool together learn what one daemon would.
+of a pool together learn what one daemon would. A lookup of none of a
+member's keys reaches it as ``on_lookup`` of an empty chain: its clock
+moves with every lookup of the pool. ``shared_plan`` and ``adopt_plan``
+let the members keep blocks by one plan (``density`` has one; the others
+share nothing).
 
 * ``density`` (the default, kvd/store/eviction/density.py) -- a deadline per
   block: its last reference plus a retention learned per class of block
@@ -84,6 +88,10 @@ class EvictionPolicy(Protocol[K]):
     def on_lookup(
         self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None
     ) -> None: ...
+
+    def shared_plan(self) -> bytes | None: ...
+
+    def adopt_plan(self, plan: bytes) -> bool: ...
 
     def __len__(self) -> int: ...
 

@@ -89,6 +89,12 @@ class CallLog:
         self._add(_LOOKUP, len(self.chains) - 1, hits)
         self.inner.on_lookup(keys, hits)
 
+    def shared_plan(self) -> bytes | None:
+        return self.inner.shared_plan()
+
+    def adopt_plan(self, plan: bytes) -> bool:
+        raise AssertionError("the cost replay is of one daemon")
+
     def __len__(self) -> int:
         return len(self.inner)
 
@@ -117,6 +123,12 @@ class _NullPolicy:
 
     def on_lookup(self, keys: Sequence[int], hits: int, mine: Sequence[bool] | None = None) -> None:
         pass
+
+    def shared_plan(self) -> bytes | None:
+        return None
+
+    def adopt_plan(self, plan: bytes) -> bool:
+        return False
 
     def __len__(self) -> int:
         return 0

@@ -11,14 +11,22 @@ top of ``kvd.tools.replay.sim``'s single-daemon semantics:
    (``on_lookup(chain, hits, mine)``), and so does every other owner of a
    key of the chain (the router's ``chain`` Exists, answered or told in the
    background), its hits being the chain's leading keys that are another
-   member's or held by it. Past the local prefix a key is found where
-   the member holds it or its owner does, up to the first key the member
-   owns and lacks.
+   member's or held by it, after the lookups of the member's that held none
+   of its keys since the member last told it (``ChainShare.untold``: each
+   an ``on_lookup`` of an empty chain). Past the local prefix a key is
+   found where the member holds it or its owner does, up to the first key
+   the member owns and lacks.
 2. **Get** of each key found: held by the member, a hit there; else its
    owner's hit, and the member keeps a guest copy.
 3. **Put** of the rest: a key the member does not own becomes a guest copy
    there and a put at its owner (the forward: at once here, in the
    background in the daemon).
+
+Every ``PLAN_EVERY_LOOKUPS`` lookups a member learns of, it adopts the
+plan holder's plan (the first member in sorted order; kvd.cluster.plans),
+at once here, a round trip later in the daemon. ``in_step=False`` leaves
+both out (no untold lookups, each member its own plan), as the daemon was
+before them: what they are worth.
 
 Guests stay out of the policy and are evicted first, oldest first
 (``kvd.store.entries``). The local prefix is pinned, as the lease pins it.
@@ -34,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvd.cluster.plans import PLAN_EVERY_LOOKUPS
 from kvd.cluster.rendezvous import Placement
 from kvd.store.eviction.policy import POLICIES, EvictionPolicy, make_policy
 from kvd.tools.replay.run import block_key
@@ -51,6 +60,7 @@ class _Member:
     guests: dict[int, None] = field(default_factory=dict)
     pinned: set[int] = field(default_factory=set)
     evictions: int = 0
+    seen: int = 0  # lookups learned of (kvd.cluster.plans' count)
 
     def _evict_one(self) -> bool:
         for key in self.guests:
@@ -83,10 +93,29 @@ class _Member:
             self.policy.insert(key, parent)
         return True
 
-    def learn(self, chain: list[int], hits: int, mine: list[bool], touched: Sequence[int]) -> None:
+    def learn(
+        self,
+        chain: list[int],
+        hits: int,
+        mine: list[bool],
+        touched: Sequence[int],
+        untold: int = 0,
+        holder: _Member | None = None,
+    ) -> None:
+        """A lookup learned of, after ``untold`` ones it was not told of; every
+        PLAN_EVERY_LOOKUPS of them it adopts ``holder``'s plan."""
+        for _ in range(untold):
+            self.policy.on_lookup([], 0, [])
         for key in touched:
             self.policy.touch(key)
         self.policy.on_lookup(chain, hits, mine)
+        before = self.seen
+        self.seen += 1 + untold
+        due = self.seen // PLAN_EVERY_LOOKUPS != before // PLAN_EVERY_LOOKUPS
+        if due and holder is not None and holder is not self:
+            plan = holder.policy.shared_plan()
+            if plan is not None:
+                self.policy.adopt_plan(plan)
 
 
 def owners_of(trace: Trace, members: Sequence[str], namespace: str) -> list[int]:
@@ -104,6 +133,7 @@ def simulate_pool(
     *,
     namespace: str = "replay",
     wrap: Callable[[EvictionPolicy[int]], EvictionPolicy[int]] | None = None,
+    in_step: bool = True,
 ) -> SimResult:
     """Replay ``trace`` over ``members`` of ``capacity_blocks`` each (module doc);
     the result's capacity is the pool's total."""
@@ -116,6 +146,9 @@ def simulate_pool(
     policies = [make_policy(policy_name) for _ in members]
     nodes = [_Member(wrap(p) if wrap else p, capacity_blocks) for p in policies]
     n_members = len(nodes)
+    holder = nodes[members.index(min(members))] if in_step else None
+    # untold[a][b]: member a's lookups since it last told b, none of b's keys.
+    untold = [[0] * n_members for _ in nodes]
     owner = owners_of(trace, members, namespace)
     blocks: list[int] = trace.blocks.tolist()
     offsets: list[int] = trace.offsets.tolist()
@@ -135,7 +168,11 @@ def simulate_pool(
         if n_members == 1:
             here.learn(chain, local, [True] * n, chain[:local])
         else:
-            here.learn(chain, local, [o == me for o in owners], chain[:local])
+            here.learn(chain, local, [o == me for o in owners], chain[:local], holder=holder)
+            told = untold[me]
+            for other in range(n_members):
+                if in_step and other != me and other not in others:
+                    told[other] += 1
             for other in sorted(others):
                 node = nodes[other]
                 hits = 0
@@ -146,7 +183,9 @@ def simulate_pool(
                             break
                         touched.append(key)
                     hits += 1
-                node.learn(chain, hits, [o == other for o in owners], touched)
+                mine = [o == other for o in owners]
+                node.learn(chain, hits, mine, touched, told[other], holder)
+                told[other] = 0
         found = local
         while found < n:
             key = chain[found]

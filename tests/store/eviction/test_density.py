@@ -5,10 +5,18 @@ tests/store/eviction/test_eviction.py."""
 from __future__ import annotations
 
 import random
+import struct
 from typing import Any
 
 from kvd.store.eviction.chains import heap_entries_max
-from kvd.store.eviction.density import _AGE_EDGES, DensityPolicy, reference_class
+from kvd.store.eviction.density import (
+    _AGE_EDGES,
+    _CLASSES,
+    _PLAN_FRESH,
+    _REFRESH,
+    DensityPolicy,
+    reference_class,
+)
 from kvd.store.eviction.lru import LruPolicy
 from kvd.store.eviction.policy import make_policy
 from kvd.store.eviction.s3fifo import S3FifoPolicy
@@ -170,3 +178,65 @@ def test_s3fifo_evicts_a_chain_tail_first_within_a_queue() -> None:
     policy = S3FifoPolicy[int]()
     insert_chain(policy, [1, 2, 3, 4])
     assert drain(policy) == [4, 3, 2, 1]
+
+
+def _planned(tag: str, period: int, lookups: int = 640, blocks: int = 300) -> DensityPolicy[Any]:
+    """A density policy tracking ``blocks`` blocks that has planned: a head
+    re-read every ``period`` lookups and one-shot chains."""
+    policy = DensityPolicy[Any]()
+    for i in range(lookups):
+        chain = (
+            [(tag, "head", j) for j in range(4)]
+            if i % period == 0
+            else [(tag, i, j) for j in range(3)]
+        )
+        policy.on_lookup(chain, 0)
+        parent = None
+        for key in chain:
+            if key not in policy:
+                while len(policy) >= blocks:
+                    victim = policy.victim(never)
+                    assert victim is not None
+                    policy.remove(victim)
+                policy.insert(key, parent)
+            parent = key
+    return policy
+
+
+def test_a_pool_member_keeps_blocks_by_the_holders_plan_while_it_is_fresh() -> None:
+    assert DensityPolicy[Any]().shared_plan() is None  # nothing planned yet
+    holder, member = _planned("holder", 4), _planned("member", 9, lookups=320)
+    plan = holder.shared_plan()
+    assert plan is not None and member.shared_plan() is not None
+    own = [member.retention(c) for c in range(_CLASSES)]
+    holders = [holder.retention(c) for c in range(_CLASSES)]
+    assert own != holders  # planned apart, from their own references
+    assert member.adopt_plan(plan) and member.plan_adopted
+    assert [member.retention(c) for c in range(_CLASSES)] == holders
+    for _ in range(_PLAN_FRESH):  # its own plans wait while the adopted one is fresh
+        member.on_lookup([], 0, [])
+    assert [member.retention(c) for c in range(_CLASSES)] == holders
+    for _ in range(_REFRESH):
+        member.on_lookup([], 0, [])
+    assert not member.plan_adopted
+    assert [member.retention(c) for c in range(_CLASSES)] != holders  # its own again
+
+
+def test_a_plan_that_does_not_fit_is_refused_and_changes_nothing() -> None:
+    holder, member = _planned("holder", 4), _planned("member", 9, lookups=320)
+    plan = holder.shared_plan()
+    assert plan is not None
+    before = [member.retention(c) for c in range(_CLASSES)]
+    tracked = struct.unpack_from("<Q", plan)[0]
+    too_long = struct.pack(f"<Q{_CLASSES}I", tracked, *([_AGE_EDGES[-1] + 1] * _CLASSES))
+    for bad in (plan[:-4], plan + b"\0\0\0\0", b"", too_long):
+        assert not member.adopt_plan(bad)
+    # A member of another size plans for itself: its plan fills its blocks.
+    assert not member.adopt_plan(struct.pack("<Q", 2 * tracked) + plan[8:])
+    assert not member.adopt_plan(struct.pack("<Q", tracked // 2) + plan[8:])
+    assert [member.retention(c) for c in range(_CLASSES)] == before
+    assert not member.plan_adopted
+    # The other policies share no plan and adopt none.
+    for name in ("lru", "s3fifo", "hazard"):
+        assert make_policy(name).shared_plan() is None
+        assert not make_policy(name).adopt_plan(plan)
