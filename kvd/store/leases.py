@@ -66,6 +66,17 @@ class LeaseTable:
         self.granted += 1
         return lease_id
 
+    def extend(self, lease_id: int, pins: list[Any]) -> bool:
+        """Pin ``pins`` too, until the lease ends; False, and nothing pinned,
+        when it has ended."""
+        self.expire()
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        self._pin(pins)
+        lease.pins.extend(pins)
+        return True
+
     def release(self, lease_id: int) -> bool:
         lease = self._leases.pop(lease_id, None)
         if lease is None:

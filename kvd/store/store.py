@@ -531,6 +531,25 @@ class Store:
         check_keys(keys, self.limits.max_lookup_keys)
 
     # ---- leases ----------------------------------------------------------------
+    def lease_more(
+        self, ns_name: str, keys: Sequence[bytes], lease_ms: int, lease_id: int = 0
+    ) -> int:
+        """Pin the values of ``keys`` held here (others are skipped) under
+        ``lease_id``, or under a new lease of ``lease_ms`` where it is 0 or
+        has ended; the lease's id (``lease_id`` when nothing was pinned). A
+        pool's lookup leases so the keys it holds past its local prefix."""
+        ns = self.entries.namespace(ns_name)
+        pins: list[Entry | L2Record] = []
+        for key in keys:
+            pin = ns.entries.get(key) or (self.l2.lookup(ns_name, key) if self.l2 else None)
+            if pin is not None:
+                pins.append(pin)
+        if not pins or not lease_ms:
+            return lease_id
+        if lease_id and self.leases.extend(lease_id, pins):
+            return lease_id
+        return self.leases.grant(ns_name, pins, lease_ms)
+
     def release(self, lease_id: int, ns_name: str | None = None) -> bool:
         """Drop a lease; False when it expired, was released, or is another namespace's."""
         if ns_name is not None and self.leases.namespace_of(lease_id) != ns_name:

@@ -158,7 +158,9 @@ class FakeOwner(FakeMember):
             sock.sendall(head + answer)
 
 
-def _lookup_through(tmp_path: Path, offer_exists: bool) -> list[tuple[str, list[bytes], Any]]:
+def _lookup_through(
+    tmp_path: Path, offer_exists: bool, lease_ms: int = 0
+) -> list[tuple[str, list[bytes], Any]]:
     port, owner_port = free_ports(2)
     owner = FakeOwner(owner_port, offer_exists)
     peer = f"127.0.0.1:{owner_port}"
@@ -172,7 +174,12 @@ def _lookup_through(tmp_path: Path, offer_exists: bool) -> list[tuple[str, list[
         chain = [theirs[0], mine[0], theirs[1], theirs[2]]
         with Client(daemon.target, timeout_s=5) as client:
             client.put("ns", mine[0], b"here")
-            assert client.lookup("ns", chain) == len(chain)
+            found = client.lookup_ex("ns", chain, lease_ms=lease_ms)
+            assert found.prefix_len == len(chain)
+            # The key held here past the (empty) local prefix is leased with it.
+            assert (bool(found.lease_id), found.lease_ms) == (bool(lease_ms), lease_ms)
+            if lease_ms:
+                assert client.release("ns", found.lease_id)
         return owner.asked
     finally:
         daemon.discard()
@@ -180,7 +187,7 @@ def _lookup_through(tmp_path: Path, offer_exists: bool) -> list[tuple[str, list[
 
 
 def test_a_lookup_asks_the_owner_on_its_bulk_port(tmp_path: Path) -> None:
-    asked = _lookup_through(tmp_path, offer_exists=True)
+    asked = _lookup_through(tmp_path, offer_exists=True, lease_ms=5000)
     assert asked == [("bulk", asked[0][1], ChainShare(4, [0, 2, 3]))]
     assert len(asked[0][1]) == 3
 

@@ -162,6 +162,29 @@ def test_lookup_prefix_and_lease_protects_from_eviction() -> None:
     assert store.lookup("ns", chain).prefix_len < 3
 
 
+def test_lease_more_pins_keys_held_past_a_prefix_under_one_lease() -> None:
+    """A pool's lookup leases the keys it holds past its local prefix with
+    the prefix (or in a lease of their own where there is none)."""
+    store, clock = make_store(pages=3)
+    for key in (b"a", b"b", b"c"):
+        put(store, key, key * PAGE_BYTES)
+    lease = store.lookup("ns", [b"a", b"gone"], lease_ms=1000).lease_id
+    assert store.lease_more("ns", [b"b", b"absent"], 1000, lease) == lease
+    assert store.lease_more("ns", [b"absent"], 1000, lease) == lease  # nothing to pin
+    assert store.lease_more("ns", [b"c"], 0) == 0  # no lease asked for
+    put(store, b"d", b"d" * PAGE_BYTES)  # evicts c, the one value not leased
+    with pytest.raises(ResourceExhausted):
+        put(store, b"big", b"x" * (2 * PAGE_BYTES))  # a and b stay
+    assert store.exists("ns", [b"a", b"b", b"c"]) == [True, True, False]
+    assert store.release(lease)  # both pins end with it
+    put(store, b"big", b"x" * (2 * PAGE_BYTES))
+    # Under a lease that ended (or none), a lease of their own.
+    own = store.lease_more("ns", [b"big"], 1000, lease)
+    assert own not in (0, lease)
+    clock.now += 1.001
+    assert store.active_leases == 0
+
+
 def test_release_ends_lease_once() -> None:
     store, _ = make_store(pages=2)
     put(store, b"a", b"a")

@@ -58,7 +58,7 @@ the others' blocks past it are held for nothing. The pool simulator's 4
 members (conversation trace at 5 %) hit 21.18 % against one daemon's
 23.01 %; with every member's clock moved by every lookup of the pool (a
 lookup of no key of a member still counts: ``on_lookup`` of an empty
-chain) and one member's plan used by all, 22.93-23.02 %. A member adopts
+chain) and one member's plan used by all, 22.81 %. A member adopts
 another's plan (``shared_plan``, ``adopt_plan``) while it is fresh, and
 plans for itself again when it is not (kvd.cluster.plans).
 
@@ -137,7 +137,8 @@ _RETENTION_MAX = _AGE_EDGES[-1]
 # then a retention per class. Adopted, it is used for this many lookups (the
 # holder plans every _REFRESH); past that this policy's own plan is used
 # again. Measured in the pool simulator (conversation trace at 5 %, 4
-# members): adopted every 64 / 256 / 1,024 lookups, 22.93 / 22.74 / 22.18 %.
+# members): asked for every 16 / 64 / 256 / 1,024 lookups, 22.90 / 22.81 /
+# 22.62 / 21.92 % (kvd.cluster.plans).
 _PLAN = struct.Struct(f"<Q{_CLASSES}I")
 _PLAN_FRESH = 4 * _REFRESH
 # A plan is adopted only from a member tracking at most this factor more or

@@ -417,6 +417,13 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         dropped = sum(m.metric("kvd_cluster_forwards_dropped_total") for m in pool.members)
         peer_errors = sum(m.metric("kvd_cluster_peer_errors_total") for m in pool.members)
         guests = sum(m.metric("kvd_guest_entries") for m in pool.members)
+        plans = {
+            "adopted": sum(m.metric("kvd_cluster_plans_adopted_total") for m in pool.members),
+            "refused": sum(m.metric("kvd_cluster_plans_refused_total") for m in pool.members),
+            "tells_dropped": sum(m.metric("kvd_cluster_tells_dropped_total") for m in pool.members),
+            "remote_misses": sum(m.metric("kvd_cluster_remote_misses_total") for m in pool.members),
+            "remote_hits": sum(m.metric("kvd_cluster_remote_hits_total") for m in pool.members),
+        }
         addresses = [m.address for m in pool.members]
         where = pool.where
     progress(f"pool: the same replay on one daemon of {capacity} blocks")
@@ -440,6 +447,10 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         "pool": simulate_pool(
             trace, DEFAULT_POLICY, addresses, capacity // MEMBERS
         ).block_hit_ratio,
+        # The same without the members in step (each its own plan and clock).
+        "pool_apart": simulate_pool(
+            trace, DEFAULT_POLICY, addresses, capacity // MEMBERS, in_step=False
+        ).block_hit_ratio,
     }
     return {
         "requests": len(trace),
@@ -452,6 +463,7 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         "forwards_dropped": dropped,
         "peer_errors": peer_errors,
         "guests_at_end": guests,
+        "plans": plans,
         "pool": _replay_figures(spread),
         "single": _replay_figures(alone),
         "simulated": simulated,

@@ -123,6 +123,7 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     )
     chain = result["remote_get"][0]["chain"]
     hits = result["hit_ratio"]
+    plans = hits.get("plans", {})
     wrong = sum(g["wrong_bytes"] for g in result["remote_get"]) + sum(
         hits[side]["wrong_blocks"] for side in ("pool", "single")
     )
@@ -143,7 +144,10 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"daemon of the pool's size {100 * hits['simulated']['single']:.2f} %, one member alone "
         f"{100 * hits['simulated']['one_member_alone']:.2f} %, the pool "
         f"{100 * hits['simulated'].get('pool', 0.0):.2f} % (measured "
-        f"{100 * hits['pool']['block_hit_ratio']:.2f} %); guests held at the end: "
+        f"{100 * hits['pool']['block_hit_ratio']:.2f} %; members not in step "
+        f"{100 * hits['simulated'].get('pool_apart', 0.0):.2f} %); plans adopted "
+        f"{plans.get('adopted', 0):.0f} (refused {plans.get('refused', 0):.0f}); found by a "
+        f"lookup and gone at its get: {hits['pool']['lost_after_lookup']}; guests held at the end: "
         f"{hits.get('guests_at_end', 0):.0f}. Wrong bytes or blocks: {wrong}.",
     ]
     return "\n".join(lines)

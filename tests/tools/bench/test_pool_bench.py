@@ -54,10 +54,13 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
         replayed = result["hit_ratio"][side]
         assert replayed["requests"] == 40 and replayed["wrong_blocks"] == 0
         assert replayed["block_hits"] > 0  # the conversations' prefixes come back
+        assert replayed["lost_after_lookup"] == 0  # what a lookup found, the get read
     simulated = result["hit_ratio"]["simulated"]  # the simulator makes the daemon's decisions
     assert simulated["single"] == pytest.approx(
         result["hit_ratio"]["single"]["block_hit_ratio"], abs=0.01
     )
+    assert 0 <= simulated["pool_apart"] <= 1
+    assert "members not in step" in raw.with_suffix(".md").read_text()
     assert result["lookup"]["owners"] == pool.MEMBERS
     assert result["keys_moved"]["moved_to_the_new_member"] == result["keys_moved"]["moved"]
     faults = result["faults"]["rows"]
