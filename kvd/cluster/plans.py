@@ -11,7 +11,7 @@ the other members' blocks past it are held for nothing. In the pool
 simulator (conversation trace, L1 for 5 % of its blocks over 4 members)
 the pool hit 21.18 % against one daemon's 23.01 % of the same total L1;
 with every member's clock moved by every lookup (``ChainShare.untold``)
-it hit 21.77 %, with one plan as well 22.81 % (docs/pool.md).
+it hit 21.77 %, with one plan as well 22.90 % (docs/pool.md).
 
 How. Each member counts the lookups it learns of (its own, and the shares
 of other members' lookups it is told) and every ``PLAN_EVERY_LOOKUPS``
@@ -43,8 +43,8 @@ log = logging.getLogger("kvd.cluster")
 # lookups; in the pool simulator (conversation trace at 5 %, 4 members)
 # asking every 16 / 64 / 256 / 1,024 lookups hit 22.90 / 22.81 / 22.62 /
 # 21.92 % (one daemon: 23.01 %). An ask is one small frame each way
-# (density's plan is 300 bytes).
-PLAN_EVERY_LOOKUPS = 64
+# (density's plan is 300 bytes), so a member asks every 16.
+PLAN_EVERY_LOOKUPS = 16
 
 
 class PoolPlans:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvd.client import Client
-from kvd.cluster.plans import PLAN_EVERY_LOOKUPS
 from kvd.cluster.rendezvous import Placement
+from kvd.store.eviction.density import _REFRESH as PLANNED_EVERY
 from kvd.wire import bulk
 from tests.cluster.cluster import (
     ENGINE_TOKEN,
@@ -103,7 +103,7 @@ def test_the_plan_is_answered_to_the_pool_token_once_there_is_one(
     holder = min(pool, key=lambda d: d.target)
     with _connect(holder.bulk_port, POOL_TOKEN) as sock:
         assert _plan(sock, 1) == ("NOT_FOUND", b"", b"")  # nothing planned yet
-        _fill_and_look_up(pool, holder.target, 3 * PLAN_EVERY_LOOKUPS)
+        _fill_and_look_up(pool, holder.target, 2 * PLANNED_EVERY)
         code, meta, plan = _plan(sock, 2)
         assert (code, meta, len(plan)) == ("OK", b"density", DENSITY_PLAN_BYTES)
     with _connect(holder.bulk_port, ENGINE_TOKEN) as sock:
@@ -115,7 +115,7 @@ def test_members_keep_their_blocks_by_the_holders_plan(pool: list[DaemonProcess]
     others = [d for d in pool if d is not holder]
     # Lookups through one member: every owner hears of each, and the other
     # member learns of them as shares; both ask the holder as they go.
-    _fill_and_look_up(pool, others[0].target, 4 * PLAN_EVERY_LOOKUPS)
+    _fill_and_look_up(pool, others[0].target, 4 * PLANNED_EVERY)
     for member in others:
         assert wait_until(functools.partial(_adopted_one, member.metrics_port))
         assert metric(member.metrics_port, "kvd_cluster_plans_refused_total") == 0
@@ -138,7 +138,7 @@ def test_a_member_of_another_policy_refuses_the_plan_and_says_so(tmp_path: Path)
                     *pool_auth(tmp_path)]  # fmt: skip
             daemons.append(DaemonProcess(where, args, ssd=""))
         lru = daemons[1]
-        _fill_and_look_up(daemons, lru.target, 4 * PLAN_EVERY_LOOKUPS)
+        _fill_and_look_up(daemons, lru.target, 4 * PLANNED_EVERY)
         assert wait_until(lambda: metric(lru.metrics_port, "kvd_cluster_plans_refused_total") >= 1)
         assert metric(lru.metrics_port, "kvd_cluster_plans_adopted_total") == 0
         refusals = [line for line in lru.log if "plans for itself" in line]

@@ -58,7 +58,7 @@ the others' blocks past it are held for nothing. The pool simulator's 4
 members (conversation trace at 5 %) hit 21.18 % against one daemon's
 23.01 %; with every member's clock moved by every lookup of the pool (a
 lookup of no key of a member still counts: ``on_lookup`` of an empty
-chain) and one member's plan used by all, 22.81 %. A member adopts
+chain) and one member's plan used by all, 22.90 %. A member adopts
 another's plan (``shared_plan``, ``adopt_plan``) while it is fresh, and
 plans for itself again when it is not (kvd.cluster.plans).
 
