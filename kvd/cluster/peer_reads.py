@@ -37,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvd.cluster import scope
 from kvd.cluster.nixl_node import NixlError, NixlNode, segments
@@ -53,6 +55,7 @@ from kvd.wire.lookup import ChainShare
 from kvd.wire.shm import join_keys
 
 log = logging.getLogger("kvd.cluster")
+_T = TypeVar("_T")
 
 # The settings' choices of pool_peer_transport (kvd.config.settings).
 TRANSPORTS = ("auto", "nixl", "bulk", "grpc")
@@ -204,46 +207,42 @@ class PeerReads:
         joined = join_keys(keys)
         if joined is None:
             return None
-        try:
-            async with asyncio.timeout(timeout_s):
-                way = await self._way(member, timeout_s)
-                if way is None or "exists" not in self._paths[member].bulk_ops:
-                    return None
-                try:
-                    async with self.bulk.connection(member, *way) as connection:
-                        return await connection.exists(namespace, *joined, chain)
-                except BulkUnreachable as error:
-                    self._unreachable(member, error)
-                    return None
-        except TimeoutError:
-            self._paths.pop(member, None)
-            raise PeerError(
-                f"{member}: exists took more than {timeout_s * 1000:.0f} ms", "timeout"
-            ) from None
-        except PeerError:
-            self._paths.pop(member, None)  # asked again: it may have restarted
-            raise
+        width, key_bytes = joined
+        return await self._peer_op(
+            member, "exists", timeout_s,
+            lambda connection: connection.exists(namespace, width, key_bytes, chain),
+        )  # fmt: skip
 
     async def plan(self, member: str, timeout_s: float) -> tuple[str, bytes] | None:
         """The member's eviction policy's name and plan, asked on its bulk
         port within ``timeout_s``; None where it has none or offers none (no
         bulk port this daemon reaches, no ``plan`` op). A failure is a
         ``PeerError``."""
+        return await self._peer_op(member, "plan", timeout_s, BulkConnection.plan)
+
+    async def _peer_op(
+        self, member: str, op: str, timeout_s: float,
+        call: Callable[[BulkConnection], Awaitable[_T]],
+    ) -> _T | None:  # fmt: skip
+        """``call``'s answer, on a connection to the member's bulk port
+        within ``timeout_s``; None where the member takes no ``op`` there
+        (DescribePaths' ``bulk_ops``) or this daemon reaches no bulk port of
+        it. A failure is a ``PeerError``."""
         try:
             async with asyncio.timeout(timeout_s):
                 way = await self._way(member, timeout_s)
-                if way is None or "plan" not in self._paths[member].bulk_ops:
+                if way is None or op not in self._paths[member].bulk_ops:
                     return None
                 try:
                     async with self.bulk.connection(member, *way) as connection:
-                        return await connection.plan()
+                        return await call(connection)
                 except BulkUnreachable as error:
                     self._unreachable(member, error)
                     return None
         except TimeoutError:
             self._paths.pop(member, None)
             raise PeerError(
-                f"{member}: plan took more than {timeout_s * 1000:.0f} ms", "timeout"
+                f"{member}: {op} took more than {timeout_s * 1000:.0f} ms", "timeout"
             ) from None
         except PeerError:
             self._paths.pop(member, None)  # asked again: it may have restarted
