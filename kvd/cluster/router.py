@@ -285,9 +285,9 @@ class PoolRouter:
             asks[owners[i]] = None
         lease_id = local.lease_id
         if here and lease_ms:
-            # Leased with the prefix: the batch get that follows fetches the
-            # owners' values into L1 first, and those would evict them (2 %
-            # of the pool's lookup hits in kvd bench pool were gone by then).
+            # Leased with the prefix, as one daemon leases every hit it
+            # answers: the batch get that follows fetches the owners' values
+            # into L1 first, and those may evict them.
             try:
                 lease_id = self.store.lease_more(namespace, here, lease_ms, lease_id)
             except KvdError:
@@ -486,7 +486,7 @@ class PoolRouter:
         """Pin a value just fetched until a get opens it (FETCHED_HOLD_S)."""
         if (namespace, key) in self._held:
             return
-        reader = self.store.open(namespace, key, views=False)
+        reader = self.store.hold(namespace, key)
         if reader is None:
             return
         if self._held_bytes + reader.size > self._held_max:

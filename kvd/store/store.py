@@ -390,6 +390,13 @@ class Store:
         entry = self._l1(ns_name, key)
         return None if entry is None else self._reader(entry, TIER_L1, views)
 
+    def hold(self, ns_name: str, key: bytes) -> Reader | None:
+        """Pin an L1 value without serving it (no hit counted, the policy not
+        told), or None when it is not in L1: a pool keeps a value it fetched
+        for a get until the get opens it."""
+        entry = self._l1(ns_name, key)
+        return None if entry is None else self._pin(entry, TIER_L1, False)
+
     def l1_size(self, ns_name: str, key: bytes) -> int | None:
         """The size of a value in L1, or None; touches nothing (a get asks
         it to choose how to copy before it opens the value)."""

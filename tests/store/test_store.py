@@ -185,6 +185,23 @@ def test_lease_more_pins_keys_held_past_a_prefix_under_one_lease() -> None:
     assert store.active_leases == 0
 
 
+def test_hold_pins_a_value_without_serving_it() -> None:
+    store, _ = make_store(pages=2)
+    put(store, b"a", b"a" * PAGE_BYTES)
+    hits, bytes_out = store.counters.hits, store.counters.bytes_out
+    held = store.hold("ns", b"a")
+    assert held is not None and held.size == PAGE_BYTES
+    assert (store.counters.hits, store.counters.bytes_out) == (hits, bytes_out)
+    assert store.hold("ns", b"absent") is None
+    put(store, b"b", b"b" * PAGE_BYTES)
+    put(store, b"c", b"c" * PAGE_BYTES)  # evicts b: a is held
+    assert store.exists("ns", [b"a", b"b", b"c"]) == [True, False, True]
+    held.close()
+    put(store, b"d", b"d" * PAGE_BYTES)
+    put(store, b"e", b"e" * PAGE_BYTES)
+    assert not store.exists("ns", [b"a"])[0]
+
+
 def test_release_ends_lease_once() -> None:
     store, _ = make_store(pages=2)
     put(store, b"a", b"a")
