@@ -20,7 +20,8 @@ A put whose bytes are still arriving (a stream) reserves pages as they
 come instead (``kvd.store.uploads``): nothing is evicted for bytes not yet sent.
 
 The store composes the parts below it (``entries``: L1's index and
-eviction; ``placement``, ``writeback``, ``uploads``, ``leases``), handing each
+eviction; ``chains``: lookups and exists; ``placement``, ``writeback``,
+``uploads``, ``leases``), handing each
 the callables it needs; none of them imports this module.
 
 Keys are write-once: a second put of a key with the same checksum is a no-op,
@@ -41,7 +42,7 @@ from typing import Any
 
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2 import L2Record, L2Tier
-from kvd.store.chains import scan_chain
+from kvd.store.chains import ChainLookups
 from kvd.store.entries import Entries
 from kvd.store.eviction.policy import EvictionPolicy, make_policy
 from kvd.store.index import (
@@ -69,7 +70,6 @@ from kvd.util import crashpoints
 from kvd.wire.errors import (
     AlreadyExists,
     DataLoss,
-    InvalidArgument,
     Unavailable,
 )
 from kvd.wire.lookup import LookupResult
@@ -110,6 +110,9 @@ class Store:
         self.l2 = l2
         # What this member learns of the chains other members of a pool look up.
         self.shares = ChainShares(self.entries, self.learning, l2, limits)
+        self.chains = ChainLookups(
+            self.entries, l2, self.learning, self.leases, limits, self._prefetch
+        )
         self.writeback: WriteBack | None = None
         self.placement: Placement | None = None
         self.prefetcher: Prefetcher | None = None
@@ -167,11 +170,8 @@ class Store:
         return self.entries.get(ns_name, key)
 
     def _stored_checksum(self, ns_name: str, key: bytes) -> int | None:
-        entry = self._l1(ns_name, key)
-        if entry is not None:
-            return entry.checksum
-        record = self.l2.lookup(ns_name, key) if self.l2 is not None else None
-        return None if record is None else record.checksum
+        stored = self.chains.stored(ns_name, key)
+        return None if stored is None else stored.checksum
 
     # ---- put -------------------------------------------------------------------
     async def begin_put(
@@ -489,18 +489,9 @@ class Store:
         if ns is not None:
             ns.misses += 1
 
-    # ---- index queries ---------------------------------------------------------
-    def _has(self, ns_name: str, key: bytes) -> int:
-        """TIER_L1, TIER_L2 or 0."""
-        if self._l1(ns_name, key) is not None:
-            return TIER_L1
-        if self.l2 is not None and self.l2.lookup(ns_name, key) is not None:
-            return TIER_L2
-        return 0
-
+    # ---- index queries (kvd.store.chains) ----------------------------------------
     def exists(self, ns_name: str, keys: Sequence[bytes]) -> list[bool]:
-        self._check_keys(keys)
-        return [self._has(ns_name, key) != 0 for key in keys]
+        return self.chains.exists(ns_name, keys)
 
     def lookup(
         self,
@@ -512,30 +503,13 @@ class Store:
         """Longest stored prefix of a chain; with ``lease_ms`` its values are
         pinned. ``mine``: in a pool, which keys this member owns (the policy
         learns only of those: ``EvictionPolicy.on_lookup``)."""
-        if not keys:
-            raise InvalidArgument("lookup of no keys")
-        self._check_keys(keys)
-        if lease_ms < 0 or lease_ms > self.limits.lease_ms_max:
-            raise InvalidArgument(
-                f"lease_ms={lease_ms} is over lease_ms_max={self.limits.lease_ms_max}"
-            )
-        ns = self.entries.namespace(ns_name)
-        scan = scan_chain(ns.entries, self.l2, ns_name, keys)
-        pins, l1_hits = scan.pins, len(scan.in_l1)
-        # The policy learns how each chain's lookup went (the first of a namespace too).
-        self.learning.defer_lookup(scan.in_l1, list(keys), scan.leading_l1, ns.id, mine)
-        lease_id = self.leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
-        if self.prefetcher is not None and self.placement is not None and l1_hits < len(pins):
-            prefetch = self.placement.prefetch
-            self.prefetcher.schedule(
-                [partial(prefetch, p) for p in pins if isinstance(p, L2Record)]
-            )
-        return LookupResult(
-            len(pins), l1_hits, len(pins) - l1_hits, lease_id, lease_ms if lease_id else 0
-        )
+        return self.chains.lookup(ns_name, keys, lease_ms, mine)
 
-    def _check_keys(self, keys: Sequence[bytes]) -> None:
-        check_keys(keys, self.limits.max_lookup_keys)
+    def _prefetch(self, records: list[L2Record]) -> None:
+        """Read a lookup's L2 hits into L1 ahead of their gets."""
+        if self.prefetcher is not None and self.placement is not None:
+            prefetch = self.placement.prefetch
+            self.prefetcher.schedule([partial(prefetch, record) for record in records])
 
     # ---- leases ----------------------------------------------------------------
     def lease_more(
@@ -545,17 +519,7 @@ class Store:
         ``lease_id``, or under a new lease of ``lease_ms`` where it is 0 or
         has ended; the lease's id (``lease_id`` when nothing was pinned). A
         pool's lookup leases so the keys it holds past its local prefix."""
-        ns = self.entries.namespace(ns_name)
-        pins: list[Entry | L2Record] = []
-        for key in keys:
-            pin = ns.entries.get(key) or (self.l2.lookup(ns_name, key) if self.l2 else None)
-            if pin is not None:
-                pins.append(pin)
-        if not pins or not lease_ms:
-            return lease_id
-        if lease_id and self.leases.extend(lease_id, pins):
-            return lease_id
-        return self.leases.grant(ns_name, pins, lease_ms)
+        return self.chains.lease_more(ns_name, keys, lease_ms, lease_id)
 
     def release(self, lease_id: int, ns_name: str | None = None) -> bool:
         """Drop a lease; False when it expired, was released, or is another namespace's."""
@@ -570,7 +534,7 @@ class Store:
 
     # ---- delete ----------------------------------------------------------------
     async def delete(self, ns_name: str, keys: Sequence[bytes]) -> int:
-        self._check_keys(keys)
+        check_keys(keys, self.limits.max_lookup_keys)
         deleted = 0
         for key in keys:
             deleted += await self._delete_one(ns_name, key)
