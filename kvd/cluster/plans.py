@@ -47,6 +47,12 @@ log = logging.getLogger("kvd.cluster")
 PLAN_EVERY_LOOKUPS = 16
 
 
+def plan_due(seen_before: int, seen: int) -> bool:
+    """Whether a member that has learned of ``seen`` lookups (``seen_before``
+    until now) asks for the holder's plan: every PLAN_EVERY_LOOKUPS."""
+    return seen // PLAN_EVERY_LOOKUPS != seen_before // PLAN_EVERY_LOOKUPS
+
+
 class PoolPlans:
     """This member's asks for the holder's plan (module doc)."""
 
@@ -80,7 +86,7 @@ class PoolPlans:
         """This member learned of ``lookups`` more lookups of the pool."""
         before = self._seen
         self._seen += lookups
-        if self._seen // PLAN_EVERY_LOOKUPS == before // PLAN_EVERY_LOOKUPS:
+        if not plan_due(before, self._seen):
             return
         holder = self.holder
         if holder == self.membership.advertise or self._asking is not None:

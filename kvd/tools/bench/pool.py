@@ -413,16 +413,20 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         finally:
             for client in clients:
                 client.close()
-        forwards = sum(m.metric("kvd_cluster_forwards_total") for m in pool.members)
-        dropped = sum(m.metric("kvd_cluster_forwards_dropped_total") for m in pool.members)
-        peer_errors = sum(m.metric("kvd_cluster_peer_errors_total") for m in pool.members)
-        guests = sum(m.metric("kvd_guest_entries") for m in pool.members)
+
+        def total(name: str) -> float:
+            return sum(member.metric(name) for member in pool.members)
+
+        forwards = total("kvd_cluster_forwards_total")
+        dropped = total("kvd_cluster_forwards_dropped_total")
+        peer_errors = total("kvd_cluster_peer_errors_total")
+        guests = total("kvd_guest_entries")
         plans = {
-            "adopted": sum(m.metric("kvd_cluster_plans_adopted_total") for m in pool.members),
-            "refused": sum(m.metric("kvd_cluster_plans_refused_total") for m in pool.members),
-            "tells_dropped": sum(m.metric("kvd_cluster_tells_dropped_total") for m in pool.members),
-            "remote_misses": sum(m.metric("kvd_cluster_remote_misses_total") for m in pool.members),
-            "remote_hits": sum(m.metric("kvd_cluster_remote_hits_total") for m in pool.members),
+            "adopted": total("kvd_cluster_plans_adopted_total"),
+            "refused": total("kvd_cluster_plans_refused_total"),
+            "tells_dropped": total("kvd_cluster_tells_dropped_total"),
+            "remote_misses": total("kvd_cluster_remote_misses_total"),
+            "remote_hits": total("kvd_cluster_remote_hits_total"),
         }
         addresses = [m.address for m in pool.members]
         where = pool.where

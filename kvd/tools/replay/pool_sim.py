@@ -22,7 +22,7 @@ top of ``kvd.tools.replay.sim``'s single-daemon semantics:
    there and a put at its owner (the forward: at once here, in the
    background in the daemon).
 
-Every ``PLAN_EVERY_LOOKUPS`` lookups a member learns of, it adopts the
+Every ``PLAN_EVERY_LOOKUPS`` lookups a member learns of (``plan_due``), it adopts the
 plan holder's plan (the first member in sorted order; kvd.cluster.plans),
 at once here, a round trip later in the daemon. ``in_step=False`` leaves
 both out (no untold lookups, each member its own plan), as the daemon was
@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvd.cluster.plans import PLAN_EVERY_LOOKUPS
+from kvd.cluster.plans import plan_due
 from kvd.cluster.rendezvous import Placement
 from kvd.store.eviction.policy import POLICIES, EvictionPolicy, make_policy
 from kvd.tools.replay.run import block_key
@@ -102,8 +102,8 @@ class _Member:
         untold: int = 0,
         holder: _Member | None = None,
     ) -> None:
-        """A lookup learned of, after ``untold`` ones it was not told of; every
-        PLAN_EVERY_LOOKUPS of them it adopts ``holder``'s plan."""
+        """A lookup learned of, after ``untold`` ones it was not told of; when
+        a plan is due (``plan_due``) it adopts ``holder``'s."""
         for _ in range(untold):
             self.policy.on_lookup([], 0, [])
         for key in touched:
@@ -111,8 +111,7 @@ class _Member:
         self.policy.on_lookup(chain, hits, mine)
         before = self.seen
         self.seen += 1 + untold
-        due = self.seen // PLAN_EVERY_LOOKUPS != before // PLAN_EVERY_LOOKUPS
-        if due and holder is not None and holder is not self:
+        if plan_due(before, self.seen) and holder is not None and holder is not self:
             plan = holder.policy.shared_plan()
             if plan is not None:
                 self.policy.adopt_plan(plan)
