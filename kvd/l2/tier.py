@@ -29,7 +29,7 @@ import contextlib
 import errno
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvd.io.backend import IoBackend, IoError, OpKind, ReadStatus, RecordRead
 from kvd.l2.devices import AlignedBuffer, DeviceSet
@@ -91,6 +91,11 @@ class L2Tier:
     # ---- queries ---------------------------------------------------------------
     def lookup(self, namespace: str, key: bytes) -> L2Record | None:
         return self.index.get((namespace, key))
+
+    def holds(self, namespace: str, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each key has a record here."""
+        index = self.index
+        return [(namespace, key) in index for key in keys]
 
     @property
     def capacity_bytes(self) -> int:

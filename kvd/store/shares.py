@@ -8,6 +8,7 @@ neither grpc nor metrics."""
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,8 +59,11 @@ class ChainShares:
                 f"a chain share of {len(keys)} keys at {len(positions)} positions "
                 f"of a chain of {length}"
             )
-        if any(not 0 <= p < length for p in positions) or any(
-            a >= b for a, b in itertools.pairwise(positions)
+        # Increasing from >= 0 to < length: within the chain (C loops, not a generator).
+        if positions and (
+            positions[0] < 0
+            or positions[-1] >= length
+            or not all(map(operator.lt, positions, itertools.islice(positions, 1, None)))
         ):
             raise InvalidArgument("chain positions must increase and lie within the chain")
         ns = self._entries.namespace(ns_name)
