@@ -69,13 +69,16 @@ class Placement:
         """
         records: list[tuple[int, L2Record]] = []
         seen: set[bytes] = set()
+        ns = self.entries.by_name.get(ns_name)
+        in_l1 = ns.entries if ns is not None else {}
+        lookup, promotions = self.l2.lookup, self.promotions
         for index, key in enumerate(keys):
             if not key or len(key) > KEY_BYTES_MAX:
                 continue  # ``fetch`` refuses it, for this item alone
-            if key in seen or (ns_name, key) in self.promotions:
+            if key in seen or key in in_l1 or (ns_name, key) in promotions:
                 continue
             seen.add(key)
-            if self.entries.get(ns_name, key) is None and (record := self.l2.lookup(ns_name, key)):
+            if record := lookup(ns_name, key):
                 records.append((index, record))
         readers: dict[int, Reader | None] = {}
         try:
