@@ -4,8 +4,9 @@
 # record reads and their checks in C (tests/io/test_backend_records.py,
 # tests/l2/test_format.py), the L2 tier on top (tests/l2/test_tier.py) and the
 # region copies' batch (tests/io/test_copy_many.py), the native cut of striped
-# record reads (tests/io/test_layout.py) and the gets through the pool's
-# directory (tests/io/test_pool_read_many.py).
+# record reads (tests/io/test_layout.py), the gets through the pool's
+# directory (tests/io/test_pool_read_many.py) and the values received from a
+# socket (tests/io/test_recv_hashed.py).
 # Usage: native/asan_check.sh [pytest args]
 set -eu
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,4 +35,5 @@ ASAN_OPTIONS=detect_leaks=0:quarantine_size_mb=0 \
 PYTHONMALLOC=malloc \
     "$python" -m pytest -q -p no:cacheprovider tests/io/test_backend.py \
     tests/io/test_backend_records.py tests/l2/test_format.py tests/l2/test_tier.py \
-    tests/io/test_copy_many.py tests/io/test_layout.py tests/io/test_pool_read_many.py "$@"
+    tests/io/test_copy_many.py tests/io/test_layout.py tests/io/test_pool_read_many.py \
+    tests/io/test_recv_hashed.py "$@"

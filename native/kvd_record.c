@@ -48,9 +48,11 @@ align_up(uint64_t n, uint64_t unit)
 
 #define KVD_XXH3_SPANS xxh3_spans_sse2
 #define KVD_XXH3_COPY xxh3_copy_sse2
+#define KVD_XXH3_UPDATE xxh3_update_sse2
 static uint64_t xxh3_spans_sse2(const kvd_span *spans, int nspans, uint64_t nbytes);
 static uint64_t xxh3_copy_sse2(const kvd_piece *pieces, int npieces, uint8_t *flat,
                                int to_pieces);
+static void xxh3_update_sse2(void *state, const void *buf, size_t len);
 #include "kvd_xxh3_spans.h"
 
 uint64_t
@@ -76,6 +78,22 @@ kvd_xxh3_copy(const kvd_piece *pieces, int npieces, uint8_t *flat, int to_pieces
         return kvd_xxh3_copy_avx2(pieces, npieces, flat, to_pieces);
 #endif
     return xxh3_copy_sse2(pieces, npieces, flat, to_pieces);
+}
+
+void
+kvd_xxh3_update(void *state, const void *buf, size_t len)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f")) {
+        kvd_xxh3_update_avx512(state, buf, len);
+        return;
+    }
+    if (__builtin_cpu_supports("avx2")) {
+        kvd_xxh3_update_avx2(state, buf, len);
+        return;
+    }
+#endif
+    xxh3_update_sse2(state, buf, len);
 }
 
 static uint64_t

@@ -18,6 +18,13 @@ enum {
     KVD_READ_BAD_CHECKSUM = 3,  /* the payload does not match its checksum */
 };
 
+/* Result of recv_hashed (kvd_net.c): 0, one of these, or -errno. */
+enum {
+    KVD_RECV_OK = 0,
+    KVD_RECV_EOF = 1,     /* the peer closed before every byte arrived */
+    KVD_RECV_TIMEOUT = 2, /* timeout_ms passed first */
+};
+
 typedef struct {
     const uint8_t *buf;
     size_t len;
@@ -50,6 +57,8 @@ uint64_t kvd_xxh3_spans(const kvd_span *spans, int nspans, uint64_t nbytes);
  * bytes over the pieces (to_pieces 1), and return the xxh3-64 of the bytes
  * as read where they landed. */
 uint64_t kvd_xxh3_copy(const kvd_piece *pieces, int npieces, uint8_t *flat, int to_pieces);
+/* Feed `len` bytes to `state`, an XXH3_state_t the caller reset (and digests). */
+void kvd_xxh3_update(void *state, const void *buf, size_t len);
 #if defined(__x86_64__) && defined(__GNUC__)
 /* The same, built for AVX2 and AVX-512F: call only where the CPU has them. */
 uint64_t kvd_xxh3_spans_avx2(const kvd_span *spans, int nspans, uint64_t nbytes);
@@ -57,6 +66,8 @@ uint64_t kvd_xxh3_spans_avx512(const kvd_span *spans, int nspans, uint64_t nbyte
 uint64_t kvd_xxh3_copy_avx2(const kvd_piece *pieces, int npieces, uint8_t *flat, int to_pieces);
 uint64_t kvd_xxh3_copy_avx512(const kvd_piece *pieces, int npieces, uint8_t *flat,
                               int to_pieces);
+void kvd_xxh3_update_avx2(void *state, const void *buf, size_t len);
+void kvd_xxh3_update_avx512(void *state, const void *buf, size_t len);
 #endif
 
 /* KVD_READ_OK when `header` (header_len bytes: 4096 or 8192) is the record

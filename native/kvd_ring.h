@@ -135,5 +135,7 @@ PyObject *kvd_check_record_py(PyObject *module, PyObject *args);
 PyObject *kvd_xxh3_64_py(PyObject *module, PyObject *arg);
 PyObject *kvd_copy_many_py(PyObject *module, PyObject *args);
 PyObject *kvd_pool_read_many_py(PyObject *module, PyObject *args);
+/* kvd_net.c */
+PyObject *kvd_recv_hashed_py(PyObject *module, PyObject *args);
 
 #endif

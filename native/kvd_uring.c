@@ -427,6 +427,10 @@ static PyMethodDef module_methods[] = {
      "pool_read_many(pool, layout, digests, buffers, verify) -> list[int]: gets through "
      "the pool's directory with the GIL released; each value's size, or -1 where it was "
      "not read so."},
+    {"recv_hashed", (PyCFunction)kvd_recv_hashed_py, METH_VARARGS,
+     "recv_hashed(fd, views, timeout_ms) -> (status, received, digest): fill views in "
+     "order from a stream socket with the GIL released, hashing each piece as it lands; "
+     "status 0, RECV_EOF, RECV_TIMEOUT or -errno."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -457,7 +461,9 @@ PyInit__uring(void)
         PyModule_AddIntConstant(m, "READ_OK", KVD_READ_OK) < 0 ||
         PyModule_AddIntConstant(m, "READ_SHORT", KVD_READ_SHORT) < 0 ||
         PyModule_AddIntConstant(m, "READ_BAD_HEADER", KVD_READ_BAD_HEADER) < 0 ||
-        PyModule_AddIntConstant(m, "READ_BAD_CHECKSUM", KVD_READ_BAD_CHECKSUM) < 0) {
+        PyModule_AddIntConstant(m, "READ_BAD_CHECKSUM", KVD_READ_BAD_CHECKSUM) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_EOF", KVD_RECV_EOF) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_TIMEOUT", KVD_RECV_TIMEOUT) < 0) {
         Py_DECREF(&RingType);
         Py_DECREF(m);
         return NULL;

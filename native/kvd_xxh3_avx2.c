@@ -20,5 +20,6 @@
 
 #define KVD_XXH3_SPANS kvd_xxh3_spans_avx2
 #define KVD_XXH3_COPY kvd_xxh3_copy_avx2
+#define KVD_XXH3_UPDATE kvd_xxh3_update_avx2
 #include "kvd_xxh3_spans.h"
 #endif

@@ -17,5 +17,6 @@
 
 #define KVD_XXH3_SPANS kvd_xxh3_spans_avx512
 #define KVD_XXH3_COPY kvd_xxh3_copy_avx512
+#define KVD_XXH3_UPDATE kvd_xxh3_update_avx512
 #include "kvd_xxh3_spans.h"
 #endif

@@ -1,8 +1,8 @@
 /*
  * The bodies of kvd_xxh3_spans and kvd_xxh3_copy, for each build of xxh3
  * (kvd_record.c: SSE2; kvd_xxh3_avx2.c, kvd_xxh3_avx512.c): include right
- * after <xxhash.h> with XXH_INLINE_ALL, having defined KVD_XXH3_SPANS and
- * KVD_XXH3_COPY as the functions' names.
+ * after <xxhash.h> with XXH_INLINE_ALL, having defined KVD_XXH3_SPANS,
+ * KVD_XXH3_COPY and KVD_XXH3_UPDATE as the functions' names.
  */
 #include <string.h>
 
@@ -61,4 +61,14 @@ KVD_XXH3_COPY(const kvd_piece *pieces, int npieces, uint8_t *flat, int to_pieces
         }
     }
     return XXH3_64bits_digest(&state);
+}
+
+/*
+ * KVD_XXH3_UPDATE: feed `len` bytes to a streaming xxh3-64 state (an
+ * XXH3_state_t, reset by the caller; kvd_xxh3_update picks the build).
+ */
+void
+KVD_XXH3_UPDATE(void *state, const void *buf, size_t len)
+{
+    XXH3_64bits_update((XXH3_state_t *)state, buf, len);
 }

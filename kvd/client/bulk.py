@@ -20,7 +20,9 @@ or closed, or a port that cannot be reached, fails the call with
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 import queue
 import socket
 import threading
@@ -60,6 +62,14 @@ PIPELINE_FRAMES = 64
 DEFAULT_CONNECTIONS = 4
 # Connections kept per client; each costs the daemon one pair of tasks.
 CONNECTIONS_MAX = 64
+# Values from this size arrive in one native call (``kvd.io._uring.recv_hashed``:
+# received and hashed piece by piece with the GIL released); smaller ones in a
+# few ``recv_into`` calls, which cost less than the call's set-up.
+NATIVE_RECV_BYTES = 256 << 10
+RECV_WAIT_MS_MAX = 2**31 - 1
+# recv_hashed's statuses besides 0 (native/kvd_net.c); negative ones are -errno.
+RECV_EOF, RECV_TIMEOUT = 1, 2
+RecvHashed = Callable[[int, Sequence[memoryview], int], tuple[int, int, int]]
 
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -161,6 +171,27 @@ class Connection:
                 hasher.update(view[pos : pos + n])
             pos += n
 
+    def recv_value(self, view: memoryview) -> int:
+        """A value's bytes into ``view``; their xxh3-64. The socket's timeout
+        bounds each wait for more bytes, as on ``recv_into``."""
+        recv_hashed = native_recv_hashed()
+        if recv_hashed is None or len(view) < NATIVE_RECV_BYTES:
+            hasher = Hasher()
+            self.recv_into(view, hasher)
+            return hasher.value()
+        timeout_s = self.sock.gettimeout()
+        wait_ms = (
+            RECV_WAIT_MS_MAX if timeout_s is None else min(int(timeout_s * 1000), RECV_WAIT_MS_MAX)
+        )
+        status, received, digest = recv_hashed(self.sock.fileno(), [view], wait_ms)
+        if status == 0:
+            return digest
+        if status == RECV_TIMEOUT:
+            raise TimeoutError(f"bulk answer stalled after {received} of {len(view)} bytes")
+        if status == RECV_EOF:
+            raise ConnectionError("daemon closed the bulk connection")
+        raise OSError(-status, os.strerror(-status))
+
     def answer(self) -> Answer:
         self.recv_into(memoryview(self._header))
         magic, version, op, flags, rid, code, meta_len, msg_len, length, csum = RESPONSE.unpack(
@@ -175,6 +206,19 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@functools.cache
+def native_recv_hashed() -> RecvHashed | None:
+    """``kvd.io._uring.recv_hashed`` (a value received and hashed in one call
+    with the GIL released), or None where the native module is not built.
+    Imported at the first large get: importing the client loads no native
+    code, and the extension holds no daemon code."""
+    try:
+        import kvd.io._uring as _uring
+    except ImportError:
+        return None
+    return _uring.recv_hashed
 
 
 class BulkClient:
@@ -431,8 +475,6 @@ def _received(
             return InvalidArgument(f"buffer of {room} bytes is too small for {answer.length}")
         return _error(answer.code, answer.message)
     target = buffer[: answer.length] if buffer is not None else memoryview(bytearray(answer.length))
-    hasher = Hasher()
-    conn.recv_into(target, hasher)
-    if hasher.value() != answer.checksum:
+    if conn.recv_value(target) != answer.checksum:
         return DataLoss("value does not match its checksum")
     return answer.length if buffer is not None else bytes(target)

@@ -18,6 +18,8 @@ READ_OK: Final[int]
 READ_SHORT: Final[int]
 READ_BAD_HEADER: Final[int]
 READ_BAD_CHECKSUM: Final[int]
+RECV_EOF: Final[int]
+RECV_TIMEOUT: Final[int]
 
 # (opcode, fd, offset, buffer | list/tuple of buffers | None for fsync, user_data)
 Op: TypeAlias = tuple[int, int, int, Buffer | Sequence[Buffer] | None, int]
@@ -46,6 +48,10 @@ def xxh3_64(data: Buffer, /) -> int:
 def copy_many(jobs: Sequence[tuple[Buffer, Sequence[Buffer]]], to_pages: bool, /) -> list[int]:
     """Copy each (span, pages) job, span -> pages when to_pages, else pages ->
     span, with the GIL released; each job's xxh3-64 where its bytes landed."""
+
+def recv_hashed(fd: int, views: Sequence[Buffer], timeout_ms: int, /) -> tuple[int, int, int]:
+    """Fill views in order from a stream socket with the GIL released, hashing each
+    piece as it lands: (0, RECV_EOF, RECV_TIMEOUT or -errno; bytes received; their xxh3-64)."""
 
 def pool_read_many(
     pool: Buffer,

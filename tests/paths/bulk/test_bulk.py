@@ -6,13 +6,14 @@ closed with a logged reason, nothing partial is visible, others are served."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
 
 import pytest
 
-from kvd.client import AlreadyExists, Client, InvalidArgument
+from kvd.client import AlreadyExists, Client, InvalidArgument, bulk
 from kvd.client.bulk import BulkClient, BulkPut
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from tests.sockets import closed_by_daemon, metric, recv_exact
@@ -276,3 +277,37 @@ def _get_without_reading(daemon: DaemonProcess, rid: int, key: bytes) -> socket.
     recv_exact(sock, RESPONSE.size)
     sock.sendall(encode_request(OP_GET, rid, NS.encode(), key))
     return sock
+
+
+@pytest.mark.parametrize("receive", ["native", "python"])
+def test_large_values_arrive_whole_either_way(
+    bulk_daemon: DaemonProcess, receive: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Values from NATIVE_RECV_BYTES up arrive in one native call where it is
+    built, through recv_into where it is not: the same bytes either way, and
+    a daemon stopped half-way through one is a deadline error in time."""
+    if receive == "python":
+        monkeypatch.setattr(bulk, "native_recv_hashed", lambda: None)
+    elif bulk.native_recv_hashed() is None:
+        pytest.skip("kvd.io._uring is not built")
+    values = {b"edge": os.urandom(bulk.NATIVE_RECV_BYTES), b"big": os.urandom(20 << 20)}
+    with BulkClient("127.0.0.1", bulk_daemon.bulk_port, timeout_s=0.5) as client:
+        for key, value in values.items():
+            client.put(NS, key, value)
+        for key, value in values.items():
+            assert client.get(NS, key) == value
+            buffer = bytearray(len(value) + 1)
+            assert client.get_into(NS, key, buffer) == len(value) and buffer[:-1] == value
+        conn = client._idle.get_nowait()  # one connection: the daemon stops mid-answer
+        rid = conn.next_id()
+        conn.send([memoryview(encode_request(OP_GET, rid, NS.encode(), b"big"))])
+        header = RESPONSE.unpack(recv_exact(conn.sock, RESPONSE.size))
+        os.kill(bulk_daemon.proc.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises((TimeoutError, ConnectionError)):
+                conn.recv_value(memoryview(bytearray(header[8])))
+            assert time.monotonic() - start < 3.0
+        finally:
+            os.kill(bulk_daemon.proc.pid, signal.SIGCONT)
+            conn.close()
