@@ -5,11 +5,14 @@ closed with a logged reason, nothing partial is visible, others are served."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -116,16 +119,26 @@ def test_a_small_answer_waits_for_the_send_under_way(bulk_daemon: DaemonProcess)
     sock.close()
 
 
-def test_client_uses_bulk_over_tcp(bulk_daemon: DaemonProcess) -> None:
+def test_client_uses_bulk_over_tcp(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
     """Single puts and gets of any size and put_many with a large value go
-    over the bulk port; a put_many of small values is one gRPC BatchPut."""
+    over the bulk port; a put_many of small values is one gRPC BatchPut.
+
+    The byte counts are the daemon's since it started, so it takes only this
+    test's token: twice in CI they held 100,000 and ~3 MiB more, sizes that
+    earlier tests put, as if a client of an earlier daemon had reached this
+    one's port (ephemeral ports are reused)."""
+    token = secrets.token_hex(16)
+    table = tmp_path / "tokens.toml"
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    table.write_text(f'[[tokens]]\nname = "bulk"\nsha256 = "{digest}"\nnamespaces = ["{NS}"]\n')
+    bulk_daemon = daemon_factory("--bulk-frame-timeout-ms", "300", "--auth-tokens-file", str(table))
     value = os.urandom(1 << 20)
     port = bulk_daemon.metrics_port
 
     def moved(op: str, direction: str) -> float:
         return metric(port, f'kvd_bytes_total{{direction="{direction}",op="{op}"}}')
 
-    with Client(bulk_daemon.target, shm=False) as client:
+    with Client(bulk_daemon.target, shm=False, token=token) as client:
         client.put(NS, b"big", value)
         client.put_many(NS, [(b"c1", value), (b"c2", b"small")], chained=True)
         assert client.get(NS, b"big") == value
