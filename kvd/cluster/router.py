@@ -210,7 +210,12 @@ class PoolRouter:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _owner(self, namespace: str, key: bytes) -> str:
-        return self._owners_of(namespace, [key])[0]
+        known = self._known_owners(namespace)
+        owner = known.get(key)
+        if owner is None:
+            owner = known[key] = self.membership.placement.owner(namespace, key)
+            self._owners_count += 1
+        return owner
 
     def _owners_of(self, namespace: str, keys: list[bytes]) -> list[str]:
         """Each key's owner, remembered: an engine looks the same chains up
@@ -218,17 +223,23 @@ class PoolRouter:
         a 1,000-key chain over four members costs ~0.35 ms of the lookup. A
         chain whose owners are all remembered costs one C loop over a dict
         (~25 µs for 1,000 keys, against ~90 µs for a call per key)."""
-        placement = self.membership.placement
-        if placement is not self._owners_placement or self._owners_count >= OWNERS_CACHED_MAX:
-            self._owners_placement, self._owners, self._owners_count = placement, {}, 0
-        known = self._owners.setdefault(namespace, {})
+        known = self._known_owners(namespace)
         owners = list(map(known.get, keys))
         if None in owners:
+            placement = self.membership.placement
             for i, owner in enumerate(owners):
                 if owner is None:
                     owners[i] = known[keys[i]] = placement.owner(namespace, keys[i])
                     self._owners_count += 1
         return owners  # type: ignore[return-value]  # every None was filled
+
+    def _known_owners(self, namespace: str) -> dict[bytes, str]:
+        """The owners remembered in ``namespace``, for the current placement
+        (all are forgotten when it changes, or past OWNERS_CACHED_MAX)."""
+        placement = self.membership.placement
+        if placement is not self._owners_placement or self._owners_count >= OWNERS_CACHED_MAX:
+            self._owners_placement, self._owners, self._owners_count = placement, {}, 0
+        return self._owners.setdefault(namespace, {})
 
     def _remote_owner(self, namespace: str, key: bytes) -> str | None:
         """The key's owner when it is another member, else None."""
