@@ -16,7 +16,7 @@ The shapes (``WORKLOADS``):
 * ``shared-prompts`` -- a few long system prompts (Zipf popularity) shared
   by many short chat sessions of 1-6 turns;
 * ``documents`` -- long documents (Zipf popularity, the hot set drifting
-  every 10 minutes) re-read by many one- or two-turn questions;
+  every 15 minutes) re-read by many one- or two-turn questions;
 * ``agents`` -- tool-using agents: one of three tool prompts, then 5-60
   turns each adding a tool result and a short reply, seconds apart;
 * ``bursts`` -- short chat sessions on shared prompts (the hot set), and
@@ -197,10 +197,30 @@ def shared_prompts(seed: int, duration_ms: int = HOUR_MS) -> list[Record]:
     return _run_sessions(rng, ids, clock, duration_ms)
 
 
+@dataclass
+class DocumentsDraw:
+    """What ``documents`` drew besides its requests: the generator's own
+    model, which an offline bound may use (kvd.tools.replay.oracle)."""
+
+    instruction_ids: list[int]  # the full blocks every question starts with
+    doc_ids: list[list[int]]  # each document's own full blocks, after the instruction
+    popularity: npt.NDArray[np.float64]  # a question's chance of each rank
+    epoch_ms: int
+    ranks: list[npt.NDArray[np.int64]]  # per epoch: the document at each rank
+    questions_per_s: float
+    follow_up_chance: float
+    session_of: list[int] = field(default_factory=list)  # per request: its session's number
+
+
 def documents(seed: int, duration_ms: int = HOUR_MS) -> list[Record]:
     """2000 documents of 4-64k tokens (Pareto sizes) after a 1k-token
     instruction, re-read by one- or two-turn questions; Zipf 0.8 popularity
     whose ranks are reshuffled every 15 minutes (the hot set drifts)."""
+    return documents_drawn(seed, duration_ms)[0]
+
+
+def documents_drawn(seed: int, duration_ms: int = HOUR_MS) -> tuple[list[Record], DocumentsDraw]:
+    """``documents``, with what it drew."""
     rng = np.random.default_rng(seed)
     ids = _Ids()
     instruction = _prefix(ids, 1024)
@@ -210,16 +230,27 @@ def documents(seed: int, duration_ms: int = HOUR_MS) -> list[Record]:
     ]
     popularity = _zipf_weights(len(docs), 0.8)
     ranks = rng.permutation(len(docs))
-    epoch_ms = 900_000
+    draw = DocumentsDraw(
+        instruction.ids, [doc.ids[len(instruction.ids) :] for doc in docs], popularity,
+        epoch_ms=900_000, ranks=[ranks], questions_per_s=2.0, follow_up_chance=0.3,
+    )  # fmt: skip
     epoch = 0
     clock = _Clock()
-    for when_ms in _poisson_arrivals(rng, 2.0, duration_ms):
-        if when_ms // epoch_ms != epoch:
-            epoch = when_ms // epoch_ms
+    arrivals = _poisson_arrivals(rng, draw.questions_per_s, duration_ms)
+    for number, when_ms in enumerate(arrivals):
+        if when_ms // draw.epoch_ms != epoch:
+            epoch = when_ms // draw.epoch_ms
             ranks = rng.permutation(len(docs))
+            draw.ranks += [ranks] * (epoch + 1 - len(draw.ranks))
         doc = docs[int(ranks[int(rng.choice(len(docs), p=popularity))])]
-        clock.at(when_ms, _Session.on(doc, 1 + int(rng.random() < 0.3), "question"))
-    return _run_sessions(rng, ids, clock, duration_ms)
+        session = _Session.on(doc, 1 + int(rng.random() < draw.follow_up_chance), "question")
+        session.extra["number"] = number
+        clock.at(when_ms, session)
+    numbers = draw.session_of
+    records = _run_sessions(
+        rng, ids, clock, duration_ms, lambda s: numbers.append(int(s.extra["number"]))
+    )
+    return records, draw
 
 
 def _agent_wait_ms(rng: np.random.Generator) -> int:
@@ -247,11 +278,15 @@ def agents(seed: int, duration_ms: int = HOUR_MS) -> list[Record]:
 
 
 def _run_sessions(
-    rng: np.random.Generator, ids: _Ids, clock: _Clock, duration_ms: int
-) -> list[Record]:
-    """Serve every session's turns in time order: agents, chats, one-shots."""
+    rng: np.random.Generator, ids: _Ids, clock: _Clock, duration_ms: int,
+    on_request: Callable[[_Session], None] | None = None,
+) -> list[Record]:  # fmt: skip
+    """Serve every session's turns in time order: agents, chats, one-shots
+    (``on_request`` sees each session as its next request is made)."""
     records: list[Record] = []
     for now_ms, session in clock.events():
+        if on_request is not None:
+            on_request(session)
         if session.kind == "agent":
             added, output = int(rng.integers(100, 1500)), int(rng.integers(20, 300))
             wait_ms = _agent_wait_ms(rng)
