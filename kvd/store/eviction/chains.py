@@ -45,14 +45,14 @@ K = TypeVar("K", bound=Hashable)
 # most 4 entries per block (a 3-tuple each, ~80 B).
 HEAP_FACTOR = 4
 HEAP_SLACK = 1024
-# The bound is checked every _HEAP_CHECK pushes (three len() calls a push
+# The bound is checked every HEAP_CHECK pushes (three len() calls a push
 # were ~3 % of a policy's CPU), so it can be passed by that many entries.
-_HEAP_CHECK = 64
+HEAP_CHECK = 64
 
 
 def heap_entries_max(live: int) -> int:
     """The most heap entries a policy holds with ``live`` blocks tracked."""
-    return HEAP_FACTOR * live + HEAP_SLACK + _HEAP_CHECK
+    return HEAP_FACTOR * live + HEAP_SLACK + HEAP_CHECK
 
 
 # Hit counts saturate here: beyond ~8 hits a block is "hot" and further hits
@@ -223,7 +223,7 @@ class ChainPolicy(Generic[K]):
         node.seq = seq
         heap = self._inner_heap if key in self._children else self._leaf_heap
         heapq.heappush(heap, (node.priority, seq, key))
-        if not seq % _HEAP_CHECK and (
+        if not seq % HEAP_CHECK and (
             len(self._leaf_heap) + len(self._inner_heap)
             > HEAP_FACTOR * len(self._nodes) + HEAP_SLACK
         ):

@@ -74,12 +74,13 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from heapq import heappush
 from itertools import compress
 
 import numpy as np
 import numpy.typing as npt
 
-from kvd.store.eviction.chains import HEAP_SLACK, ChainPolicy, K, Node
+from kvd.store.eviction.chains import HEAP_CHECK, HEAP_FACTOR, HEAP_SLACK, ChainPolicy, K, Node
 
 # Bucket upper edges (inclusive) per feature; past the last edge is one more
 # bucket. Gap 0 means "no previous reference". Measured on the tuning set
@@ -156,6 +157,9 @@ _IDS = np.arange(_CLASSES)
 _ZERO_ROW = array("i", [0]) * _CLASSES
 _COUNT_BUCKET = tuple(bisect_left(_COUNT_EDGES, count) for count in range(_COUNT_EDGES[-1] + 1))
 _COUNT_TOP = len(_COUNT_EDGES)
+_COUNT_BUCKET_LEN = len(_COUNT_BUCKET)
+_RING_MASK = _RING - 1
+_AGE_LAST = _AGE_EDGES[-1]
 _FEATURES: tuple[npt.NDArray[np.int64], ...] = (
     np.where(_IDS < _PRODUCT, _IDS // (_COUNT_BUCKETS * _LENGTH_BUCKETS), 0),
     np.where(_IDS < _PRODUCT, (_IDS // _LENGTH_BUCKETS) % _COUNT_BUCKETS, 0),
@@ -334,44 +338,68 @@ class DensityPolicy(ChainPolicy[K]):
         if mine is not None and 0 < sum(mine) < n:
             shares = self._shares
             share_last = max(compress(range(n), mine))
+        # The reference's end of wait and ChainPolicy._push are inlined (two
+        # calls per key were a quarter of the loop's time), their counters in
+        # locals until the loop ends.
+        ring_tick, reused = self._ring_tick, self._reused_flat
+        children, leaf_heap, inner_heap = self._children, self._leaf_heap, self._inner_heap
+        heap_bound = HEAP_FACTOR * len(nodes) + HEAP_SLACK
+        seq, accesses, last = self._seq, self._accesses, n - 1
         for position, key in owned:
             node = nodes.get(key)
             if isinstance(node, _DensityNode):
-                gap = self._ended(node.klass, node.gap, node.tick)
-                count = min(node.count + 1, _COUNT_MAX)
+                before, gap, tick, count = node.klass, node.gap, node.tick, node.count
             else:
                 remembered = ghost.pop(key, None) or pending.get(key)
                 if remembered is None:
-                    gap, count = 0, 1
+                    before, gap, tick, count = 0, 0, -1, 0
                 else:
-                    gap = self._ended(remembered[0], remembered[1], remembered[2])
-                    count = min(remembered[3] + 1, _COUNT_MAX)
-            if position == n - 1:
+                    before, gap, tick, count = remembered[:4]
+            # The wait of the reference (before, tick) ends now: out of its
+            # ring row, a reuse in its age bin; gap is the wait (0 when never
+            # looked up, the previous gap for a second reference this lookup).
+            if tick < 0:
+                gap = 0
+            elif tick != now:
+                gap = now - tick
+                slot = tick & _RING_MASK
+                if ring_tick[slot] == tick and gap <= _AGE_LAST:
+                    ring[slot * _CLASSES + before] -= 1
+                    reused[before * _BINS + bisect_left(_AGE_EDGES, gap)] += 1.0
+            count = count + 1 if count < _COUNT_MAX else _COUNT_MAX
+            if position == last:
                 klass = _LAST
-            else:  # reference_class, inlined (a call per key is ~10 % of the cost)
-                count_bucket = _COUNT_BUCKET[count] if count < len(_COUNT_BUCKET) else _COUNT_TOP
+            else:  # reference_class, inlined
+                count_bucket = _COUNT_BUCKET[count] if count < _COUNT_BUCKET_LEN else _COUNT_TOP
                 klass = (
                     bisect_left(_GAP_EDGES, gap) * _COUNT_BUCKETS + count_bucket
                 ) * _LENGTH_BUCKETS + length_bucket
             ring[row_start + klass] += 1
             due = now + retention[klass]
-            if klass == _LAST:
+            if klass == _LAST and due > bound:
                 # The chain's leaf: kept past the block before it, it would
                 # hold that block too (victims are leaves first), and it is
                 # worth nothing without it.
-                due = min(due, bound)
+                due = bound
             bound = due
             if isinstance(node, _DensityNode):
                 node.klass, node.gap, node.tick, node.count = klass, gap, now, count
                 node.due = due
-                self._accesses += 1
-                node.priority = (due << 64) | self._accesses
-                self._push(key, node)
+                accesses += 1
+                node.priority = priority = (due << 64) | accesses
+                seq += 1
+                node.seq = seq
+                heappush(inner_heap if key in children else leaf_heap, (priority, seq, key))
+                if not seq % HEAP_CHECK and len(leaf_heap) + len(inner_heap) > heap_bound:
+                    self._seq = seq
+                    self._rebuild()
+                    leaf_heap, inner_heap = self._leaf_heap, self._inner_heap
             else:
                 pending[key] = (klass, gap, now, count, due)
                 if shares is not None:
                     shares[key] = (share_parent, position == share_last)
             share_parent = key
+        self._seq, self._accesses = seq, accesses
         while len(pending) > _PENDING_MAX:
             del pending[next(iter(pending))]
         while shares is not None and len(shares) > _PENDING_MAX:
@@ -448,22 +476,6 @@ class DensityPolicy(ChainPolicy[K]):
         int, so without lookups this is exactly LRU)."""
         self._accesses += 1
         return (due << 64) | self._accesses
-
-    def _ended(self, klass: int, gap: int, tick: int) -> int:
-        """The wait of the reference (class, tick) ends now: take it out of
-        its ring row and count its reuse; returns the gap it waited (0 when
-        it was never looked up), or its previous gap for a second reference
-        within one lookup."""
-        if tick < 0:
-            return 0
-        age = self._now - tick
-        if age == 0:
-            return gap
-        slot = tick & (_RING - 1)
-        if self._ring_tick[slot] == tick and age <= _AGE_EDGES[-1]:
-            self._ring_flat[slot * _CLASSES + klass] -= 1
-            self._reused_flat[klass * _BINS + bisect_left(_AGE_EDGES, age)] += 1.0
-        return age
 
     def _close_row(self) -> None:
         """Count this lookup's row; rows that reach an age edge now enter
