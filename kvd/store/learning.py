@@ -20,7 +20,7 @@ the loop is free, after the answer went out. The queue is bounded: past
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import Any, Generic
 
@@ -86,9 +86,13 @@ class DeferredPolicy(Generic[K]):
             for _ in range(untold):
                 policy.on_lookup([], 0, [])
             if ns_id is not None:
-                touched, chain = policy_keys(ns_id, touched), policy_keys(ns_id, chain)
-            for key in touched:
-                policy.touch(key)
+                # A lookup's hits are mostly its chain's first keys: their
+                # policy keys are made once.
+                n = len(touched)
+                leading = touched == chain[:n]
+                chain = policy_keys(ns_id, chain)
+                touched = chain[:n] if leading else policy_keys(ns_id, touched)
+            policy.touch_many(touched)
             policy.on_lookup(chain, hits, mine)
 
     # The policy's calls (EvictionPolicy), each after the queued ones.
@@ -99,6 +103,10 @@ class DeferredPolicy(Generic[K]):
     def touch(self, key: K) -> None:
         self.settle()
         self.policy.touch(key)
+
+    def touch_many(self, keys: Iterable[K]) -> None:
+        self.settle()
+        self.policy.touch_many(keys)
 
     def remove(self, key: K) -> None:
         self.settle()

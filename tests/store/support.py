@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvd.config.settings import Config
@@ -77,6 +77,10 @@ class Recorded:
     def touch(self, key: Any) -> None:
         self.calls.append(("touch", key))
         self.policy.touch(key)
+
+    def touch_many(self, keys: Iterable[Any]) -> None:
+        for key in keys:
+            self.touch(key)
 
     def remove(self, key: Any) -> None:
         self.calls.append(("remove", key))

@@ -32,7 +32,7 @@ Policies subclass ``ChainPolicy`` (``kvd.store.eviction.lru``, ``pred``,
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Container, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -151,6 +151,11 @@ class ChainPolicy(Generic[K]):
         node.hits = min(node.hits + 1, _FREQ_MAX)
         node.priority = self._priority_on_touch(node)
         self._push(key, node)
+
+    def touch_many(self, keys: Iterable[K]) -> None:
+        touch = self.touch
+        for key in keys:
+            touch(key)
 
     def remove(self, key: K) -> None:
         node = self._nodes.pop(key, None)

@@ -73,7 +73,7 @@ import struct
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from heapq import heappush
 from itertools import compress
 
@@ -160,6 +160,15 @@ _COUNT_TOP = len(_COUNT_EDGES)
 _COUNT_BUCKET_LEN = len(_COUNT_BUCKET)
 _RING_MASK = _RING - 1
 _AGE_LAST = _AGE_EDGES[-1]
+# A lookup's per-key bisections as tables (an index ~25 ns, a bisect_left
+# call ~60 ns): the age bin of a wait up to _AGE_LAST, and a gap's bucket
+# (up to the last gap edge; _GAP_TOP past it) times _COUNT_BUCKETS.
+_AGE_BIN = tuple(bisect_left(_AGE_EDGES, gap) for gap in range(_AGE_LAST + 1))
+_GAP_PART = tuple(
+    bisect_left(_GAP_EDGES, gap) * _COUNT_BUCKETS for gap in range(_GAP_EDGES[-1] + 1)
+)
+_GAP_TOP = len(_GAP_EDGES) * _COUNT_BUCKETS
+_GAP_PART_LAST = _GAP_EDGES[-1]
 _FEATURES: tuple[npt.NDArray[np.int64], ...] = (
     np.where(_IDS < _PRODUCT, _IDS // (_COUNT_BUCKETS * _LENGTH_BUCKETS), 0),
     np.where(_IDS < _PRODUCT, (_IDS // _LENGTH_BUCKETS) % _COUNT_BUCKETS, 0),
@@ -365,15 +374,14 @@ class DensityPolicy(ChainPolicy[K]):
                 slot = tick & _RING_MASK
                 if ring_tick[slot] == tick and gap <= _AGE_LAST:
                     ring[slot * _CLASSES + before] -= 1
-                    reused[before * _BINS + bisect_left(_AGE_EDGES, gap)] += 1.0
+                    reused[before * _BINS + _AGE_BIN[gap]] += 1.0
             count = count + 1 if count < _COUNT_MAX else _COUNT_MAX
             if position == last:
                 klass = _LAST
             else:  # reference_class, inlined
                 count_bucket = _COUNT_BUCKET[count] if count < _COUNT_BUCKET_LEN else _COUNT_TOP
-                klass = (
-                    bisect_left(_GAP_EDGES, gap) * _COUNT_BUCKETS + count_bucket
-                ) * _LENGTH_BUCKETS + length_bucket
+                gap_part = _GAP_PART[gap] if gap <= _GAP_PART_LAST else _GAP_TOP
+                klass = (gap_part + count_bucket) * _LENGTH_BUCKETS + length_bucket
             ring[row_start + klass] += 1
             due = now + retention[klass]
             if klass == _LAST and due > bound:
@@ -419,6 +427,16 @@ class DensityPolicy(ChainPolicy[K]):
             # the conversation trace).
             return
         super().touch(key)
+
+    def touch_many(self, keys: Iterable[K]) -> None:
+        """``touch`` of each key, its test inlined: a lookup's hits are
+        touched before its chain is learned, almost all of them looked up
+        before (0.05 against 0.12 ms for 1,000 keys)."""
+        nodes, touch = self._nodes, ChainPolicy.touch
+        for key in keys:
+            node = nodes.get(key)
+            if not isinstance(node, _DensityNode) or node.tick < 0:
+                touch(self, key)
 
     def insert(self, key: K, parent: K | None) -> None:
         share = self._shares.pop(key, None)

@@ -45,7 +45,7 @@ share nothing).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from kvd.store.eviction.chains import ChainPolicy, K
@@ -80,6 +80,9 @@ class EvictionPolicy(Protocol[K]):
     def insert(self, key: K, parent: K | None) -> None: ...
 
     def touch(self, key: K) -> None: ...
+
+    def touch_many(self, keys: Iterable[K]) -> None:
+        """``touch`` of each key, in order."""
 
     def remove(self, key: K) -> None: ...
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,10 @@ class CallLog:
     def touch(self, key: int) -> None:
         self._add(_TOUCH, key, 0)
         self.inner.touch(key)
+
+    def touch_many(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            self.touch(key)
 
     def remove(self, key: int) -> None:
         self._add(_REMOVE, key, 0)
@@ -113,6 +117,9 @@ class _NullPolicy:
         pass
 
     def touch(self, key: int) -> None:
+        pass
+
+    def touch_many(self, keys: Iterable[int]) -> None:
         pass
 
     def remove(self, key: int) -> None:

@@ -32,6 +32,31 @@ def test_policies_listed_and_made() -> None:
         make_policy("nope")
 
 
+@pytest.mark.parametrize("name", POLICIES)
+def test_touch_many_is_a_touch_of_each_key_in_order(name: str) -> None:
+    """A lookup's hits go to the policy in one ``touch_many``; the policy
+    must end where a ``touch`` per key leaves it: same victims, same order."""
+    rng = random.Random(7)
+    policies = [make_policy(name), make_policy(name)]
+    chains = [[(c, i) for i in range(rng.randrange(1, 40))] for c in range(30)]
+    for policy in policies:
+        for chain in chains:
+            insert_chain(policy, chain)
+    for step in range(300):
+        # Touches of blocks looked up before and never, and of a key never
+        # inserted (ignored); a lookup of another chain every other step.
+        touched = rng.sample(chains, 2)
+        keys = [*touched[0][: rng.randrange(40)], (99, step), *touched[1]]
+        policies[0].touch_many(keys)
+        for key in keys:
+            policies[1].touch(key)
+        if step % 2:
+            chain = chains[rng.randrange(len(chains))]
+            for policy in policies:
+                policy.on_lookup(chain, len(chain) // 2)
+    assert drain(policies[0]) == drain(policies[1])
+
+
 def test_lru_order_among_unrelated_blocks() -> None:
     policy = LruPolicy[str]()
     for key in "abcd":
