@@ -31,7 +31,7 @@ NATIVE_SOURCES = [
     ROOT / "native" / name
     for name in (
         "kvd_uring.c", "kvd_slots.c", "kvd_reads.c", "kvd_record.c", "kvd_xxh3_avx2.c",
-        "kvd_xxh3_avx512.c", "kvd_copy.c", "kvd_pool.c", "kvd_net.c",
+        "kvd_xxh3_avx512.c", "kvd_copy.c", "kvd_pool.c", "kvd_net.c", "kvd_density.c",
     )
 ]
 

@@ -137,5 +137,7 @@ PyObject *kvd_copy_many_py(PyObject *module, PyObject *args);
 PyObject *kvd_pool_read_many_py(PyObject *module, PyObject *args);
 /* kvd_net.c */
 PyObject *kvd_recv_hashed_py(PyObject *module, PyObject *args);
+/* kvd_density.c */
+PyObject *kvd_density_learn_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

@@ -388,6 +388,12 @@ static PyMethodDef Ring_methods[] = {
      "eventfd() -> int: a non-blocking eventfd the kernel signals on each completion."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS,
      "close(): wait for in-flight ops, release their buffers, tear the ring down."},
+    {"density_learn", (PyCFunction)(void (*)(void))kvd_density_learn_py, METH_FASTCALL,
+     "density_learn(keys, mine, nodes, node_type, fields, ghost_pop, pending, shares, "
+     "children, leaf_heap, inner_heap, heappush, rebuild, ring, ring_tick, reused, age_bin, "
+     "gap_part, count_bucket, retention, consts, state) -> (seq, accesses): what the density "
+     "eviction policy learns from one chain lookup, key by key "
+     "(kvd/store/eviction/density_learn.py)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -431,6 +437,12 @@ static PyMethodDef module_methods[] = {
      "recv_hashed(fd, views, timeout_ms) -> (status, received, digest): fill views in "
      "order from a stream socket with the GIL released, hashing each piece as it lands; "
      "status 0, RECV_EOF, RECV_TIMEOUT or -errno."},
+    {"density_learn", (PyCFunction)(void (*)(void))kvd_density_learn_py, METH_FASTCALL,
+     "density_learn(keys, mine, nodes, node_type, fields, ghost_pop, pending, shares, "
+     "children, leaf_heap, inner_heap, heappush, rebuild, ring, ring_tick, reused, age_bin, "
+     "gap_part, count_bucket, retention, consts, state) -> (seq, accesses): what the density "
+     "eviction policy learns from one chain lookup, key by key "
+     "(kvd/store/eviction/density_learn.py)."},
     {NULL, NULL, 0, NULL},
 };
 

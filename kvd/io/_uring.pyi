@@ -3,8 +3,8 @@
 Only kvd.io.backend imports this module.
 """
 
-from collections.abc import Sequence
-from typing import Final, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeAlias
 
 from typing_extensions import Buffer
 
@@ -63,6 +63,34 @@ def pool_read_many(
 ) -> list[int]:
     """Gets through the pool's directory with the GIL released: each value's
     size once copied into its buffer, or -1 where it was not read so."""
+
+def density_learn(
+    keys: Sequence[object],
+    mine: Sequence[bool] | None,
+    nodes: dict[Any, Any],
+    node_type: type,
+    fields: tuple[Any, ...],
+    ghost_pop: Callable[[Any, None], Any],
+    pending: dict[Any, Any],
+    shares: dict[Any, Any] | None,
+    children: dict[Any, int],
+    leaf_heap: list[Any],
+    inner_heap: list[Any],
+    heappush: Callable[[list[Any], Any], None],
+    rebuild: Callable[[int], tuple[list[Any], list[Any]]],
+    ring: Buffer,
+    ring_tick: Buffer,
+    reused: Buffer,
+    age_bin: Buffer,
+    gap_part: Buffer,
+    count_bucket: Buffer,
+    retention: Sequence[int],
+    consts: tuple[int, ...],
+    state: tuple[int, ...],
+    /,
+) -> tuple[int, int]:
+    """What the density eviction policy learns from one chain lookup, key by
+    key (kvd/store/eviction/density_learn.py): (seq, accesses) after it."""
 
 class Ring:
     """A bounded io_uring instance: at most `depth` ops in flight."""

@@ -497,6 +497,13 @@ def native_copy_many() -> CopyMany | None:
     return _uring.copy_many if _uring_import_error is None else None
 
 
+def native_density_learn() -> Callable[..., tuple[int, int]] | None:
+    """The ``density`` eviction policy's per-key learning in C
+    (``kvd.io._uring.density_learn``; kvd/store/eviction/density_learn.py),
+    or None when not built."""
+    return _uring.density_learn if _uring_import_error is None else None
+
+
 def open_ring(depth: int) -> _uring.Ring:
     """A bare native ring, for tests and benchmarks of the native layer."""
     if _uring_import_error is not None:

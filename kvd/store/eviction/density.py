@@ -81,6 +81,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.store.eviction.chains import HEAP_CHECK, HEAP_FACTOR, HEAP_SLACK, ChainPolicy, K, Node
+from kvd.store.eviction.density_learn import Consts, State, learn
 
 # Bucket upper edges (inclusive) per feature; past the last edge is one more
 # bucket. Gap 0 means "no previous reference". Measured on the tuning set
@@ -155,17 +156,19 @@ _EDGE_TICKS = np.array(_AGE_EDGES[:-1], dtype=np.int64)
 _EDGES_CROSSED = tuple(bisect_left(_AGE_EDGES[:-1], now) for now in range(_AGE_EDGES[-2] + 1))
 _IDS = np.arange(_CLASSES)
 _ZERO_ROW = array("i", [0]) * _CLASSES
-_COUNT_BUCKET = tuple(bisect_left(_COUNT_EDGES, count) for count in range(_COUNT_EDGES[-1] + 1))
+# A lookup's per-key bisections as tables (an index ~25 ns, a bisect_left
+# call ~60 ns), flat int32 arrays that the native ``learn`` reads too: a
+# count's bucket (up to the last count edge; _COUNT_TOP past it), the age
+# bin of a wait up to _AGE_LAST, and a gap's bucket (up to the last gap
+# edge; _GAP_TOP past it) times _COUNT_BUCKETS.
+_COUNT_BUCKET = array("i", [bisect_left(_COUNT_EDGES, c) for c in range(_COUNT_EDGES[-1] + 1)])
 _COUNT_TOP = len(_COUNT_EDGES)
 _COUNT_BUCKET_LEN = len(_COUNT_BUCKET)
 _RING_MASK = _RING - 1
 _AGE_LAST = _AGE_EDGES[-1]
-# A lookup's per-key bisections as tables (an index ~25 ns, a bisect_left
-# call ~60 ns): the age bin of a wait up to _AGE_LAST, and a gap's bucket
-# (up to the last gap edge; _GAP_TOP past it) times _COUNT_BUCKETS.
-_AGE_BIN = tuple(bisect_left(_AGE_EDGES, gap) for gap in range(_AGE_LAST + 1))
-_GAP_PART = tuple(
-    bisect_left(_GAP_EDGES, gap) * _COUNT_BUCKETS for gap in range(_GAP_EDGES[-1] + 1)
+_AGE_BIN = array("i", [bisect_left(_AGE_EDGES, gap) for gap in range(_AGE_LAST + 1)])
+_GAP_PART = array(
+    "i", [bisect_left(_GAP_EDGES, gap) * _COUNT_BUCKETS for gap in range(_GAP_EDGES[-1] + 1)]
 )
 _GAP_TOP = len(_GAP_EDGES) * _COUNT_BUCKETS
 _GAP_PART_LAST = _GAP_EDGES[-1]
@@ -210,6 +213,18 @@ class _DensityNode(Node[K]):
         self.count = 0
         self.tick = -1  # lookup of the last reference; -1: never looked up
         self.due = 0  # deadline, in lookups
+
+
+# What ``learn`` reads and writes of a node, and its constants.
+_Entry = tuple[float, int, K]  # a heap entry: priority, push, key
+_NODE_FIELDS = tuple(
+    getattr(_DensityNode, field)
+    for field in ("klass", "gap", "tick", "count", "due", "priority", "seq")
+)
+_CONSTS = Consts(
+    _CLASSES, _BINS, _RING_MASK, _AGE_LAST, _COUNT_MAX, _COUNT_BUCKET_LEN, _COUNT_TOP,
+    _GAP_PART_LAST, _GAP_TOP, _LENGTH_BUCKETS, _LAST, HEAP_CHECK,
+)  # fmt: skip
 
 
 class DensityPolicy(ChainPolicy[K]):
@@ -327,14 +342,7 @@ class DensityPolicy(ChainPolicy[K]):
         ring = self._ring_flat
         ring[row_start : row_start + _CLASSES] = _ZERO_ROW
         self._ring_tick[slot] = now
-        nodes, ghost, pending = self._nodes, self._ghost, self._pending
-        retention = self._retention
         length_bucket = bisect_left(_LENGTH_EDGES, n)  # one per chain
-        bound = now + _RETENTION_MAX  # the deadline of the block before
-        # In a pool, only this member's keys; the others' still count in the
-        # length and positions (compress skips them in C: half the cost of a
-        # test per position, for a member owning a quarter of the chain).
-        owned = enumerate(keys) if mine is None else compress(enumerate(keys), mine)
         # A member's share of a chain is a chain of its own: each block it
         # will be put is linked to the member's block before it (the put
         # names the chain's previous block, another member's, which would
@@ -342,71 +350,19 @@ class DensityPolicy(ChainPolicy[K]):
         # put" (the rest of the chain goes to other members, so nothing here
         # would ever end it).
         shares: dict[K, tuple[K | None, bool]] | None = None
-        share_parent: K | None = None
         share_last = -1
         if mine is not None and 0 < sum(mine) < n:
             shares = self._shares
             share_last = max(compress(range(n), mine))
-        # The reference's end of wait and ChainPolicy._push are inlined (two
-        # calls per key were a quarter of the loop's time), their counters in
-        # locals until the loop ends.
-        ring_tick, reused = self._ring_tick, self._reused_flat
-        children, leaf_heap, inner_heap = self._children, self._leaf_heap, self._inner_heap
-        heap_bound = HEAP_FACTOR * len(nodes) + HEAP_SLACK
-        seq, accesses, last = self._seq, self._accesses, n - 1
-        for position, key in owned:
-            node = nodes.get(key)
-            if isinstance(node, _DensityNode):
-                before, gap, tick, count = node.klass, node.gap, node.tick, node.count
-            else:
-                remembered = ghost.pop(key, None) or pending.get(key)
-                if remembered is None:
-                    before, gap, tick, count = 0, 0, -1, 0
-                else:
-                    before, gap, tick, count = remembered[:4]
-            # The wait of the reference (before, tick) ends now: out of its
-            # ring row, a reuse in its age bin; gap is the wait (0 when never
-            # looked up, the previous gap for a second reference this lookup).
-            if tick < 0:
-                gap = 0
-            elif tick != now:
-                gap = now - tick
-                slot = tick & _RING_MASK
-                if ring_tick[slot] == tick and gap <= _AGE_LAST:
-                    ring[slot * _CLASSES + before] -= 1
-                    reused[before * _BINS + _AGE_BIN[gap]] += 1.0
-            count = count + 1 if count < _COUNT_MAX else _COUNT_MAX
-            if position == last:
-                klass = _LAST
-            else:  # reference_class, inlined
-                count_bucket = _COUNT_BUCKET[count] if count < _COUNT_BUCKET_LEN else _COUNT_TOP
-                gap_part = _GAP_PART[gap] if gap <= _GAP_PART_LAST else _GAP_TOP
-                klass = (gap_part + count_bucket) * _LENGTH_BUCKETS + length_bucket
-            ring[row_start + klass] += 1
-            due = now + retention[klass]
-            if klass == _LAST and due > bound:
-                # The chain's leaf: kept past the block before it, it would
-                # hold that block too (victims are leaves first), and it is
-                # worth nothing without it.
-                due = bound
-            bound = due
-            if isinstance(node, _DensityNode):
-                node.klass, node.gap, node.tick, node.count = klass, gap, now, count
-                node.due = due
-                accesses += 1
-                node.priority = priority = (due << 64) | accesses
-                seq += 1
-                node.seq = seq
-                heappush(inner_heap if key in children else leaf_heap, (priority, seq, key))
-                if not seq % HEAP_CHECK and len(leaf_heap) + len(inner_heap) > heap_bound:
-                    self._seq = seq
-                    self._rebuild()
-                    leaf_heap, inner_heap = self._leaf_heap, self._inner_heap
-            else:
-                pending[key] = (klass, gap, now, count, due)
-                if shares is not None:
-                    shares[key] = (share_parent, position == share_last)
-            share_parent = key
+        pending = self._pending
+        seq, accesses = learn(
+            keys, mine, self._nodes, _DensityNode, _NODE_FIELDS, self._ghost.pop, pending,
+            shares, self._children, self._leaf_heap, self._inner_heap, heappush, self._rebuilt,
+            ring, self._ring_tick, self._reused_flat, _AGE_BIN, _GAP_PART, _COUNT_BUCKET,
+            self._retention, _CONSTS,
+            State(now, row_start, length_bucket, now + _RETENTION_MAX, self._seq,
+                  self._accesses, HEAP_FACTOR * len(self._nodes) + HEAP_SLACK, share_last),
+        )  # fmt: skip
         self._seq, self._accesses = seq, accesses
         while len(pending) > _PENDING_MAX:
             del pending[next(iter(pending))]
@@ -417,6 +373,13 @@ class DensityPolicy(ChainPolicy[K]):
             self._decay()
         if now % _REFRESH == 0:
             self._refresh()
+
+    def _rebuilt(self, seq: int) -> tuple[list[_Entry[K]], list[_Entry[K]]]:
+        """The heaps rebuilt in the middle of a lookup's learning (``learn``
+        passed their bound at push ``seq``)."""
+        self._seq = seq
+        self._rebuild()
+        return self._leaf_heap, self._inner_heap
 
     def touch(self, key: K) -> None:
         node = self._nodes.get(key)
