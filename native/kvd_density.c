@@ -10,7 +10,8 @@
  * key, how often it was looked up, the chain's length; the chain's last
  * key a class of its own), the class is counted in this lookup's ring row,
  * and the key's deadline is set: now + the class's retention, a leaf never
- * past the block before it. A tracked block's node takes the new fields
+ * past the block before it. Then the lookup's ring row is closed (entered
+ * counts per class and age bin). A tracked block's node takes the new fields
  * and a fresh heap entry (priority, seq, key); a block not yet put is
  * remembered in `pending` (and, in a pool, its share's parent in `shares`).
  *
@@ -44,13 +45,13 @@ enum {
 };
 
 enum { S_NOW, S_ROW_START, S_LENGTH_BUCKET, S_BOUND, S_SEQ, S_ACCESSES, S_HEAP_BOUND,
-       S_SHARE_LAST, S_COUNT_OF_STATE };
+       S_SHARE_LAST, S_CROSSING, S_COUNT_OF_STATE };
 
 enum {
     A_KEYS, A_MINE, A_NODES, A_NODE_TYPE, A_FIELDS, A_GHOST_POP, A_PENDING, A_SHARES,
     A_CHILDREN, A_LEAF_HEAP, A_INNER_HEAP, A_HEAPPUSH, A_REBUILD, A_RING, A_RING_TICK,
-    A_REUSED, A_AGE_BIN, A_GAP_PART, A_COUNT_BUCKET, A_RETENTION, A_CONSTS, A_STATE,
-    A_COUNT_OF_ARGS
+    A_REUSED, A_AGE_BIN, A_GAP_PART, A_COUNT_BUCKET, A_RETENTION, A_ENTERED, A_EDGE_TICKS,
+    A_CONSTS, A_STATE, A_COUNT_OF_ARGS
 };
 
 #define RETENTION_CLASSES_MAX 4096
@@ -203,7 +204,7 @@ kvd_density_learn_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
         }
     }
     Py_buffer ring = {0}, ring_tick = {0}, reused = {0}, age_bin = {0}, gap_part = {0};
-    Py_buffer count_bucket = {0};
+    Py_buffer count_bucket = {0}, entered = {0}, edge_ticks = {0};
     PyObject *result = NULL, *now_obj = NULL, *sixty_four = NULL;
     PyObject *leaf_heap = Py_NewRef(args[A_LEAF_HEAP]);
     PyObject *inner_heap = Py_NewRef(args[A_INNER_HEAP]);
@@ -226,6 +227,16 @@ kvd_density_learn_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
     if (hold(args[A_COUNT_BUCKET], &count_bucket, 4, 0, c[C_COUNT_BUCKET_LEN], "count_bucket") < 0)
         goto done;
     held = 6;
+    if (hold(args[A_ENTERED], &entered, 8, 1, classes * c[C_BINS], "entered") < 0)
+        goto done;
+    held = 7;
+    if (s[S_CROSSING] < 0 || s[S_CROSSING] >= c[C_BINS]) {
+        PyErr_SetString(PyExc_ValueError, "density_learn: crossing out of range");
+        goto done;
+    }
+    if (hold(args[A_EDGE_TICKS], &edge_ticks, 8, 0, s[S_CROSSING], "edge_ticks") < 0)
+        goto done;
+    held = 8;
     if (s[S_ROW_START] + classes > (c[C_RING_MASK] + 1) * classes) {
         PyErr_SetString(PyExc_ValueError, "density_learn: the row is past the ring");
         goto done;
@@ -432,9 +443,24 @@ kvd_density_learn_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
         }
         share_parent = key;
     }
+    /* The row is closed: its references entered the first age bin, and the
+     * rows born an age edge ago enter the next bin with the references
+     * still waiting in them. */
+    double *entered_p = entered.buf;
+    const int64_t *edge_p = edge_ticks.buf;
+    const int64_t bins = c[C_BINS];
+    for (int64_t k = 0; k < classes; k++)
+        entered_p[k * bins] += (double)ring_p[row_start + k];
+    for (int64_t j = 0; j < s[S_CROSSING]; j++) {
+        const int32_t *born = ring_p + ((now - edge_p[j]) & c[C_RING_MASK]) * classes;
+        for (int64_t k = 0; k < classes; k++)
+            entered_p[k * bins + j + 1] += (double)born[k];
+    }
     result = Py_BuildValue("(LK)", (long long)seq, (unsigned long long)accesses);
 done:
     switch (held) {
+    case 8: PyBuffer_Release(&edge_ticks); /* fall through */
+    case 7: PyBuffer_Release(&entered); /* fall through */
     case 6: PyBuffer_Release(&count_bucket); /* fall through */
     case 5: PyBuffer_Release(&gap_part); /* fall through */
     case 4: PyBuffer_Release(&age_bin); /* fall through */

@@ -388,12 +388,6 @@ static PyMethodDef Ring_methods[] = {
      "eventfd() -> int: a non-blocking eventfd the kernel signals on each completion."},
     {"close", (PyCFunction)Ring_close, METH_NOARGS,
      "close(): wait for in-flight ops, release their buffers, tear the ring down."},
-    {"density_learn", (PyCFunction)(void (*)(void))kvd_density_learn_py, METH_FASTCALL,
-     "density_learn(keys, mine, nodes, node_type, fields, ghost_pop, pending, shares, "
-     "children, leaf_heap, inner_heap, heappush, rebuild, ring, ring_tick, reused, age_bin, "
-     "gap_part, count_bucket, retention, consts, state) -> (seq, accesses): what the density "
-     "eviction policy learns from one chain lookup, key by key "
-     "(kvd/store/eviction/density_learn.py)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -440,9 +434,9 @@ static PyMethodDef module_methods[] = {
     {"density_learn", (PyCFunction)(void (*)(void))kvd_density_learn_py, METH_FASTCALL,
      "density_learn(keys, mine, nodes, node_type, fields, ghost_pop, pending, shares, "
      "children, leaf_heap, inner_heap, heappush, rebuild, ring, ring_tick, reused, age_bin, "
-     "gap_part, count_bucket, retention, consts, state) -> (seq, accesses): what the density "
-     "eviction policy learns from one chain lookup, key by key "
-     "(kvd/store/eviction/density_learn.py)."},
+     "gap_part, count_bucket, retention, entered, edge_ticks, consts, state) -> (seq, "
+     "accesses): what the density eviction policy learns from one chain lookup, key by key, "
+     "and its ring row closed (kvd/store/eviction/density_learn.py)."},
     {NULL, NULL, 0, NULL},
 };
 

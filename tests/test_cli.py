@@ -16,6 +16,7 @@ from kvd import __version__
 from kvd.cli import UsageError, build_parser, main, parse_key
 from kvd.client import Client, Unavailable
 from kvd.config.settings import SETTINGS
+from kvd.io.backend import native_density_learn
 from tests.support import DaemonProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,6 +117,9 @@ def test_serve_with_no_ssd_runs_without_l2(tmp_path: Path) -> None:
         assert daemon.alive() and daemon.port, daemon.log[-5:]
         started = [line for line in daemon.log if "kvd started" in line]
         assert started and 'ssd_paths="" ssd_bytes=0' in started[0], started
+        # Which implementation the eviction policy learns lookups with.
+        learning = "native" if native_density_learn() is not None else '"python'
+        assert f"eviction_learning={learning}" in started[0], started
         with Client(daemon.target, timeout_s=10) as client:
             assert client.put("ns", b"k", b"value") is False
             assert client.get("ns", b"k") == b"value"

@@ -58,6 +58,7 @@ from kvd.paths.metrics import (
 )
 from kvd.paths.ops.calls import ServiceLimits
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
+from kvd.store.eviction.density_learn import LEARNING
 from kvd.store.eviction.policy import make_policy
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
@@ -307,6 +308,7 @@ class Daemon:
                 "l2_recovered": recovered,
                 "pages": self.pool.page_count,
                 "eviction_policy": cfg.eviction_policy,
+                "eviction_learning": LEARNING,
                 "max_value_bytes": cfg.max_value_bytes,
                 "max_inflight_bytes": cfg.max_inflight_bytes,
                 "max_concurrent_rpcs": cfg.max_concurrent_rpcs,

@@ -85,6 +85,8 @@ def density_learn(
     gap_part: Buffer,
     count_bucket: Buffer,
     retention: Sequence[int],
+    entered: Buffer,
+    edge_ticks: Buffer,
     consts: tuple[int, ...],
     state: tuple[int, ...],
     /,

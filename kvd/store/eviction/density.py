@@ -355,20 +355,25 @@ class DensityPolicy(ChainPolicy[K]):
             shares = self._shares
             share_last = max(compress(range(n), mine))
         pending = self._pending
+        # The row is closed by learn: every lookup writes its row and the
+        # ring outlasts the edges, so the rows born at now - edge exist for
+        # every edge below now.
+        crossing = _EDGES_CROSSED[now] if now < len(_EDGES_CROSSED) else len(_EDGE_TICKS)
         seq, accesses = learn(
             keys, mine, self._nodes, _DensityNode, _NODE_FIELDS, self._ghost.pop, pending,
             shares, self._children, self._leaf_heap, self._inner_heap, heappush, self._rebuilt,
             ring, self._ring_tick, self._reused_flat, _AGE_BIN, _GAP_PART, _COUNT_BUCKET,
-            self._retention, _CONSTS,
+            self._retention, self._entered, _EDGE_TICKS, _CONSTS,
             State(now, row_start, length_bucket, now + _RETENTION_MAX, self._seq,
-                  self._accesses, HEAP_FACTOR * len(self._nodes) + HEAP_SLACK, share_last),
+                  self._accesses, HEAP_FACTOR * len(self._nodes) + HEAP_SLACK, share_last,
+                  crossing),
         )  # fmt: skip
         self._seq, self._accesses = seq, accesses
         while len(pending) > _PENDING_MAX:
             del pending[next(iter(pending))]
         while shares is not None and len(shares) > _PENDING_MAX:
             del shares[next(iter(shares))]
-        self._close_row()
+        self._lookups += 1.0
         if now % _DECAY == 0:
             self._decay()
         if now % _REFRESH == 0:
@@ -457,19 +462,6 @@ class DensityPolicy(ChainPolicy[K]):
         int, so without lookups this is exactly LRU)."""
         self._accesses += 1
         return (due << 64) | self._accesses
-
-    def _close_row(self) -> None:
-        """Count this lookup's row; rows that reach an age edge now enter
-        the next bin with the references still waiting in them."""
-        now = self._now
-        self._entered[:, 0] += self._ring[now & (_RING - 1)]
-        self._lookups += 1.0
-        # Every lookup writes its row and the ring outlasts the edges, so
-        # the rows born at now - edge exist for every edge below now.
-        crossing = _EDGES_CROSSED[now] if now < len(_EDGES_CROSSED) else len(_EDGE_TICKS)
-        if crossing:
-            slots = (now - _EDGE_TICKS[:crossing]) & (_RING - 1)
-            self._entered[:, 1 : crossing + 1] += self._ring[slots].T
 
     def _decay(self) -> None:
         self._entered *= 0.5

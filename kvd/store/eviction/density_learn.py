@@ -9,13 +9,14 @@ retention, a chain's last block never past the block before it (victims
 are leaves first, and it is worth nothing without it). A tracked block's
 node takes the new fields and a fresh heap entry; a block not yet put is
 remembered in ``pending`` (and, in a pool, its share's parent in
-``shares``).
+``shares``). Then the lookup's ring row is closed: its references enter the
+first age bin, and the rows that reach an age edge now enter the next.
 
 Two implementations of one contract: ``learn_python`` below, and
 ``kvd.io._uring.density_learn`` (native/kvd_density.c), which reads and
 writes the nodes' slots and the flat arrays directly: ~1 µs a key in
 Python, the policy's largest cost per lookup. ``learn`` is the native one
-where it is built (the io backend logs at start-up when it is not); a test
+where it is built (``LEARNING``, in the daemon's start-up line); a test
 runs both on the same lookups and compares every field, heap entry and
 counter.
 
@@ -32,6 +33,9 @@ Arguments, in order (the native function takes the same):
 * the flat arrays ``ring`` (int32), ``ring_tick`` (int64), ``reused``
   (float64), the tables ``age_bin``, ``gap_part``, ``count_bucket`` (int32),
   ``retention`` per class;
+* ``entered`` (float64, a row per class and a column per age bin: the
+  references that reached each bin) and ``edge_ticks`` (the age edges,
+  int64), for closing the lookup's ring row;
 * ``consts`` (``Consts``) and ``state`` (``State``).
 
 Returns the push counter and the access counter after the lookup.
@@ -42,6 +46,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from itertools import compress
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from kvd.io.backend import native_density_learn
 
@@ -70,6 +76,7 @@ class State(NamedTuple):
     accesses: int
     heap_bound: int
     share_last: int  # position of this member's last key of the chain; -1: none
+    crossing: int  # age edges the rows born that many lookups ago reach now
 
 
 def learn_python(
@@ -81,12 +88,12 @@ def learn_python(
     heappush: Callable[[list[Any], Any], None],
     rebuild: Callable[[int], tuple[list[Any], list[Any]]],
     ring: Any, ring_tick: Any, reused: Any, age_bin: Any, gap_part: Any, count_bucket: Any,
-    retention: Sequence[int], consts: Consts, state: State,
+    retention: Sequence[int], entered: Any, edge_ticks: Any, consts: Consts, state: State,
 ) -> tuple[int, int]:  # fmt: skip
     """``learn``, in Python (the module docstring has the contract)."""
     (classes, bins, ring_mask, age_last, count_max, count_bucket_len, count_top,
      gap_part_last, gap_top, length_buckets, last_class, heap_check) = consts  # fmt: skip
-    now, row_start, length_bucket, bound, seq, accesses, heap_bound, share_last = state
+    now, row_start, length_bucket, bound, seq, accesses, heap_bound, share_last, crossing = state
     # compress skips the others' keys in C: half the cost of a test per
     # position, for a member owning a quarter of the chain.
     owned = enumerate(keys) if mine is None else compress(enumerate(keys), mine)
@@ -140,9 +147,19 @@ def learn_python(
             if shares is not None:
                 shares[key] = (share_parent, position == share_last)
         share_parent = key
+    # The row is closed: its references entered the first age bin, and the
+    # rows born an age edge ago enter the next bin with the references still
+    # waiting in them.
+    rows = np.frombuffer(ring, dtype=np.int32).reshape(-1, classes)
+    entered[:, 0] += rows[row_start // classes]
+    if crossing:
+        slots = (now - edge_ticks[:crossing]) & ring_mask
+        entered[:, 1 : crossing + 1] += rows[slots].T
     return seq, accesses
 
 
 Learn = Callable[..., tuple[int, int]]
 _native = native_density_learn()
 learn: Learn = _native if _native is not None else learn_python
+# Which one: the daemon's start-up line says it ("eviction_learning").
+LEARNING = "native" if _native is not None else "python (kvd.io._uring is not built)"

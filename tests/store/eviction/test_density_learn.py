@@ -33,6 +33,7 @@ def _state(policy: DensityPolicy[Any]) -> dict[str, Any]:
         "inner": sorted(policy._inner_heap),
         "ring": bytes(policy._ring_flat),
         "reused": bytes(policy._reused_flat),
+        "entered": policy._entered.tobytes(),
         "pending": dict(policy._pending),
         "shares": dict(policy._shares),
         "ghost": list(policy._ghost.items()),
