@@ -11,9 +11,12 @@ know, and a test daemon gets none of the caller's)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +39,36 @@ class DaemonProcess(SpawnedDaemon):
 DaemonFactory = Callable[..., DaemonProcess]
 
 T = TypeVar("T")
+
+# Ports a test names before a daemon binds them come from below the
+# kernel's ephemeral range: a port the kernel handed out and took back may
+# go to the next ":0" listener or outgoing connection (an earlier daemon's
+# metrics or bulk port, say) before the daemon meant to take it starts. A
+# CI run lost a pool test to that ("Address already in use").
+PORTS_LOW = 20_000
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free now, below the ephemeral range
+    (random ones, each bound to check it, held together so they differ)."""
+    try:
+        ephemeral_low = int(PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32_768
+    high = max(ephemeral_low, PORTS_LOW + 4_096)
+    found: list[int] = []
+    with ExitStack() as held:
+        for port in random.sample(range(PORTS_LOW, high), high - PORTS_LOW):
+            sock = held.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            found.append(port)
+            if len(found) == count:
+                return found
+    raise RuntimeError(f"fewer than {count} free ports in {PORTS_LOW}..{high - 1}")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

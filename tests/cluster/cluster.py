@@ -9,7 +9,6 @@ import threading
 import urllib.request
 from collections.abc import Sequence
 from concurrent import futures
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +18,7 @@ from kvd.cluster.rendezvous import Placement
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.grpc import SERVICE
-from tests.support import DaemonProcess
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel gives now (held together, so they differ)."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
+from tests.support import DaemonProcess, free_ports
 
 
 def start_static_pool(

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from pathlib import Path
 
 from kvd.client import Client
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1)[0]
 
 
 class RestartableDaemon:
