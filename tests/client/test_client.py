@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from kvd.client import (
 )
 from kvd.client.calls import GetAssembler
 from kvd.v1 import kvd_pb2 as pb
-from tests.support import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, free_ports, wait_until
 
 
 def value_for(key: bytes, size: int) -> bytes:
@@ -127,9 +126,7 @@ def test_put_many_with_large_values_in_a_chain(shared_daemon: DaemonProcess) -> 
 
 
 def test_daemon_down_fails_fast() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)  # nothing listens there
     with Client(f"127.0.0.1:{port}", timeout_s=2.0) as client:
         start = time.monotonic()
         with pytest.raises(Unavailable):
@@ -283,9 +280,7 @@ def test_a_daemon_restarted_while_a_client_called_it_is_reached_again_within_sec
     daemon_factory: DaemonFactory, tmp_path: Path
 ) -> None:
     """Calls made while the daemon was gone do not keep failing after it is back."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    (port,) = free_ports(1)  # the daemon's, across its restart
     args = ("--listen", f"127.0.0.1:{port}", "--bulk-listen", "")
     first = daemon_factory(*args, workdir=tmp_path / "d")
     with Client(first.target, timeout_s=10) as writer:

@@ -8,7 +8,6 @@ or ``pip install --no-deps lmcache`` plus the pure-Python imports it needs).
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvd.connectors.lmcache import kvd_address, split_key_string
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, free_ports
 
 lmcache = pytest.importorskip("lmcache", reason="LMCache is not installed")
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -222,14 +221,9 @@ def test_other_rank_and_tags_miss(engine: Engine) -> None:
     chunk.ref_count_down()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_daemon_down_is_a_miss(loop: asyncio.AbstractEventLoop) -> None:
-    engine = Engine(f"127.0.0.1:{_free_port()}", loop)
+    (port,) = free_ports(1)  # nothing listens there
+    engine = Engine(f"127.0.0.1:{port}", loop)
     chunk = engine.chunk(60)
     keys = [key(5000), key(5001)]
     assert engine.remote.contains(keys[0]) is False

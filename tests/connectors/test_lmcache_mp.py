@@ -21,7 +21,6 @@ import json
 import os
 import select
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +31,7 @@ import pytest
 from kvd.client import Client
 from kvd.connectors.common import bytes_key
 from kvd.connectors.lease_locks import LockTable
-from tests.support import DaemonFactory, DaemonProcess, stop_process, wait_until
+from tests.support import DaemonFactory, DaemonProcess, free_ports, stop_process, wait_until
 
 lmcache = pytest.importorskip("lmcache", reason="LMCache is not installed")
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -86,12 +85,6 @@ CHUNK_SHAPE = (2, LAYERS, CHUNK, HIDDEN)
 MODEL = "org/model-7b"
 WAIT_S = 10.0
 RANK0 = ObjectKey.ComputeKVRank(world_size=1, global_rank=0, local_world_size=1, local_rank=0)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def plugin_spec(url: str, **params: Any) -> dict[str, Any]:
@@ -159,7 +152,7 @@ class MPServer:
     """LMCache's MP cache server with kvd as its L2, and one CPU engine on it."""
 
     def __init__(self, url: str, **params: Any) -> None:
-        self.port = free_port()
+        (self.port,) = free_ports(1)
         parser = argparse.ArgumentParser()
         add_mp_server_args(parser)
         add_storage_manager_args(parser)

@@ -12,14 +12,13 @@ docstring), and against the real class when SGLang is importable.
 from __future__ import annotations
 
 import inspect
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from kvd.connectors.sglang import KvdHiCacheStorage, page_hashes, storage_namespace
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, free_ports
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -175,9 +174,7 @@ def test_zero_copy_path_into_host_pool(shared_daemon: DaemonProcess) -> None:
 
 
 def test_daemon_down_is_a_miss() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    (port,) = free_ports(1)  # nothing listens there
     store = backend(f"127.0.0.1:{port}")
     keys = page_hashes(list(range(8)), PAGE_TOKENS)
     target = torch.zeros(PAGE_ELEMENTS, dtype=torch.float16)

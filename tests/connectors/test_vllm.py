@@ -12,7 +12,6 @@ docstring), and against the real class when vLLM is importable.
 from __future__ import annotations
 
 import inspect
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.connectors.vllm import BlockTransfer, KvdConnector, KvdConnectorMetadata, block_keys
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, free_ports
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -204,9 +203,7 @@ def test_lookup_takes_a_lease_and_finish_releases_it(shared_daemon: DaemonProces
 
 
 def test_daemon_down_is_a_miss_and_a_load_error() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    (port,) = free_ports(1)  # nothing listens there
     scheduler, worker = pair(f"127.0.0.1:{port}")
     worker.register_kv_caches(paged_caches(seed=3))
     request = Request("down", list(range(9)))

@@ -12,18 +12,13 @@ from kvd.client import Client
 from tests.support import DaemonProcess, free_ports
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
 class RestartableDaemon:
     """A daemon on fixed ports and one L2 file, stopped, killed, frozen and
     started again by the tests."""
 
     def __init__(self, workdir: Path, dram: str = "512MiB", ssd: str = "1GiB") -> None:
         self.workdir = workdir
-        self.port = free_port()
-        self.bulk_port = free_port()
+        self.port, self.bulk_port = free_ports(2)
         self.dram, self.ssd = dram, ssd
         self.daemon: DaemonProcess | None = None
 

@@ -27,7 +27,8 @@ import pytest
 from kvd.connectors.vllm import block_keys
 from kvd.tools.bench.engine_proc import REPO, EngineEnv, VllmProcess
 from kvd.tools.bench.vllm_engine import kv_transfer_config
-from tests.engines.support import RestartableDaemon, free_port
+from tests.engines.support import RestartableDaemon
+from tests.support import free_ports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -302,7 +303,7 @@ def test_openai_server_with_the_connector(
 ) -> None:
     """The documented server command line: a restore through it gives the
     reference text, and the daemon counts the hits."""
-    port = free_port()
+    (port,) = free_ports(1)
     config = json.dumps(kv_transfer_config(kvd_daemon.url, EXTRA))
     args = [str(engine_env.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(engine_env.model), "--served-model-name", "smollm2",
