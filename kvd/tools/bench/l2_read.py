@@ -54,6 +54,7 @@ from kvd.io.backend import native_available, open_backend
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2 import DeviceSet, L2Tier
 from kvd.l2.format import BLOCK_BYTES, RECORD_ALIGN_BYTES, align_up
+from kvd.store.eviction.policy import make_policy
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
 from kvd.tools.bench.backends import fio_randread
@@ -151,8 +152,10 @@ def _devices(target: Target) -> DeviceSet:
 
 def _open(target: Target, backend: str, pool_bytes: int) -> tuple[Store, L2Tier]:
     tier = L2Tier(_devices(target), open_backend(backend, depth=IO_DEPTH))
-    limits = replace(StoreLimits.from_config(Config()), max_value_bytes=8 * MiB)
-    store = Store(Pool(pool_bytes), limits, l2=tier)
+    config = Config()
+    limits = replace(StoreLimits.from_config(config), max_value_bytes=8 * MiB)
+    # The daemon's default eviction policy: its calls are part of each get.
+    store = Store(Pool(pool_bytes), limits, make_policy(config.eviction_policy), l2=tier)
     return store, tier
 
 
