@@ -21,7 +21,7 @@ place: four members then hold what one daemon of their total size would
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from kvd.l1.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
@@ -88,25 +88,29 @@ class Entries:
 
     # ---- linking -------------------------------------------------------------
     def link(self, entry: Entry) -> None:
-        ns = entry.ns
-        ns.entries[entry.key] = entry
-        ns.bytes_stored += entry.size
-        self.count += 1
-        if entry.guest:
-            self.guests[(ns.id, entry.key)] = entry
-        else:
-            parent_pk = (ns.id, entry.parent) if entry.parent else None
-            self.policy.insert((ns.id, entry.key), parent_pk)
-        directory = self.pool.directory
-        if directory is not None and len(entry.runs) == 1:
-            entry.uid = next(self._uids)
-            first = entry.runs[0][0]
-            entry.slot = directory.publish(
-                ns.name, entry.key, entry.uid, first, entry.size, entry.checksum,
-                first * PAGE_BYTES,
-            )  # fmt: skip
-        if self.on_link is not None:
-            self.on_link(entry)
+        self.link_many((entry,))
+
+    def link_many(self, entries: Iterable[Entry]) -> None:
+        """Link each entry into L1, in order (a batched get's promotions)."""
+        insert, directory, on_link = self.policy.insert, self.pool.directory, self.on_link
+        for entry in entries:
+            ns = entry.ns
+            ns.entries[entry.key] = entry
+            ns.bytes_stored += entry.size
+            self.count += 1
+            if entry.guest:
+                self.guests[(ns.id, entry.key)] = entry
+            else:
+                insert((ns.id, entry.key), (ns.id, entry.parent) if entry.parent else None)
+            if directory is not None and len(entry.runs) == 1:
+                entry.uid = next(self._uids)
+                first = entry.runs[0][0]
+                entry.slot = directory.publish(
+                    ns.name, entry.key, entry.uid, first, entry.size, entry.checksum,
+                    first * PAGE_BYTES,
+                )  # fmt: skip
+            if on_link is not None:
+                on_link(entry)
 
     def unlink(self, entry: Entry) -> None:
         """Remove from L1; free the pages unless a reader still holds them."""
@@ -214,10 +218,12 @@ class Entries:
             await self.wait_room(size)
         return runs
 
-    def alloc_now(self, size: int) -> list[Run] | None:
+    def alloc_now(self, size: int, expire: bool = True) -> list[Run] | None:
         """Pages for ``size`` bytes, after expired leases let go of theirs and
-        evicting what can go at once; None when too much of the rest is pinned."""
-        self._expire_leases()
+        evicting what can go at once; None when too much of the rest is pinned.
+        ``expire=False``: leases were just expired (the batch's first value)."""
+        if expire:
+            self._expire_leases()
         need = pages_for(size)
         while self.pool.free_pages < need:
             if not self._evict_one():

@@ -41,7 +41,7 @@ class Placement:
         pool: Pool,
         entries: Entries,
         counters: StoreCounters,
-        reader: Callable[[Entry, int], Reader],
+        readers: Callable[[Sequence[tuple[Entry, bool | list[memoryview]]], int], list[Reader]],
         miss: Callable[[str], None],
         reinsert: Callable[[Entry], bool],
     ) -> None:
@@ -49,7 +49,8 @@ class Placement:
         self.pool = pool
         self.entries = entries
         self.counters = counters
-        self._reader = reader
+        # Pins entries for a get and counts their hits (``Store._readers``).
+        self._readers = readers
         self._miss = miss
         self._reinsert = reinsert
         # Reads of L2 records into L1 under way, by (namespace, key): a get of
@@ -121,7 +122,7 @@ class Placement:
                     taken += 1
                     continue
                 runs = (
-                    self.entries.alloc_now(record.size)
+                    self.entries.alloc_now(record.size, expire=False)
                     if batch
                     else await self.entries.alloc(record.size)
                 )
@@ -134,20 +135,32 @@ class Placement:
                 batch_bytes += read_bytes
                 taken += 1
             errors = await self.l2.read_many(views)
-            views.clear()
             read, batch = batch, []
-            for (index, record, runs), error in zip(read, errors, strict=True):
+            fresh: list[Entry] = []  # read here: linked into L1 together
+            served: list[tuple[Entry, bool | list[memoryview]]] = []
+            at: list[int] = []
+            for (index, record, runs), (_, pages), error in zip(read, views, errors, strict=True):
                 entry = None
                 if error is None:
-                    entry = self._adopt(record, runs)
+                    entry = self._adopted(record, runs)
                 else:
                     self.pool.free(runs)
                     self.counters.promotion_failures += 1
                 if entry is None:
                     self._miss(record.namespace)
                     readers[index] = None
-                else:
-                    readers[index] = self._reader(entry, TIER_L2)
+                    continue
+                if entry.runs is runs:  # the pages just read: their views serve the get
+                    fresh.append(entry)
+                    served.append((entry, _value_views(pages, record)))
+                else:  # L1 got its own copy while this read ran (a put)
+                    served.append((entry, True))
+                at.append(index)
+            views.clear()
+            self.entries.link_many(fresh)
+            self.counters.promotions += len(fresh)
+            self.counters.l2_hits += len(fresh)
+            readers.update(zip(at, self._readers(served, TIER_L2), strict=True))
             return taken
         finally:
             views.clear()
@@ -221,6 +234,16 @@ class Placement:
 
     def _adopt(self, record: L2Record, runs: list[Run]) -> Entry | None:
         """Link a value read from L2 into ``runs`` into L1 (or free them)."""
+        entry = self._adopted(record, runs)
+        if entry is not None and entry.runs is runs:
+            self.entries.link(entry)
+            self.counters.promotions += 1
+            self.counters.l2_hits += 1
+        return entry
+
+    def _adopted(self, record: L2Record, runs: list[Run]) -> Entry | None:
+        """The entry for a value read from L2 into ``runs``, not linked yet;
+        or L1's copy, or None, the pages freed."""
         current = self.entries.get(record.namespace, record.key)
         if current is not None or not record.live:
             # A put landed meanwhile (same bytes, keys are write-once) or a
@@ -228,12 +251,8 @@ class Placement:
             self.pool.free(runs)
             return current
         ns = self.entries.namespace(record.namespace)
-        entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
-                      record.parent or None, l2=record)  # fmt: skip
-        self.entries.link(entry)
-        self.counters.promotions += 1
-        self.counters.l2_hits += 1
-        return entry
+        return Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
+                     record.parent or None, l2=record)  # fmt: skip
 
     async def withdraw(self, entry: Entry) -> None:
         """Take back a put that was not acknowledged: no copy of it stays visible."""
@@ -257,3 +276,14 @@ class Placement:
             entry.l2 = None
             if self._reinsert(entry):
                 self.counters.l2_reinserted += 1
+
+
+def _value_views(views: list[memoryview], record: L2Record) -> list[memoryview]:
+    """The views a read of ``record`` filled (``record.read_bytes``, whole
+    blocks) cut to the value's ``size``: the last one loses the tail block's
+    padding, which is under a block and so shorter than it."""
+    cut = record.read_bytes - record.size
+    if cut:
+        last = views[-1]
+        views[-1] = last[: len(last) - cut]
+    return views

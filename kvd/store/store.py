@@ -127,7 +127,7 @@ class Store:
                 limits.namespace_l2_quota_bytes, clock,
             )  # fmt: skip
             self.placement = Placement(
-                l2, pool, self.entries, self.counters, self._reader, self._miss,
+                l2, pool, self.entries, self.counters, self._readers, self._miss,
                 self.writeback.reinsert,
             )  # fmt: skip
             l2.on_drop = self.placement.on_l2_drop
@@ -463,13 +463,20 @@ class Store:
         directory) as hits, and give them to the eviction policy as a get
         would: the hits and their bytes. A key no longer in L1 counts nothing."""
         found = [e for e in map(partial(self._l1, ns_name), keys) if e is not None]
-        for entry in found:
-            self._hit(entry)
+        self._hits(found)
         return len(found), sum(entry.size for entry in found)
 
     def _reader(self, entry: Entry, tier: int, views: bool = True) -> Reader:
         self._hit(entry)
         return self._pin(entry, tier, views)
+
+    def _readers(
+        self, served: Sequence[tuple[Entry, bool | list[memoryview]]], tier: int
+    ) -> list[Reader]:
+        """``_reader`` of each entry, with its views (as ``_pin`` takes them)."""
+        self._hits([entry for entry, _ in served])
+        pin = self._pin
+        return [pin(entry, tier, views) for entry, views in served]
 
     def _hit(self, entry: Entry) -> None:
         """A get served: counted, and the policy's recency."""
@@ -478,9 +485,20 @@ class Store:
         self.counters.bytes_out += entry.size
         self.learning.touch((entry.ns.id, entry.key))
 
-    def _pin(self, entry: Entry, tier: int, views: bool = True) -> Reader:
+    def _hits(self, entries: Sequence[Entry]) -> None:
+        """``_hit`` of each entry, the policy told in one call."""
+        counters = self.counters
+        for entry in entries:
+            entry.ns.hits += 1
+            counters.bytes_out += entry.size
+        counters.hits += len(entries)
+        self.learning.touch_many([(entry.ns.id, entry.key) for entry in entries])
+
+    def _pin(self, entry: Entry, tier: int, views: bool | list[memoryview] = True) -> Reader:
+        """A reader of ``entry``, with views of its pages (True), none (False),
+        or the views given (``entry.size`` bytes of its pages)."""
         self.entries.pin(entry)
-        pages = self.pool.views(entry.runs, entry.size) if views else []
+        pages = self.pool.views(entry.runs, entry.size) if views is True else views or []
         return Reader(self.entries.unpin, entry, pages, tier)
 
     def _miss(self, ns_name: str) -> None:

@@ -576,6 +576,32 @@ async def test_delete_during_batched_get_read(rig: Rig) -> None:
     assert rig.store.pool.used_bytes == used + 2 * PAGE_BYTES
 
 
+async def test_batched_get_serves_a_copy_linked_during_its_read(rig: Rig) -> None:
+    """A key the batch is reading that reaches L1 meanwhile by another way
+    (linked here by hand, its bytes copied in): the batch serves that copy,
+    through views of its own pages, and gives its read's pages back."""
+    keys = [b"p%02d" % i for i in range(3)]
+    await l2_only(rig, keys)
+    used = rig.store.pool.used_bytes
+    rig.gate.arm(OpKind.READ)
+    getting = asyncio.create_task(fetch_all(rig.store, keys))
+    await asyncio.wait_for(rig.gate.entered.wait(), WAIT_S)
+    record = rig.tier.lookup(NS, keys[1])
+    runs = rig.store.entries.alloc_now(VALUE_BYTES)
+    assert record is not None and runs is not None and rig.store.placement is not None
+    value, at = value_for(keys[1]), 0
+    for view in rig.store.pool.views(runs, VALUE_BYTES):
+        view[:] = value[at : at + len(view)]
+        at += len(view)
+    assert rig.store.placement._adopt(record, runs) is not None
+    copy = rig.store.entries.get(NS, keys[1])
+    rig.gate.release.set()
+    assert await getting == {i: value_for(k) for i, k in enumerate(keys)}
+    assert rig.store.entries.get(NS, keys[1]) is copy, "the read replaced L1's copy"
+    assert rig.store.pool.used_bytes == used + 3 * PAGE_BYTES  # the read's pages of p01 freed
+    assert not rig.store._promotions
+
+
 async def test_cancelled_batched_get_gives_its_pages_back(rig: Rig) -> None:
     keys = [b"x%02d" % i for i in range(4)]
     await l2_only(rig, keys)
