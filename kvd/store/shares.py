@@ -14,7 +14,7 @@ from typing import Any
 
 from kvd.l2 import L2Tier
 from kvd.store.entries import Entries
-from kvd.store.index import StoreLimits, check_keys
+from kvd.store.index import PolicyKey, StoreLimits, check_keys
 from kvd.store.learning import DeferredPolicy
 from kvd.wire.errors import InvalidArgument
 from kvd.wire.lookup import UNTOLD_LOOKUPS_MAX
@@ -67,18 +67,21 @@ class ChainShares:
         ):
             raise InvalidArgument("chain positions must increase and lie within the chain")
         ns = self._entries.namespace(ns_name)
-        # Other members' keys stand in as placeholders the policy never keeps.
-        chain: list[bytes] = [b""] * length
+        ns_id, held = ns.id, ns.entries
+        # The policy's keys (``policy_keys``), made for this member's keys
+        # alone: other members' keys stand in as one placeholder the policy
+        # never keeps (a share is about a quarter of a chain in a pool of 4).
+        chain: list[PolicyKey] = [(ns_id, b"")] * length
         mine = [False] * length
-        touched: list[bytes] = []
+        touched: list[PolicyKey] = []
         hits = length
         for key, position in zip(keys, positions, strict=True):
-            chain[position] = key
+            chain[position] = pk = (ns_id, key)
             mine[position] = True
             if hits < length:
                 continue
-            if key in ns.entries:
-                touched.append(key)
+            if key in held:
+                touched.append(pk)
             elif self._l2 is None or self._l2.lookup(ns_name, key) is None:
                 hits = position
-        self._learning.defer_lookup(touched, chain, hits, ns.id, mine, untold)
+        self._learning.defer_lookup(touched, chain, hits, None, mine, untold)
