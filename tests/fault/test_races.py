@@ -560,13 +560,22 @@ async def test_batched_get_misses_torn_damaged_and_short_records(rig: Rig) -> No
     assert await rig.read(keys[0]) is None
 
 
-async def test_delete_during_batched_get_read(rig: Rig) -> None:
-    keys = [b"d%02d" % i for i in range(3)]
+async def parked_batch(
+    rig: Rig, keys: Sequence[bytes]
+) -> tuple[int, asyncio.Task[dict[int, bytes | None]]]:
+    """``keys`` on L2 only and a batched get of them parked in its read; the
+    pool's used bytes before the get."""
     await l2_only(rig, keys)
     used = rig.store.pool.used_bytes
     rig.gate.arm(OpKind.READ)
     getting = asyncio.create_task(fetch_all(rig.store, keys))
     await asyncio.wait_for(rig.gate.entered.wait(), WAIT_S)
+    return used, getting
+
+
+async def test_delete_during_batched_get_read(rig: Rig) -> None:
+    keys = [b"d%02d" % i for i in range(3)]
+    used, getting = await parked_batch(rig, keys)
     # A get of a key the batch is reading shares the batch's read.
     single = asyncio.create_task(rig.read(keys[2]))
     assert await rig.store.delete(NS, [keys[1]]) == 1
@@ -581,11 +590,7 @@ async def test_batched_get_serves_a_copy_linked_during_its_read(rig: Rig) -> Non
     (linked here by hand, its bytes copied in): the batch serves that copy,
     through views of its own pages, and gives its read's pages back."""
     keys = [b"p%02d" % i for i in range(3)]
-    await l2_only(rig, keys)
-    used = rig.store.pool.used_bytes
-    rig.gate.arm(OpKind.READ)
-    getting = asyncio.create_task(fetch_all(rig.store, keys))
-    await asyncio.wait_for(rig.gate.entered.wait(), WAIT_S)
+    used, getting = await parked_batch(rig, keys)
     record = rig.tier.lookup(NS, keys[1])
     runs = rig.store.entries.alloc_now(VALUE_BYTES)
     assert record is not None and runs is not None and rig.store.placement is not None
@@ -604,11 +609,7 @@ async def test_batched_get_serves_a_copy_linked_during_its_read(rig: Rig) -> Non
 
 async def test_cancelled_batched_get_gives_its_pages_back(rig: Rig) -> None:
     keys = [b"x%02d" % i for i in range(4)]
-    await l2_only(rig, keys)
-    used = rig.store.pool.used_bytes
-    rig.gate.arm(OpKind.READ)
-    getting = asyncio.create_task(fetch_all(rig.store, keys))
-    await asyncio.wait_for(rig.gate.entered.wait(), WAIT_S)
+    used, getting = await parked_batch(rig, keys)
     getting.cancel()
     await asyncio.sleep(0)
     rig.gate.release.set()
