@@ -12,8 +12,10 @@
  * and the key's deadline is set: now + the class's retention, a leaf never
  * past the block before it. Then the lookup's ring row is closed (entered
  * counts per class and age bin). A tracked block's node takes the new fields
- * and a fresh heap entry (priority, seq, key); a block not yet put is
- * remembered in `pending` (and, in a pool, its share's parent in `shares`).
+ * and, where its deadline moved earlier, a fresh heap entry (priority, seq,
+ * key); a later deadline leaves its entry for the victim search to push
+ * again (ChainPolicy's lazy raise). A block not yet put is remembered in
+ * `pending` (and, in a pool, its share's parent in `shares`).
  *
  * In Python the loop costs ~1 us a key, the policy's largest cost per
  * lookup; here the node's fields are read and written through their slot
@@ -358,6 +360,13 @@ kvd_density_learn_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
             due = bound;  /* a leaf is worth nothing past the block before it */
         bound = due;
         if (is_node) {
+            /* A node's priority is (due << 64) | its access number, and
+             * access numbers only grow: the new one is later than the
+             * node's unless its due is earlier. */
+            int64_t due_before;
+            if (get_field(node, off[F_DUE], &due_before) < 0)
+                goto done;
+            const int later = due >= due_before;
             PyObject *due_obj = PyLong_FromLongLong(due);
             if (set_field(node, off[F_KLASS], PyLong_FromLongLong(klass)) < 0 ||
                 set_field(node, off[F_GAP], PyLong_FromLongLong(gap)) < 0 ||
@@ -368,7 +377,6 @@ kvd_density_learn_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
                 goto done;
             }
             accesses += 1;
-            seq += 1;
             PyObject *shifted = PyNumber_Lshift(due_obj, sixty_four);
             Py_DECREF(due_obj);
             if (shifted == NULL)
@@ -377,6 +385,14 @@ kvd_density_learn_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
             PyObject *priority = access_obj == NULL ? NULL : PyNumber_Or(shifted, access_obj);
             Py_DECREF(shifted);
             Py_XDECREF(access_obj);
+            if (later) {
+                /* Raised: its heap entry stays, pushed again when a victim
+                 * search meets it (ChainPolicy's lazy raise). */
+                if (set_field(node, off[F_PRIORITY], priority) < 0)
+                    goto done;
+                goto next_key;
+            }
+            seq += 1;
             PyObject *seq_obj = PyLong_FromLongLong(seq);
             if (priority == NULL || seq_obj == NULL) {
                 Py_XDECREF(priority);
@@ -441,6 +457,7 @@ kvd_density_learn_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssiz
                     goto done;
             }
         }
+    next_key:
         share_parent = key;
     }
     /* The row is closed: its references entered the first age bin, and the

@@ -81,9 +81,16 @@ class ChainPolicy(Generic[K]):
     oldest first and keys are never compared. An entry is live only if the
     key is tracked and its node still carries that ``seq``; every priority or
     leaf/interior change pushes a fresh entry and leaves the old one stale.
+
+    With ``lazy_raise`` a subclass may also raise a node's priority without
+    a push: its live entry then holds a lower priority than the node, and
+    the victim search pushes it again, at the node's priority, when it
+    reaches it. The victims are the same where priorities never tie
+    (``density``'s end in an access number of their own).
     """
 
     name = "chain"
+    lazy_raise = False
 
     def __init__(self) -> None:
         self._nodes: dict[K, Node[K]] = {}
@@ -256,6 +263,9 @@ class ChainPolicy(Generic[K]):
             if node is None or node.seq != entry[1]:
                 heapq.heappop(heap)  # stale
                 continue
+            if self.lazy_raise and entry[0] != node.priority:  # raised since pushed
+                heapq.heapreplace(heap, (node.priority, entry[1], key))
+                continue
             if key in children:
                 heapq.heappush(self._inner_heap, heapq.heappop(heap))
                 continue
@@ -278,6 +288,9 @@ class ChainPolicy(Generic[K]):
             node = self._nodes.get(entry[2])
             if node is None or node.seq != entry[1]:
                 heapq.heappop(heap)  # stale
+                continue
+            if self.lazy_raise and entry[0] != node.priority:  # raised since pushed
+                heapq.heapreplace(heap, (node.priority, entry[1], entry[2]))
                 continue
             if skip(entry[2]):
                 stepped_over.append(heapq.heappop(heap))

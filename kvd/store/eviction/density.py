@@ -231,6 +231,10 @@ class DensityPolicy(ChainPolicy[K]):
     """Deadline = last reference + retention of its class (see module doc)."""
 
     name = "density"
+    # A lookup moving a deadline later leaves the block's heap entry in place
+    # (kvd.store.eviction.density_learn); priorities end in an access number
+    # of their own, so they never tie and the victims stay the same.
+    lazy_raise = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -7,7 +7,10 @@ age bin), the reference gets its class, the class is counted in this
 lookup's ring row, and the key's deadline is set: now + the class's
 retention, a chain's last block never past the block before it (victims
 are leaves first, and it is worth nothing without it). A tracked block's
-node takes the new fields and a fresh heap entry; a block not yet put is
+node takes the new fields, and a fresh heap entry where its deadline moved
+earlier; a later one leaves the entry for the victim search to push again
+(``ChainPolicy``'s lazy raise: most lookups move deadlines later, and a
+push a key was most of the learning's cost). A block not yet put is
 remembered in ``pending`` (and, in a pool, its share's parent in
 ``shares``). Then the lookup's ring row is closed: its references enter the
 first age bin, and the rows that reach an age edge now enter the next.
@@ -133,15 +136,18 @@ def learn_python(
             due = bound
         bound = due
         if isinstance(node, node_type):
+            # Access numbers only grow: the priority is later unless the due is earlier.
+            later = due >= node.due
             node.klass, node.gap, node.tick, node.count = klass, gap, now, count
             node.due = due
             accesses += 1
             node.priority = priority = (due << 64) | accesses
-            seq += 1
-            node.seq = seq
-            heappush(inner_heap if key in children else leaf_heap, (priority, seq, key))
-            if not seq % heap_check and len(leaf_heap) + len(inner_heap) > heap_bound:
-                leaf_heap, inner_heap = rebuild(seq)
+            if not later:  # later: the entry stays (ChainPolicy's lazy raise)
+                seq += 1
+                node.seq = seq
+                heappush(inner_heap if key in children else leaf_heap, (priority, seq, key))
+                if not seq % heap_check and len(leaf_heap) + len(inner_heap) > heap_bound:
+                    leaf_heap, inner_heap = rebuild(seq)
         else:
             pending[key] = (klass, gap, now, count, due)
             if shares is not None:

@@ -159,6 +159,30 @@ def test_density_retention_is_capped_by_the_residence() -> None:
     assert max(policy._retention) <= 4 * residence
 
 
+def test_density_victims_follow_priorities_raised_without_a_push() -> None:
+    """A lookup that moves a block's deadline later leaves its heap entry
+    (``lazy_raise``); the victim search still takes blocks in the order of
+    their current priorities."""
+    policy: DensityPolicy[int] = DensityPolicy()
+    blocks = list(range(300))
+    for block in blocks:
+        policy.insert(block, None)  # each block a chain of its own: all leaves
+    rng = random.Random(5)
+    for _ in range(600):
+        block = rng.choice(blocks)
+        policy.touch_many([block])
+        policy.on_lookup([block], 1)
+    nodes = policy._nodes
+    live = [e for e in policy._leaf_heap if e[2] in nodes and nodes[e[2]].seq == e[1]]
+    raised = [e for e in live if e[0] != nodes[e[2]].priority]
+    assert raised, "no priority was raised without a push: the test does not test it"
+    while len(policy):
+        expected = min(nodes, key=lambda k: nodes[k].priority)
+        victim = policy.victim(never)
+        assert victim == expected
+        policy.remove(victim)
+
+
 def test_s3fifo_scan_resistance_and_promotion() -> None:
     policy = S3FifoPolicy[str]()
     for key in "abcdefghij":  # ten unrelated blocks in the small queue
