@@ -77,10 +77,18 @@ def _drive(policy: EvictionPolicy[Any], seed: int, pool: bool) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("pool", [False, True])
-def test_native_learning_matches_python(pool: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("pool", "negative"), [(False, False), (True, False), (False, True)])
+def test_native_learning_matches_python(
+    pool: bool, negative: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``negative``: retentions below zero until the policy's first refresh
+    (a peer's plan may say anything), so deadlines fall below zero and the
+    native priorities take Python's arithmetic instead of their 16 bytes."""
     native_policy: DensityPolicy[Any] = DensityPolicy()
     python_policy: DensityPolicy[Any] = DensityPolicy()
+    if negative:
+        for policy in (native_policy, python_policy):
+            policy._retention = [-1000 - i % 7 for i in range(len(policy._retention))]
     monkeypatch.setattr(density_module, "learn", native)
     _drive(native_policy, 5, pool)
     monkeypatch.setattr(density_module, "learn", learn_python)
