@@ -42,6 +42,7 @@ from typing import Any
 
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2 import L2Record, L2Tier
+from kvd.store import deletes
 from kvd.store.chains import ChainLookups
 from kvd.store.entries import Entries
 from kvd.store.eviction.policy import EvictionPolicy, make_policy
@@ -479,14 +480,10 @@ class Store:
         return [pin(entry, tier, views) for entry, views in served]
 
     def _hit(self, entry: Entry) -> None:
-        """A get served: counted, and the policy's recency."""
-        entry.ns.hits += 1
-        self.counters.hits += 1
-        self.counters.bytes_out += entry.size
-        self.learning.touch((entry.ns.id, entry.key))
+        self._hits((entry,))
 
     def _hits(self, entries: Sequence[Entry]) -> None:
-        """``_hit`` of each entry, the policy told in one call."""
+        """Gets served: counted, and the policy's recency (one call)."""
         counters = self.counters
         for entry in entries:
             entry.ns.hits += 1
@@ -550,34 +547,13 @@ class Store:
         self.leases.expire()
         return len(self.leases)
 
-    # ---- delete ----------------------------------------------------------------
+    # ---- delete (kvd.store.deletes) ----------------------------------------------
     async def delete(self, ns_name: str, keys: Sequence[bytes]) -> int:
         check_keys(keys, self.limits.max_lookup_keys)
-        deleted = 0
-        for key in keys:
-            deleted += await self._delete_one(ns_name, key)
-        return deleted
-
-    async def _delete_one(self, ns_name: str, key: bytes) -> int:
-        found = 0
-        entry = self._l1(ns_name, key)
-        if entry is not None:
-            entry.deleted = True
-            self.entries.unlink(entry)
-            found = 1
-        if self.l2 is not None and await self.l2.delete(ns_name, key):
-            found = 1
-        return found
+        return await deletes.delete_keys(self.entries, self.l2, ns_name, keys)
 
     async def delete_namespace(self, ns_name: str) -> int:
-        ns = self.entries.by_name.get(ns_name)
-        keys = set(ns.entries) if ns is not None else set()
-        if self.l2 is not None:
-            keys.update(self.l2.keys_of(ns_name))
-        deleted = 0
-        for key in keys:
-            deleted += await self._delete_one(ns_name, key)
-        return deleted
+        return await deletes.delete_namespace(self.entries, self.l2, ns_name)
 
     # ---- stats -----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
