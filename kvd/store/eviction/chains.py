@@ -253,7 +253,12 @@ class ChainPolicy(Generic[K]):
     def _first_leaf(self, skip: Callable[[K], bool]) -> K | None:
         """``_first_unskipped`` over the leaf heap; a live entry of a block
         that is no longer a leaf (``_became_inner``) moves to the inner heap."""
-        heap, nodes, children = self._leaf_heap, self._nodes, self._children
+        return self._first_unskipped(self._leaf_heap, skip, leaves=True)
+
+    def _first_unskipped(
+        self, heap: list[tuple[float, int, K]], skip: Callable[[K], bool], leaves: bool = False
+    ) -> K | None:
+        nodes, children = self._nodes, self._children
         stepped_over: list[tuple[float, int, K]] = []
         found: K | None = None
         while heap:
@@ -262,41 +267,15 @@ class ChainPolicy(Generic[K]):
             node = nodes.get(key)
             if node is None or node.seq != entry[1]:
                 heapq.heappop(heap)  # stale
-                continue
-            if self.lazy_raise and entry[0] != node.priority:  # raised since pushed
+            elif self.lazy_raise and entry[0] != node.priority:  # raised since pushed
                 heapq.heapreplace(heap, (node.priority, entry[1], key))
-                continue
-            if key in children:
+            elif leaves and key in children:
                 heapq.heappush(self._inner_heap, heapq.heappop(heap))
-                continue
-            if skip(key):
+            elif skip(key):
                 stepped_over.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for entry in stepped_over:
-            heapq.heappush(heap, entry)
-        return found
-
-    def _first_unskipped(
-        self, heap: list[tuple[float, int, K]], skip: Callable[[K], bool]
-    ) -> K | None:
-        stepped_over: list[tuple[float, int, K]] = []
-        found: K | None = None
-        while heap:
-            entry = heap[0]
-            node = self._nodes.get(entry[2])
-            if node is None or node.seq != entry[1]:
-                heapq.heappop(heap)  # stale
-                continue
-            if self.lazy_raise and entry[0] != node.priority:  # raised since pushed
-                heapq.heapreplace(heap, (node.priority, entry[1], entry[2]))
-                continue
-            if skip(entry[2]):
-                stepped_over.append(heapq.heappop(heap))
-                continue
-            found = entry[2]
-            break
+            else:
+                found = key
+                break
         for entry in stepped_over:
             heapq.heappush(heap, entry)
         return found
