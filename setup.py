@@ -32,6 +32,7 @@ NATIVE_SOURCES = [
     for name in (
         "kvd_uring.c", "kvd_slots.c", "kvd_reads.c", "kvd_record.c", "kvd_xxh3_avx2.c",
         "kvd_xxh3_avx512.c", "kvd_copy.c", "kvd_pool.c", "kvd_net.c", "kvd_density.c",
+        "kvd_plan.c",
     )
 ]
 
@@ -97,7 +98,8 @@ def extensions() -> list[Extension]:
             sources=[str(path.relative_to(ROOT)) for path in NATIVE_SOURCES],
             include_dirs=["native"],
             libraries=["uring"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
+            # No fused multiply-add: density_lambda rounds as numpy does.
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-ffp-contract=off"],
             optional=True,
         )
     ]

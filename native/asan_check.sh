@@ -7,7 +7,7 @@
 # record reads (tests/io/test_layout.py), the gets through the pool's
 # directory (tests/io/test_pool_read_many.py), the values received from a
 # socket (tests/io/test_recv_hashed.py) and the density policy's learning
-# (tests/store/eviction/test_density_learn.py).
+# and plan (tests/store/eviction/test_density_learn.py, test_density_plan.py).
 # Usage: native/asan_check.sh [pytest args]
 set -eu
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +27,7 @@ cp "$repo"/tests/store/eviction/*.py "$scratch/tests/store/eviction/"
 cp "$repo/tests/__init__.py" "$repo/tests/support.py" "$scratch/tests/"
 cp "$repo/pyproject.toml" "$scratch/"  # pytest settings: asyncio mode, warnings are errors
 gcc -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-    -fno-omit-frame-pointer -Wall -Wextra -Werror -std=gnu11 -shared -fPIC -I"$inc" \
+    -fno-omit-frame-pointer -Wall -Wextra -Werror -std=gnu11 -ffp-contract=off -shared -fPIC -I"$inc" \
     -I"$repo/native" "$repo"/native/*.c -luring -o "$scratch/kvd/io/_uring$suffix"
 
 cd "$scratch"
@@ -39,4 +39,5 @@ PYTHONMALLOC=malloc \
     "$python" -m pytest -q -p no:cacheprovider tests/io/test_backend.py \
     tests/io/test_backend_records.py tests/l2/test_format.py tests/l2/test_tier.py \
     tests/io/test_copy_many.py tests/io/test_layout.py tests/io/test_pool_read_many.py \
-    tests/io/test_recv_hashed.py tests/store/eviction/test_density_learn.py "$@"
+    tests/io/test_recv_hashed.py tests/store/eviction/test_density_learn.py \
+    tests/store/eviction/test_density_plan.py "$@"

@@ -137,7 +137,8 @@ PyObject *kvd_copy_many_py(PyObject *module, PyObject *args);
 PyObject *kvd_pool_read_many_py(PyObject *module, PyObject *args);
 /* kvd_net.c */
 PyObject *kvd_recv_hashed_py(PyObject *module, PyObject *args);
-/* kvd_density.c */
+/* kvd_density.c, kvd_plan.c */
 PyObject *kvd_density_learn_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kvd_density_lambda_py(PyObject *module, PyObject *args);
 
 #endif

@@ -504,6 +504,13 @@ def native_density_learn() -> Callable[..., tuple[int, int]] | None:
     return _uring.density_learn if _uring_import_error is None else None
 
 
+def native_density_lambda() -> Callable[..., float] | None:
+    """The ``density`` eviction policy's plan bisection in C
+    (``kvd.io._uring.density_lambda``; ``DensityPolicy._refresh``), or None
+    when not built."""
+    return _uring.density_lambda if _uring_import_error is None else None
+
+
 def open_ring(depth: int) -> _uring.Ring:
     """A bare native ring, for tests and benchmarks of the native layer."""
     if _uring_import_error is not None:

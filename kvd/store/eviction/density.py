@@ -82,6 +82,7 @@ import numpy.typing as npt
 
 from kvd.store.eviction.chains import HEAP_CHECK, HEAP_FACTOR, HEAP_SLACK, ChainPolicy, K, Node
 from kvd.store.eviction.density_learn import Consts, State, learn
+from kvd.store.eviction.density_plan import log_lambda, proportional_hazards
 
 # Bucket upper edges (inclusive) per feature; past the last edge is one more
 # bucket. Gap 0 means "no previous reference". Measured on the tuning set
@@ -106,14 +107,12 @@ _AGE_EDGES: tuple[int, ...] = tuple(sorted({int(1.25**j) for j in range(60) if 1
 _BINS = len(_AGE_EDGES)
 _RING = 1 << 15
 assert _AGE_EDGES[-1] < _RING
-# Retentions are recomputed every _REFRESH lookups (a 73 x 43 solve, ~0.3 ms);
+# Retentions are recomputed every _REFRESH lookups (a 73 x 43 solve, ~0.2 ms
+# with the bisection in C, kvd.store.eviction.density_plan);
 # counts are halved every _DECAY lookups. Halving every 1024 / 4096 lookups
 # changed the tuning set's hit ratios by < 0.2 points.
 _REFRESH = 64
 _DECAY = 2048
-# Prior weight (references) of each hazard factor, as in ``hazard``.
-_PRIOR_WEIGHT = 20.0
-_FEATURE_ROUNDS = 4
 # Bisection range of log(lambda) and its steps (2^-30 of the range).
 _LOG_LAMBDA = (-20.0, 5.0)
 _BISECT_STEPS = 30
@@ -242,6 +241,7 @@ class DensityPolicy(ChainPolicy[K]):
         self._accesses = 0  # orders equal deadlines, oldest access first
         self._retention = [0] * _CLASSES
         self._own_plan: list[int] | None = None  # this policy's last plan
+        self._own_plan_due = False  # a plan was skipped while another member's was kept
         self._adopted_at = -1  # lookup at which another member's plan was adopted
         self._pending: dict[K, _Reference] = {}
         # A pool member's announced blocks: the member's previous block of the
@@ -306,7 +306,11 @@ class DensityPolicy(ChainPolicy[K]):
 
     def shared_plan(self) -> bytes | None:
         """This policy's own plan for the other members of a pool to adopt;
-        None before its first."""
+        None before its first. A member that keeps another's plan makes
+        its own only when asked (a holder that left leaves its successor
+        asked)."""
+        if self._own_plan_due:
+            self._plan()
         if self._own_plan is None:
             return None
         return _PLAN.pack(len(self._nodes), *self._own_plan)
@@ -472,8 +476,22 @@ class DensityPolicy(ChainPolicy[K]):
         self._lookups *= 0.5
 
     def _refresh(self) -> None:
-        if not self._nodes or self._lookups <= 0.0:
+        """Every _REFRESH lookups: a new plan, unless blocks are kept by
+        another member's (then this one's would go unused: 3 of 4 members
+        of a pool planned at the same lookup, each ~0.2 ms of it)."""
+        if self.plan_adopted:
+            self._own_plan_due = True
             return
+        plan = self._plan()
+        if plan is not None:
+            self._retention = plan
+
+    def _plan(self) -> list[int] | None:
+        """This policy's own plan (``_own_plan``) from its counts now; None
+        when there is nothing to plan from yet."""
+        self._own_plan_due = False
+        if not self._nodes or self._lookups <= 0.0:
+            return None
         hazard = proportional_hazards(self._entered, self._reused, _FEATURES)
         survival = np.cumprod(1.0 - hazard, axis=1, dtype=np.float64)
         self._survival = survival
@@ -483,52 +501,11 @@ class DensityPolicy(ChainPolicy[K]):
         cost = np.concatenate([zeros, np.cumsum(before * _WIDTHS, axis=1)], axis=1)
         scale = self._entered[:, 0] / self._lookups  # references per lookup, per class
         occupancy = (scale[:, None] * cost).ravel()  # lookups kept per lookup, per choice
-        at_row = np.arange(_CLASSES) * cost.shape[1]
         target = float(len(self._nodes))
-        value = np.empty_like(cost)  # gain - lambda * cost, in place
-        low, high = _LOG_LAMBDA
-        for _ in range(_BISECT_STEPS):
-            middle = (low + high) / 2.0
-            np.subtract(gain, np.multiply(cost, np.exp(middle), out=value), out=value)
-            if float(occupancy[at_row + value.argmax(axis=1)].sum()) > target:
-                low = middle
-            else:
-                high = middle
+        high = log_lambda(gain, cost, occupancy, target, *_LOG_LAMBDA, _BISECT_STEPS)
         choice = np.argmax(gain - np.exp(high) * cost, axis=1)
         # Mean residence if every reference took a slot, in lookups.
         residence = target / max(float(scale.sum()), 1e-9)
         cap = _RESIDENCE_CAP * residence
         self._own_plan = [int(min(r, cap)) for r in _RETENTIONS[choice]]
-        if not self.plan_adopted:
-            self._retention = self._own_plan
-
-
-def proportional_hazards(
-    entered: npt.NDArray[np.float64],
-    reused: npt.NDArray[np.float64],
-    features: tuple[npt.NDArray[np.int64], ...],
-) -> npt.NDArray[np.float64]:
-    """Reuse hazard per class and age bin: the pooled hazard times a class
-    factor, the product of one factor per feature value (observed /
-    expected reuses, a few rounds) times the class's own residual; every
-    ratio has _PRIOR_WEIGHT on both sides, so a rare class follows its
-    features and a rare feature value the pooled hazard."""
-    classes, bins = entered.shape
-    pooled_entered = entered.sum(axis=0)
-    pooled = np.divide(
-        reused.sum(axis=0), pooled_entered, out=np.zeros(bins), where=pooled_entered > 0.0
-    )
-    expected = (entered * pooled).sum(axis=1)
-    observed = reused.sum(axis=1)
-    factor = np.ones(classes)
-    # Per feature value at once: observed over expected reuses of its classes.
-    observed_by = [np.bincount(feature, weights=observed) for feature in features]
-    for _ in range(_FEATURE_ROUNDS):
-        for feature, seen in zip(features, observed_by, strict=True):
-            ratio = (seen + _PRIOR_WEIGHT) / (
-                np.bincount(feature, weights=expected * factor) + _PRIOR_WEIGHT
-            )
-            factor *= ratio[feature]
-    factor *= (observed + _PRIOR_WEIGHT) / (factor * expected + _PRIOR_WEIGHT)
-    hazard: npt.NDArray[np.float64] = np.clip(factor[:, None] * pooled[None, :], 0.0, 1.0)
-    return hazard
+        return self._own_plan

@@ -1,0 +1,116 @@
+"""The ``density`` policy's plan bisection (kvd.store.eviction.density_plan):
+the native one (native/kvd_plan.c) against numpy's, on the same tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvd.io.backend import native_density_lambda
+from kvd.store.eviction.density import _CLASSES, _REFRESH
+from kvd.store.eviction.density_plan import Floats, log_lambda_python
+from tests.store.eviction.test_density import _planned
+
+native = native_density_lambda()
+needs_native = pytest.mark.skipif(native is None, reason="kvd.io._uring is not built")
+STEPS = 30
+
+
+def _tables(rng: np.random.Generator, classes: int, columns: int) -> tuple[Floats, Floats, Floats]:
+    """gain, cost and occupancy shaped as a plan makes them: survival falling
+    along each row, costs summed, classes of very different weights."""
+    hazard = rng.random((classes, columns - 1)) ** rng.uniform(0.5, 8.0)
+    survival = np.cumprod(1.0 - hazard, axis=1)
+    zeros = np.zeros((classes, 1))
+    gain = np.concatenate([zeros, 1.0 - survival], axis=1)
+    widths = np.diff(np.concatenate([[0.0], rng.uniform(1, 2, columns - 1).cumsum() ** 2]))
+    before = np.concatenate([np.ones((classes, 1)), survival[:, :-1]], axis=1)
+    cost = np.concatenate([zeros, np.cumsum(before * widths, axis=1)], axis=1)
+    scale = rng.random(classes) * 10.0 ** rng.integers(-4, 3, classes)
+    scale[rng.random(classes) < 0.2] = 0.0  # classes never seen
+    return gain, cost, (scale[:, None] * cost).ravel()
+
+
+def _native(gain: Floats, cost: Floats, occupancy: Floats, target: float) -> float:
+    assert native is not None
+    classes, columns = cost.shape
+    return native(gain, cost, occupancy, classes, columns, target, -20.0, 5.0, STEPS, np.exp)
+
+
+@needs_native
+def test_native_bisection_ends_where_numpys_does() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        gain, cost, occupancy = _tables(rng, int(rng.integers(1, 140)), int(rng.integers(2, 50)))
+        at_row = np.arange(cost.shape[0]) * cost.shape[1]
+        # Targets at the occupancy of some lambda, to the bit: a sum rounded
+        # any other way than numpy's goes the other way there.
+        lam = np.exp(rng.uniform(-20.0, 5.0))
+        exact = float(occupancy[at_row + (gain - lam * cost).argmax(axis=1)].sum())
+        for target in (exact, float(occupancy.sum()) * rng.random(), 0.0, 1e300):
+            python = log_lambda_python(gain, cost, occupancy, target, -20.0, 5.0, STEPS)
+            assert _native(gain, cost, occupancy, target) == python
+
+
+@needs_native
+def test_native_bisection_takes_numpys_argmax_on_ties_and_nans() -> None:
+    gain = np.array([[0.0, 0.5, 0.5, 0.2], [0.0, np.nan, 0.9, np.nan], [0.0, 0.0, 0.0, 0.0]])
+    cost = np.array([[0.0, 1.0, 1.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0]])
+    occupancy = (np.array([1.0, 2.0, 3.0])[:, None] * cost + np.arange(12).reshape(3, 4)).ravel()
+    for target in (0.5, 5.0, 9.0, 12.0, 100.0):
+        python = log_lambda_python(gain, cost, occupancy, target, -20.0, 5.0, STEPS)
+        assert _native(gain, cost, occupancy, target) == python
+
+
+@needs_native
+def test_native_bisection_refuses_bad_tables() -> None:
+    gain, cost, occupancy = _tables(np.random.default_rng(1), 4, 5)
+    assert native is not None
+    with pytest.raises(TypeError):
+        native(gain.astype(np.float32), cost, occupancy, 4, 5, 1.0, -20.0, 5.0, STEPS, np.exp)
+    with pytest.raises(ValueError):
+        native(gain, cost, occupancy[:-1], 4, 5, 1.0, -20.0, 5.0, STEPS, np.exp)
+    with pytest.raises(ValueError):
+        native(gain, cost, occupancy, 0, 5, 1.0, -20.0, 5.0, STEPS, np.exp)
+    with pytest.raises(ZeroDivisionError):  # exp's error comes through
+
+        def bad_exp(x: float) -> float:
+            raise ZeroDivisionError
+
+        native(gain, cost, occupancy, 4, 5, 1.0, -20.0, 5.0, STEPS, bad_exp)
+
+
+def test_a_member_keeping_anothers_plan_makes_its_own_only_when_asked() -> None:
+    holder = _planned("holder", 4)
+    member, twin = _planned("member", 9, lookups=320), _planned("member", 9, lookups=320)
+    plan = holder.shared_plan()
+    assert plan is not None and member.adopt_plan(plan)
+    made: list[int] = []
+    own = member._plan
+
+    def counted() -> Any:
+        made.append(1)
+        return own()
+
+    member._plan = counted  # type: ignore[method-assign]
+    for _ in range(2 * _REFRESH):  # two plans due while the holder's is kept
+        member.on_lookup([], 0, [])
+        twin.on_lookup([], 0, [])
+    assert not made
+    # Asked, it plans from its counts now: what its twin planned at the lookup.
+    assert member.shared_plan() == twin.shared_plan() and len(made) == 1
+    assert member.shared_plan() == twin.shared_plan() and len(made) == 1  # made once
+    retention = [member.retention(c) for c in range(_CLASSES)]
+    assert retention == [holder.retention(c) for c in range(_CLASSES)]  # still the holder's
+
+
+def test_policies_plan_the_same_with_either_bisection(monkeypatch: pytest.MonkeyPatch) -> None:
+    if native is None:
+        pytest.skip("kvd.io._uring is not built")
+    planned = _planned("a", 5, lookups=2 * _REFRESH + 1)
+    with_native = [planned.retention(c) for c in range(_CLASSES)]
+    monkeypatch.setattr("kvd.store.eviction.density.log_lambda", log_lambda_python)
+    planned = _planned("a", 5, lookups=2 * _REFRESH + 1)
+    assert [planned.retention(c) for c in range(_CLASSES)] == with_native
