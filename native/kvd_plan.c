@@ -15,6 +15,12 @@
  *
  * In numpy each of the 30 steps is seven array calls (~7 us); here it is
  * one pass over the 73 x 44 table.
+ *
+ * density_hazards: the plan's reuse hazard per class and age bin
+ * (proportional_hazards in kvd/store/eviction/density_plan.py, ~40 small
+ * numpy calls), with numpy's arithmetic as well: column sums row after row
+ * (its reduction over the first axis), row sums pairwise, bincount's sums
+ * in index order.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -154,5 +160,158 @@ done:
     PyBuffer_Release(&gain);
     PyBuffer_Release(&cost);
     PyBuffer_Release(&occupancy);
+    return result;
+}
+
+static int
+feature_of(PyObject *obj, Py_buffer *view, Py_ssize_t classes, Py_ssize_t *values)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != sizeof(int64_t) || view->format == NULL ||
+        (strcmp(view->format, "l") != 0 && strcmp(view->format, "q") != 0) ||
+        view->len != classes * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "density_hazards: a feature must be int64, one value per class");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    const int64_t *f = view->buf;
+    int64_t top = 0;
+    for (Py_ssize_t k = 0; k < classes; k++) {
+        if (f[k] < 0 || f[k] >= classes) {
+            PyErr_SetString(PyExc_ValueError, "density_hazards: a feature value out of range");
+            PyBuffer_Release(view);
+            return -1;
+        }
+        if (f[k] > top)
+            top = f[k];
+    }
+    *values = (Py_ssize_t)top + 1;
+    return 0;
+}
+
+#define FEATURES_MAX 8
+
+PyObject *
+kvd_density_hazards_py(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *entered_obj, *reused_obj, *features, *hazard_obj;
+    Py_ssize_t classes, bins;
+    double prior;
+    int rounds;
+    if (!PyArg_ParseTuple(args, "OOOnndiO:density_hazards", &entered_obj, &reused_obj,
+                          &features, &classes, &bins, &prior, &rounds, &hazard_obj))
+        return NULL;
+    if (classes <= 0 || bins <= 0 || classes > PY_SSIZE_T_MAX / bins / 8 ||
+        !PyTuple_Check(features) || PyTuple_GET_SIZE(features) > FEATURES_MAX) {
+        PyErr_SetString(PyExc_ValueError, "density_hazards: bad shape or features");
+        return NULL;
+    }
+    Py_ssize_t nf = PyTuple_GET_SIZE(features);
+    Py_buffer entered, reused, hazard, feature[FEATURES_MAX];
+    Py_ssize_t values[FEATURES_MAX];
+    int held = 0, nheld = 0;
+    PyObject *result = NULL;
+    double *work = NULL;
+    if (table_of(entered_obj, &entered, "entered") < 0)
+        return NULL;
+    held = 1;
+    if (table_of(reused_obj, &reused, "reused") < 0)
+        goto done;
+    held = 2;
+    if (table_of(hazard_obj, &hazard, "hazard") < 0)
+        goto done;
+    held = 3;
+    if (hazard.readonly) {
+        PyErr_SetString(PyExc_TypeError, "density_hazards: hazard must be writable");
+        goto done;
+    }
+    Py_ssize_t cells = classes * bins, total = 0;
+    if (entered.len != cells * (Py_ssize_t)sizeof(double) || reused.len != entered.len ||
+        hazard.len != entered.len) {
+        PyErr_SetString(PyExc_ValueError, "density_hazards: tables of another size");
+        goto done;
+    }
+    for (; nheld < nf; nheld++) {
+        if (feature_of(PyTuple_GET_ITEM(features, nheld), &feature[nheld], classes,
+                       &values[nheld]) < 0)
+            goto done;
+        total += values[nheld];
+    }
+    /* pooled, reused by column, a row's products, expected, observed,
+     * factor, per class products, then each feature's two bincounts. */
+    Py_ssize_t size = 3 * bins + 4 * classes + 2 * total;
+    work = PyMem_Calloc((size_t)size, sizeof(double));
+    if (work == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    double *pooled = work, *column = pooled + bins, *row = column + bins;
+    double *expected = row + bins, *observed = expected + classes;
+    double *factor = observed + classes, *product = factor + classes;
+    double *seen = product + classes;
+    const double *e = entered.buf, *r = reused.buf;
+    for (Py_ssize_t j = 0; j < bins; j++) {
+        pooled[j] = e[j];
+        column[j] = r[j];
+    }
+    for (Py_ssize_t k = 1; k < classes; k++)
+        for (Py_ssize_t j = 0; j < bins; j++) {
+            pooled[j] += e[k * bins + j];
+            column[j] += r[k * bins + j];
+        }
+    for (Py_ssize_t j = 0; j < bins; j++)
+        pooled[j] = pooled[j] > 0.0 ? column[j] / pooled[j] : 0.0;
+    for (Py_ssize_t k = 0; k < classes; k++) {
+        for (Py_ssize_t j = 0; j < bins; j++)
+            row[j] = e[k * bins + j] * pooled[j];
+        expected[k] = pairwise_sum(row, bins);
+        observed[k] = pairwise_sum(r + k * bins, bins);
+        factor[k] = 1.0;
+    }
+    double *bin_sums[FEATURES_MAX], *observed_by[FEATURES_MAX];
+    double *next = seen;
+    for (Py_ssize_t f = 0; f < nf; f++) {
+        observed_by[f] = next;
+        bin_sums[f] = next + values[f];
+        next += 2 * values[f];
+        const int64_t *v = feature[f].buf;
+        for (Py_ssize_t k = 0; k < classes; k++)
+            observed_by[f][v[k]] += observed[k];
+    }
+    for (int round = 0; round < rounds; round++)
+        for (Py_ssize_t f = 0; f < nf; f++) {
+            const int64_t *v = feature[f].buf;
+            double *sums = bin_sums[f];
+            for (Py_ssize_t i = 0; i < values[f]; i++)
+                sums[i] = 0.0;
+            for (Py_ssize_t k = 0; k < classes; k++) {
+                product[k] = expected[k] * factor[k];
+                sums[v[k]] += product[k];
+            }
+            for (Py_ssize_t i = 0; i < values[f]; i++)
+                sums[i] = (observed_by[f][i] + prior) / (sums[i] + prior);
+            for (Py_ssize_t k = 0; k < classes; k++)
+                factor[k] *= sums[v[k]];
+        }
+    double *h = hazard.buf;
+    for (Py_ssize_t k = 0; k < classes; k++) {
+        factor[k] *= (observed[k] + prior) / (factor[k] * expected[k] + prior);
+        for (Py_ssize_t j = 0; j < bins; j++) {
+            double x = factor[k] * pooled[j];
+            h[k * bins + j] = x < 0.0 ? 0.0 : (x > 1.0 ? 1.0 : x);
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(work);
+    for (int i = 0; i < nheld; i++)
+        PyBuffer_Release(&feature[i]);
+    if (held >= 3)
+        PyBuffer_Release(&hazard);
+    if (held >= 2)
+        PyBuffer_Release(&reused);
+    PyBuffer_Release(&entered);
     return result;
 }

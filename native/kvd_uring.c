@@ -441,6 +441,10 @@ static PyMethodDef module_methods[] = {
      "density_lambda(gain, cost, occupancy, classes, columns, target, low, high, steps, exp) "
      "-> float: the density eviction policy's plan bisection, numpy's arithmetic to the bit "
      "(native/kvd_plan.c)."},
+    {"density_hazards", (PyCFunction)kvd_density_hazards_py, METH_VARARGS,
+     "density_hazards(entered, reused, features, classes, bins, prior, rounds, hazard) -> "
+     "None: the density eviction policy's reuse hazards into hazard, numpy's arithmetic "
+     "to the bit (native/kvd_plan.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -110,6 +110,20 @@ def density_lambda(
     """The density eviction policy's plan bisection (native/kvd_plan.c): the
     upper end of log(lambda) after ``steps`` halvings, numpy's arithmetic."""
 
+def density_hazards(
+    entered: Buffer,
+    reused: Buffer,
+    features: tuple[Buffer, ...],
+    classes: int,
+    bins: int,
+    prior: float,
+    rounds: int,
+    hazard: Buffer,
+    /,
+) -> None:
+    """The density eviction policy's reuse hazard per class and age bin into
+    ``hazard`` (native/kvd_plan.c), numpy's arithmetic."""
+
 class Ring:
     """A bounded io_uring instance: at most `depth` ops in flight."""
 

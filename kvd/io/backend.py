@@ -511,6 +511,13 @@ def native_density_lambda() -> Callable[..., float] | None:
     return _uring.density_lambda if _uring_import_error is None else None
 
 
+def native_density_hazards() -> Callable[..., None] | None:
+    """The ``density`` eviction policy's reuse hazards in C
+    (``kvd.io._uring.density_hazards``; ``proportional_hazards``), or None
+    when not built."""
+    return _uring.density_hazards if _uring_import_error is None else None
+
+
 def open_ring(depth: int) -> _uring.Ring:
     """A bare native ring, for tests and benchmarks of the native layer."""
     if _uring_import_error is not None:

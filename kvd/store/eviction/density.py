@@ -107,8 +107,8 @@ _AGE_EDGES: tuple[int, ...] = tuple(sorted({int(1.25**j) for j in range(60) if 1
 _BINS = len(_AGE_EDGES)
 _RING = 1 << 15
 assert _AGE_EDGES[-1] < _RING
-# Retentions are recomputed every _REFRESH lookups (a 73 x 43 solve, ~0.2 ms
-# with the bisection in C, kvd.store.eviction.density_plan);
+# Retentions are recomputed every _REFRESH lookups (a 73 x 43 solve, ~0.16 ms
+# with its hazards and bisection in C, kvd.store.eviction.density_plan);
 # counts are halved every _DECAY lookups. Halving every 1024 / 4096 lookups
 # changed the tuning set's hit ratios by < 0.2 points.
 _REFRESH = 64
@@ -477,8 +477,8 @@ class DensityPolicy(ChainPolicy[K]):
 
     def _refresh(self) -> None:
         """Every _REFRESH lookups: a new plan, unless blocks are kept by
-        another member's (then this one's would go unused: 3 of 4 members
-        of a pool planned at the same lookup, each ~0.2 ms of it)."""
+        another member's: then this one's would go unused, and the members
+        of a pool, whose clocks move together, all planned at one lookup."""
         if self.plan_adopted:
             self._own_plan_due = True
             return

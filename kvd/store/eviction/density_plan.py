@@ -8,13 +8,13 @@ and costs the lookups a reference stays (``cost``); each class takes the R
 that maximises ``gain - lambda * cost``, and ``log_lambda`` bisects lambda
 so that the planned occupancy fills the blocks tracked.
 
-The bisection ran in numpy: 30 steps of seven array calls each, about 0.2
-of the plan's 0.35-0.5 ms, and a plan is made inside a lookup's learning,
-so every 64th lookup waited for it. ``kvd.io._uring.density_lambda``
-(native/kvd_plan.c) does each step in one pass over the table with numpy's
-own arithmetic (its exp, its rounding, its argmax and pairwise sum), so
-the plans are the same to the bit; ``log_lambda`` uses it where it is
-built, and a test runs both on the same counts.
+In numpy a plan took 0.35-0.5 ms (the hazards ~0.11, the bisection's 30
+steps of seven array calls each ~0.17), and a plan is made inside a
+lookup's learning, so every 64th lookup waited for it.
+``kvd.io._uring.density_hazards`` and ``density_lambda`` (native/kvd_plan.c)
+do the same with numpy's own arithmetic (its exp, its rounding, its argmax,
+its sums' order), so the plans are the same to the bit; the functions here
+use them where they are built, and a test runs both ways on the same counts.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvd.io.backend import native_density_lambda
+from kvd.io.backend import native_density_hazards, native_density_lambda
 
 # Prior weight (references) of each hazard factor, as in ``hazard``.
 _PRIOR_WEIGHT = 20.0
@@ -33,7 +33,7 @@ _FEATURE_ROUNDS = 4
 Floats = npt.NDArray[np.float64]
 
 
-def proportional_hazards(
+def proportional_hazards_python(
     entered: Floats, reused: Floats, features: tuple[npt.NDArray[np.int64], ...]
 ) -> Floats:
     """Reuse hazard per class and age bin: the pooled hazard times a class
@@ -82,6 +82,20 @@ def log_lambda_python(
     return high
 
 
+def _hazards_native(
+    native: Callable[..., None],
+) -> Callable[[Floats, Floats, tuple[npt.NDArray[np.int64], ...]], Floats]:
+    def proportional_hazards(
+        entered: Floats, reused: Floats, features: tuple[npt.NDArray[np.int64], ...]
+    ) -> Floats:
+        classes, bins = entered.shape
+        hazard: Floats = np.empty((classes, bins))
+        native(entered, reused, features, classes, bins, _PRIOR_WEIGHT, _FEATURE_ROUNDS, hazard)
+        return hazard
+
+    return proportional_hazards
+
+
 def _log_lambda_native(
     native: Callable[..., float],
 ) -> Callable[[Floats, Floats, Floats, float, float, float, int], float]:
@@ -95,5 +109,8 @@ def _log_lambda_native(
     return log_lambda
 
 
-_native = native_density_lambda()
-log_lambda = _log_lambda_native(_native) if _native is not None else log_lambda_python
+_native_lambda, _native_hazards = native_density_lambda(), native_density_hazards()
+log_lambda = _log_lambda_native(_native_lambda) if _native_lambda is not None else log_lambda_python
+proportional_hazards = (
+    _hazards_native(_native_hazards) if _native_hazards is not None else proportional_hazards_python
+)

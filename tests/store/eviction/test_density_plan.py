@@ -1,5 +1,6 @@
-"""The ``density`` policy's plan bisection (kvd.store.eviction.density_plan):
-the native one (native/kvd_plan.c) against numpy's, on the same tables."""
+"""The ``density`` policy's plan (kvd.store.eviction.density_plan): its
+hazards and bisection in C (native/kvd_plan.c) against numpy's, on the
+same counts and tables, to the bit."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvd.io.backend import native_density_lambda
-from kvd.store.eviction.density import _CLASSES, _REFRESH
-from kvd.store.eviction.density_plan import Floats, log_lambda_python
+from kvd.io.backend import native_density_hazards, native_density_lambda
+from kvd.store.eviction.density import _BINS, _CLASSES, _FEATURES, _REFRESH
+from kvd.store.eviction.density_plan import (
+    Floats,
+    log_lambda_python,
+    proportional_hazards,
+    proportional_hazards_python,
+)
 from tests.store.eviction.test_density import _planned
 
 native = native_density_lambda()
-needs_native = pytest.mark.skipif(native is None, reason="kvd.io._uring is not built")
+native_hazards = native_density_hazards()
+needs_native = pytest.mark.skipif(
+    native is None or native_hazards is None, reason="kvd.io._uring is not built"
+)
 STEPS = 30
 
 
@@ -82,6 +91,47 @@ def test_native_bisection_refuses_bad_tables() -> None:
         native(gain, cost, occupancy, 4, 5, 1.0, -20.0, 5.0, STEPS, bad_exp)
 
 
+@needs_native
+def test_native_hazards_are_numpys() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        entered = np.floor(rng.random((_CLASSES, _BINS)) * 10.0 ** rng.integers(0, 6))
+        entered *= rng.random((_CLASSES, _BINS)) < rng.random()  # sparse rows and columns
+        reused = np.floor(entered * rng.random((_CLASSES, _BINS))) / 2.0 ** rng.integers(0, 8)
+        entered /= 2.0 ** rng.integers(0, 8)  # halved counts
+        python = proportional_hazards_python(entered, reused, _FEATURES)
+        assert proportional_hazards(entered, reused, _FEATURES).tobytes() == python.tobytes()
+    zero = np.zeros((_CLASSES, _BINS))  # nothing counted yet
+    assert proportional_hazards(zero, zero, _FEATURES).tobytes() == (
+        proportional_hazards_python(zero, zero, _FEATURES).tobytes()
+    )
+
+
+@needs_native
+def test_native_hazards_refuse_bad_features_and_tables() -> None:
+    assert native_hazards is not None
+    table = np.zeros((_CLASSES, _BINS))
+    out = np.empty((_CLASSES, _BINS))
+
+    def call(features: tuple[object, ...], hazard: object = out, bins: int = _BINS) -> None:
+        assert native_hazards is not None
+        native_hazards(table, table, features, _CLASSES, bins, 20.0, 4, hazard)
+
+    call(_FEATURES)
+    with pytest.raises(TypeError):
+        call((_FEATURES[0].astype(np.int32),))
+    with pytest.raises(TypeError):
+        call((_FEATURES[0][:-1],))
+    with pytest.raises(ValueError):
+        call((np.full(_CLASSES, -1, dtype=np.int64),))
+    with pytest.raises(ValueError):
+        call((np.full(_CLASSES, _CLASSES, dtype=np.int64),))
+    with pytest.raises(ValueError):
+        call(_FEATURES, bins=_BINS - 1)
+    with pytest.raises(TypeError):
+        call(_FEATURES, hazard=out.tobytes())  # read-only
+
+
 def test_a_member_keeping_anothers_plan_makes_its_own_only_when_asked() -> None:
     holder = _planned("holder", 4)
     member, twin = _planned("member", 9, lookups=320), _planned("member", 9, lookups=320)
@@ -106,11 +156,13 @@ def test_a_member_keeping_anothers_plan_makes_its_own_only_when_asked() -> None:
     assert retention == [holder.retention(c) for c in range(_CLASSES)]  # still the holder's
 
 
-def test_policies_plan_the_same_with_either_bisection(monkeypatch: pytest.MonkeyPatch) -> None:
-    if native is None:
-        pytest.skip("kvd.io._uring is not built")
+@needs_native
+def test_policies_plan_the_same_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
     planned = _planned("a", 5, lookups=2 * _REFRESH + 1)
     with_native = [planned.retention(c) for c in range(_CLASSES)]
     monkeypatch.setattr("kvd.store.eviction.density.log_lambda", log_lambda_python)
+    monkeypatch.setattr(
+        "kvd.store.eviction.density.proportional_hazards", proportional_hazards_python
+    )
     planned = _planned("a", 5, lookups=2 * _REFRESH + 1)
     assert [planned.retention(c) for c in range(_CLASSES)] == with_native
