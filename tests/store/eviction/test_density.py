@@ -20,7 +20,7 @@ from kvd.store.eviction.density import (
 from kvd.store.eviction.lru import LruPolicy
 from kvd.store.eviction.policy import make_policy
 from kvd.store.eviction.s3fifo import S3FifoPolicy
-from tests.store.eviction.support import drain, insert_chain, never
+from tests.store.eviction.support import drain, insert_chain, never, planned
 
 
 def test_density_without_lookups_evicts_exactly_as_lru() -> None:
@@ -204,32 +204,9 @@ def test_s3fifo_evicts_a_chain_tail_first_within_a_queue() -> None:
     assert drain(policy) == [4, 3, 2, 1]
 
 
-def _planned(tag: str, period: int, lookups: int = 640, blocks: int = 300) -> DensityPolicy[Any]:
-    """A density policy tracking ``blocks`` blocks that has planned: a head
-    re-read every ``period`` lookups and one-shot chains."""
-    policy = DensityPolicy[Any]()
-    for i in range(lookups):
-        chain = (
-            [(tag, "head", j) for j in range(4)]
-            if i % period == 0
-            else [(tag, i, j) for j in range(3)]
-        )
-        policy.on_lookup(chain, 0)
-        parent = None
-        for key in chain:
-            if key not in policy:
-                while len(policy) >= blocks:
-                    victim = policy.victim(never)
-                    assert victim is not None
-                    policy.remove(victim)
-                policy.insert(key, parent)
-            parent = key
-    return policy
-
-
 def test_a_pool_member_keeps_blocks_by_the_holders_plan_while_it_is_fresh() -> None:
     assert DensityPolicy[Any]().shared_plan() is None  # nothing planned yet
-    holder, member = _planned("holder", 4), _planned("member", 9, lookups=320)
+    holder, member = planned("holder", 4), planned("member", 9, lookups=320)
     plan = holder.shared_plan()
     assert plan is not None and member.shared_plan() is not None
     own = [member.retention(c) for c in range(_CLASSES)]
@@ -247,7 +224,7 @@ def test_a_pool_member_keeps_blocks_by_the_holders_plan_while_it_is_fresh() -> N
 
 
 def test_a_plan_that_does_not_fit_is_refused_and_changes_nothing() -> None:
-    holder, member = _planned("holder", 4), _planned("member", 9, lookups=320)
+    holder, member = planned("holder", 4), planned("member", 9, lookups=320)
     plan = holder.shared_plan()
     assert plan is not None
     before = [member.retention(c) for c in range(_CLASSES)]

@@ -17,7 +17,7 @@ from kvd.store.eviction.density_plan import (
     proportional_hazards,
     proportional_hazards_python,
 )
-from tests.store.eviction.test_density import _planned
+from tests.store.eviction.support import planned
 
 native = native_density_lambda()
 native_hazards = native_density_hazards()
@@ -133,8 +133,8 @@ def test_native_hazards_refuse_bad_features_and_tables() -> None:
 
 
 def test_a_member_keeping_anothers_plan_makes_its_own_only_when_asked() -> None:
-    holder = _planned("holder", 4)
-    member, twin = _planned("member", 9, lookups=320), _planned("member", 9, lookups=320)
+    holder = planned("holder", 4)
+    member, twin = planned("member", 9, lookups=320), planned("member", 9, lookups=320)
     plan = holder.shared_plan()
     assert plan is not None and member.adopt_plan(plan)
     made: list[int] = []
@@ -158,11 +158,11 @@ def test_a_member_keeping_anothers_plan_makes_its_own_only_when_asked() -> None:
 
 @needs_native
 def test_policies_plan_the_same_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    planned = _planned("a", 5, lookups=2 * _REFRESH + 1)
-    with_native = [planned.retention(c) for c in range(_CLASSES)]
+    policy = planned("a", 5, lookups=2 * _REFRESH + 1)
+    with_native = [policy.retention(c) for c in range(_CLASSES)]
     monkeypatch.setattr("kvd.store.eviction.density.log_lambda", log_lambda_python)
     monkeypatch.setattr(
         "kvd.store.eviction.density.proportional_hazards", proportional_hazards_python
     )
-    planned = _planned("a", 5, lookups=2 * _REFRESH + 1)
-    assert [planned.retention(c) for c in range(_CLASSES)] == with_native
+    policy = planned("a", 5, lookups=2 * _REFRESH + 1)
+    assert [policy.retention(c) for c in range(_CLASSES)] == with_native
