@@ -77,6 +77,45 @@ pick(const double *gain, const double *cost, Py_ssize_t columns, double lambda)
     return at;
 }
 
+/* numpy's exp of x (the function passed in); -1 with an exception set. */
+static int
+exp_of(PyObject *exp, double x, double *out)
+{
+    PyObject *x_obj = PyFloat_FromDouble(x);
+    if (x_obj == NULL)
+        return -1;
+    PyObject *y_obj = PyObject_CallOneArg(exp, x_obj);
+    Py_DECREF(x_obj);
+    if (y_obj == NULL)
+        return -1;
+    *out = PyFloat_AsDouble(y_obj);
+    Py_DECREF(y_obj);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The bisection: *high after `steps` halvings of [low, high]; `picked`
+ * holds `classes` doubles. -1 with an exception set (from exp). */
+static int
+bisect_lambda(const double *g, const double *c, const double *o, Py_ssize_t classes,
+              Py_ssize_t columns, double target, double low, double *high, int steps,
+              PyObject *exp, double *picked)
+{
+    for (int step = 0; step < steps; step++) {
+        double middle = (low + *high) / 2.0, lambda;
+        if (exp_of(exp, middle, &lambda) < 0)
+            return -1;
+        for (Py_ssize_t k = 0; k < classes; k++) {
+            Py_ssize_t row = k * columns;
+            picked[k] = o[row + pick(g + row, c + row, columns, lambda)];
+        }
+        if (pairwise_sum(picked, classes) > target)
+            low = middle;
+        else
+            *high = middle;
+    }
+    return 0;
+}
+
 static int
 table_of(PyObject *obj, Py_buffer *view, const char *what)
 {
@@ -131,29 +170,9 @@ kvd_density_lambda_py(PyObject *Py_UNUSED(module), PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    const double *g = gain.buf, *c = cost.buf, *o = occupancy.buf;
-    for (int step = 0; step < steps; step++) {
-        double middle = (low + high) / 2.0;
-        PyObject *middle_obj = PyFloat_FromDouble(middle);
-        if (middle_obj == NULL)
-            goto done;
-        PyObject *lambda_obj = PyObject_CallOneArg(exp, middle_obj);
-        Py_DECREF(middle_obj);
-        if (lambda_obj == NULL)
-            goto done;
-        double lambda = PyFloat_AsDouble(lambda_obj);
-        Py_DECREF(lambda_obj);
-        if (lambda == -1.0 && PyErr_Occurred())
-            goto done;
-        for (Py_ssize_t k = 0; k < classes; k++) {
-            Py_ssize_t row = k * columns;
-            picked[k] = o[row + pick(g + row, c + row, columns, lambda)];
-        }
-        if (pairwise_sum(picked, classes) > target)
-            low = middle;
-        else
-            high = middle;
-    }
+    if (bisect_lambda(gain.buf, cost.buf, occupancy.buf, classes, columns, target, low, &high,
+                      steps, exp, picked) < 0)
+        goto done;
     result = PyFloat_FromDouble(high);
 done:
     PyMem_Free(picked);
@@ -313,5 +332,100 @@ done:
     if (held >= 2)
         PyBuffer_Release(&reused);
     PyBuffer_Release(&entered);
+    return result;
+}
+
+/* density_choose(hazard, entered, widths, retentions, lookups, target, low,
+ * high, steps, residence_cap, exp, survival) -> the plan, a retention per
+ * class: the rest of DensityPolicy._plan after the hazards (survival into
+ * `survival`, gain and cost, occupancy, the bisection, each class's
+ * choice, the cap), numpy's and Python's arithmetic as there. */
+PyObject *
+kvd_density_choose_py(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *hazard_obj, *entered_obj, *widths_obj, *retentions_obj, *exp, *survival_obj;
+    double lookups, target, low, high, residence_cap;
+    int steps;
+    if (!PyArg_ParseTuple(args, "OOOOddddidOO:density_choose", &hazard_obj, &entered_obj,
+                          &widths_obj, &retentions_obj, &lookups, &target, &low, &high,
+                          &steps, &residence_cap, &exp, &survival_obj))
+        return NULL;
+    Py_buffer hazard, entered, widths, retentions, survival;
+    Py_buffer *views[5] = {&hazard, &entered, &widths, &retentions, &survival};
+    PyObject *objs[5] = {hazard_obj, entered_obj, widths_obj, retentions_obj, survival_obj};
+    const char *names[5] = {"hazard", "entered", "widths", "retentions", "survival"};
+    int held = 0;
+    PyObject *result = NULL;
+    double *work = NULL;
+    for (; held < 5; held++)
+        if (table_of(objs[held], views[held], names[held]) < 0)
+            goto done;
+    Py_ssize_t bins = widths.len / (Py_ssize_t)sizeof(double), columns = bins + 1;
+    Py_ssize_t classes = bins ? hazard.len / (Py_ssize_t)sizeof(double) / bins : 0;
+    if (bins <= 0 || classes <= 0 || hazard.len != classes * bins * (Py_ssize_t)sizeof(double) ||
+        entered.len != hazard.len || survival.len != hazard.len ||
+        retentions.len != columns * (Py_ssize_t)sizeof(double) || survival.readonly) {
+        PyErr_SetString(PyExc_ValueError, "density_choose: tables of another size");
+        goto done;
+    }
+    work = PyMem_Malloc((size_t)(3 * classes * columns + 2 * classes) * sizeof(double));
+    if (work == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    double *gain = work, *cost = gain + classes * columns, *occupancy = cost + classes * columns;
+    double *scale = occupancy + classes * columns, *picked = scale + classes;
+    const double *h = hazard.buf, *e = entered.buf, *w = widths.buf;
+    double *s = survival.buf;
+    for (Py_ssize_t k = 0; k < classes; k++) {
+        const double *hk = h + k * bins;
+        double *sk = s + k * bins, *gk = gain + k * columns, *ck = cost + k * columns;
+        scale[k] = e[k * bins] / lookups;
+        gk[0] = 0.0;
+        ck[0] = 0.0;
+        double total = 0.0;
+        for (Py_ssize_t j = 0; j < bins; j++) {
+            /* cumprod and cumsum: the first element as it is, then in order. */
+            double before = j == 0 ? 1.0 : sk[j - 1];
+            sk[j] = j == 0 ? 1.0 - hk[0] : sk[j - 1] * (1.0 - hk[j]);
+            total = j == 0 ? before * w[0] : total + before * w[j];
+            gk[j + 1] = 1.0 - sk[j];
+            ck[j + 1] = total;
+        }
+        for (Py_ssize_t j = 0; j < columns; j++)
+            occupancy[k * columns + j] = scale[k] * ck[j];
+    }
+    if (bisect_lambda(gain, cost, occupancy, classes, columns, target, low, &high, steps, exp,
+                      picked) < 0)
+        goto done;
+    double lambda, rate = pairwise_sum(scale, classes);
+    if (exp_of(exp, high, &lambda) < 0)
+        goto done;
+    /* Python's max(rate, 1e-9) and min(r, cap): the first unless the second
+     * is strictly past it. */
+    double cap = residence_cap * (target / (1e-9 > rate ? 1e-9 : rate));
+    result = PyList_New(classes);
+    if (result == NULL)
+        goto done;
+    const double *r = retentions.buf;
+    for (Py_ssize_t k = 0; k < classes; k++) {
+        double kept = r[pick(gain + k * columns, cost + k * columns, columns, lambda)];
+        kept = cap < kept ? cap : kept;
+        if (!(kept >= 0.0 && kept < 9.0e15)) {
+            Py_CLEAR(result);
+            PyErr_SetString(PyExc_ValueError, "density_choose: a retention out of range");
+            goto done;
+        }
+        PyObject *item = PyLong_FromLongLong((long long)kept);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, k, item);
+    }
+done:
+    PyMem_Free(work);
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(views[i]);
     return result;
 }

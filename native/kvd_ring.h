@@ -141,5 +141,6 @@ PyObject *kvd_recv_hashed_py(PyObject *module, PyObject *args);
 PyObject *kvd_density_learn_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kvd_density_lambda_py(PyObject *module, PyObject *args);
 PyObject *kvd_density_hazards_py(PyObject *module, PyObject *args);
+PyObject *kvd_density_choose_py(PyObject *module, PyObject *args);
 
 #endif

@@ -445,6 +445,10 @@ static PyMethodDef module_methods[] = {
      "density_hazards(entered, reused, features, classes, bins, prior, rounds, hazard) -> "
      "None: the density eviction policy's reuse hazards into hazard, numpy's arithmetic "
      "to the bit (native/kvd_plan.c)."},
+    {"density_choose", (PyCFunction)kvd_density_choose_py, METH_VARARGS,
+     "density_choose(hazard, entered, widths, retentions, lookups, target, low, high, steps, "
+     "residence_cap, exp, survival) -> list[int]: the rest of the density eviction policy's "
+     "plan after its hazards, numpy's arithmetic to the bit (native/kvd_plan.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -124,6 +124,24 @@ def density_hazards(
     """The density eviction policy's reuse hazard per class and age bin into
     ``hazard`` (native/kvd_plan.c), numpy's arithmetic."""
 
+def density_choose(
+    hazard: Buffer,
+    entered: Buffer,
+    widths: Buffer,
+    retentions: Buffer,
+    lookups: float,
+    target: float,
+    low: float,
+    high: float,
+    steps: int,
+    residence_cap: float,
+    exp: Callable[[float], Any],
+    survival: Buffer,
+    /,
+) -> list[int]:
+    """The rest of the density eviction policy's plan after its hazards
+    (native/kvd_plan.c): a retention per class; the survival into ``survival``."""
+
 class Ring:
     """A bounded io_uring instance: at most `depth` ops in flight."""
 

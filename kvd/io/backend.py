@@ -518,6 +518,12 @@ def native_density_hazards() -> Callable[..., None] | None:
     return _uring.density_hazards if _uring_import_error is None else None
 
 
+def native_density_choose() -> Callable[..., list[int]] | None:
+    """The rest of the ``density`` eviction policy's plan in C
+    (``kvd.io._uring.density_choose``; ``choose``), or None when not built."""
+    return _uring.density_choose if _uring_import_error is None else None
+
+
 def open_ring(depth: int) -> _uring.Ring:
     """A bare native ring, for tests and benchmarks of the native layer."""
     if _uring_import_error is not None:

@@ -82,7 +82,7 @@ import numpy.typing as npt
 
 from kvd.store.eviction.chains import HEAP_CHECK, HEAP_FACTOR, HEAP_SLACK, ChainPolicy, K, Node
 from kvd.store.eviction.density_learn import Consts, State, learn
-from kvd.store.eviction.density_plan import log_lambda, proportional_hazards
+from kvd.store.eviction.density_plan import choose, proportional_hazards
 
 # Bucket upper edges (inclusive) per feature; past the last edge is one more
 # bucket. Gap 0 means "no previous reference". Measured on the tuning set
@@ -493,19 +493,9 @@ class DensityPolicy(ChainPolicy[K]):
         if not self._nodes or self._lookups <= 0.0:
             return None
         hazard = proportional_hazards(self._entered, self._reused, _FEATURES)
-        survival = np.cumprod(1.0 - hazard, axis=1, dtype=np.float64)
-        self._survival = survival
-        before = np.concatenate([np.ones((_CLASSES, 1)), survival[:, :-1]], axis=1)
-        zeros = np.zeros((_CLASSES, 1))
-        gain = np.concatenate([zeros, 1.0 - survival], axis=1)
-        cost = np.concatenate([zeros, np.cumsum(before * _WIDTHS, axis=1)], axis=1)
-        scale = self._entered[:, 0] / self._lookups  # references per lookup, per class
-        occupancy = (scale[:, None] * cost).ravel()  # lookups kept per lookup, per choice
-        target = float(len(self._nodes))
-        high = log_lambda(gain, cost, occupancy, target, *_LOG_LAMBDA, _BISECT_STEPS)
-        choice = np.argmax(gain - np.exp(high) * cost, axis=1)
-        # Mean residence if every reference took a slot, in lookups.
-        residence = target / max(float(scale.sum()), 1e-9)
-        cap = _RESIDENCE_CAP * residence
-        self._own_plan = [int(min(r, cap)) for r in _RETENTIONS[choice]]
-        return self._own_plan
+        plan, self._survival = choose(
+            hazard, self._entered, _WIDTHS, _RETENTIONS, self._lookups, float(len(self._nodes)),
+            _LOG_LAMBDA, _BISECT_STEPS, _RESIDENCE_CAP,
+        )  # fmt: skip
+        self._own_plan = plan
+        return plan

@@ -3,18 +3,22 @@ the counts of references that entered and were reused in each age bin
 (``DensityPolicy._refresh``, every 64 lookups).
 
 ``proportional_hazards`` turns the counts into a reuse hazard per class and
-age bin. A retention R earns a class its share reused within R (``gain``)
-and costs the lookups a reference stays (``cost``); each class takes the R
-that maximises ``gain - lambda * cost``, and ``log_lambda`` bisects lambda
-so that the planned occupancy fills the blocks tracked.
+age bin; ``choose`` makes the plan from them. A retention R earns a class
+its share reused within R (``gain``) and costs the lookups a reference
+stays (``cost``); each class takes the R that maximises ``gain - lambda *
+cost``, and ``log_lambda`` bisects lambda so that the planned occupancy
+fills the blocks tracked.
 
-In numpy a plan took 0.35-0.5 ms (the hazards ~0.11, the bisection's 30
-steps of seven array calls each ~0.17), and a plan is made inside a
-lookup's learning, so every 64th lookup waited for it.
-``kvd.io._uring.density_hazards`` and ``density_lambda`` (native/kvd_plan.c)
-do the same with numpy's own arithmetic (its exp, its rounding, its argmax,
-its sums' order), so the plans are the same to the bit; the functions here
-use them where they are built, and a test runs both ways on the same counts.
+In numpy a plan took 0.35 ms hot and ~0.4-0.6 ms in the daemon, where it
+runs cold once every 64 lookups (the hazards ~0.08 ms hot, the bisection's
+30 steps of seven array calls each ~0.17, the rest some 25 array calls),
+and a plan is made inside a lookup's learning, so that lookup's successor
+waited for it. ``kvd.io._uring.density_hazards`` and ``density_choose``
+(which runs ``density_lambda``'s bisection; native/kvd_plan.c) do the same
+with numpy's own arithmetic (its exp, its rounding, its argmax, its sums'
+order) and Python's ``min`` and ``max``, so the plans are the same to the
+bit; the functions here use them where they are built, and tests run both
+ways on the same counts.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvd.io.backend import native_density_hazards, native_density_lambda
+from kvd.io.backend import native_density_choose, native_density_hazards, native_density_lambda
 
 # Prior weight (references) of each hazard factor, as in ``hazard``.
 _PRIOR_WEIGHT = 20.0
@@ -82,6 +86,48 @@ def log_lambda_python(
     return high
 
 
+def choose_python(
+    hazard: Floats, entered: Floats, widths: Floats, retentions: Floats, lookups: float,
+    target: float, bounds: tuple[float, float], steps: int, residence_cap: float,
+) -> tuple[list[int], Floats]:  # fmt: skip
+    """The plan from the hazards: a retention per class (each class's best
+    gain - lambda * cost, lambda bisected on its log within ``bounds`` so
+    that the planned occupancy fills ``target`` blocks, capped at
+    ``residence_cap`` mean residences), and the survival per class and age
+    bin. ``retentions`` are the choices (0, then the age edges), ``widths``
+    the age bins' widths."""
+    classes = hazard.shape[0]
+    survival = np.cumprod(1.0 - hazard, axis=1, dtype=np.float64)
+    before = np.concatenate([np.ones((classes, 1)), survival[:, :-1]], axis=1)
+    zeros = np.zeros((classes, 1))
+    gain = np.concatenate([zeros, 1.0 - survival], axis=1)
+    cost = np.concatenate([zeros, np.cumsum(before * widths, axis=1)], axis=1)
+    scale = entered[:, 0] / lookups  # references per lookup, per class
+    occupancy = (scale[:, None] * cost).ravel()  # lookups kept per lookup, per choice
+    high = log_lambda(gain, cost, occupancy, target, *bounds, steps)
+    choice = np.argmax(gain - np.exp(high) * cost, axis=1)
+    # Mean residence if every reference took a slot, in lookups.
+    residence = target / max(float(scale.sum()), 1e-9)
+    cap = residence_cap * residence
+    return [int(min(r, cap)) for r in retentions[choice]], survival
+
+
+def _choose_native(
+    native: Callable[..., list[int]],
+) -> Callable[..., tuple[list[int], Floats]]:
+    def choose(
+        hazard: Floats, entered: Floats, widths: Floats, retentions: Floats, lookups: float,
+        target: float, bounds: tuple[float, float], steps: int, residence_cap: float,
+    ) -> tuple[list[int], Floats]:  # fmt: skip
+        survival: Floats = np.empty_like(hazard)
+        low, high = bounds
+        plan = native(hazard, entered, widths, retentions, lookups, target, low, high, steps,
+                      residence_cap, np.exp, survival)  # fmt: skip
+        return plan, survival
+
+    return choose
+
+
 def _hazards_native(
     native: Callable[..., None],
 ) -> Callable[[Floats, Floats, tuple[npt.NDArray[np.int64], ...]], Floats]:
@@ -114,3 +160,5 @@ log_lambda = _log_lambda_native(_native_lambda) if _native_lambda is not None el
 proportional_hazards = (
     _hazards_native(_native_hazards) if _native_hazards is not None else proportional_hazards_python
 )
+_native_choose = native_density_choose()
+choose = _choose_native(_native_choose) if _native_choose is not None else choose_python

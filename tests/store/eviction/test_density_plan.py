@@ -9,10 +9,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvd.io.backend import native_density_hazards, native_density_lambda
-from kvd.store.eviction.density import _BINS, _CLASSES, _FEATURES, _REFRESH
+from kvd.io.backend import native_density_choose, native_density_hazards, native_density_lambda
+from kvd.store.eviction.density import (
+    _BINS,
+    _BISECT_STEPS,
+    _CLASSES,
+    _FEATURES,
+    _LOG_LAMBDA,
+    _REFRESH,
+    _RESIDENCE_CAP,
+    _RETENTIONS,
+    _WIDTHS,
+)
 from kvd.store.eviction.density_plan import (
     Floats,
+    choose,
+    choose_python,
     log_lambda_python,
     proportional_hazards,
     proportional_hazards_python,
@@ -21,8 +33,10 @@ from tests.store.eviction.support import planned
 
 native = native_density_lambda()
 native_hazards = native_density_hazards()
+native_choose = native_density_choose()
 needs_native = pytest.mark.skipif(
-    native is None or native_hazards is None, reason="kvd.io._uring is not built"
+    native is None or native_hazards is None or native_choose is None,
+    reason="kvd.io._uring is not built",
 )
 STEPS = 30
 
@@ -95,10 +109,7 @@ def test_native_bisection_refuses_bad_tables() -> None:
 def test_native_hazards_are_numpys() -> None:
     rng = np.random.default_rng(5)
     for _ in range(200):
-        entered = np.floor(rng.random((_CLASSES, _BINS)) * 10.0 ** rng.integers(0, 6))
-        entered *= rng.random((_CLASSES, _BINS)) < rng.random()  # sparse rows and columns
-        reused = np.floor(entered * rng.random((_CLASSES, _BINS))) / 2.0 ** rng.integers(0, 8)
-        entered /= 2.0 ** rng.integers(0, 8)  # halved counts
+        entered, reused = _counts(rng)
         python = proportional_hazards_python(entered, reused, _FEATURES)
         assert proportional_hazards(entered, reused, _FEATURES).tobytes() == python.tobytes()
     zero = np.zeros((_CLASSES, _BINS))  # nothing counted yet
@@ -132,6 +143,56 @@ def test_native_hazards_refuse_bad_features_and_tables() -> None:
         call(_FEATURES, hazard=out.tobytes())  # read-only
 
 
+def _counts(rng: np.random.Generator) -> tuple[Floats, Floats]:
+    """Reference counts per class and age bin, as a policy's (halved) ones."""
+    entered = np.floor(rng.random((_CLASSES, _BINS)) * 10.0 ** rng.integers(0, 6))
+    entered *= rng.random((_CLASSES, _BINS)) < rng.random()  # sparse rows and columns
+    reused = np.floor(entered * rng.random((_CLASSES, _BINS))) / 2.0 ** rng.integers(0, 8)
+    return entered / 2.0 ** rng.integers(0, 8), reused
+
+
+@needs_native
+def test_native_plan_is_numpys() -> None:
+    rng = np.random.default_rng(9)
+    for _ in range(150):
+        entered, reused = _counts(rng)
+        hazard = proportional_hazards(entered, reused, _FEATURES)
+        lookups = float(rng.uniform(0.5, 5000.0))
+        for target in (float(rng.integers(1, 200_000)), 0.0, 1e15):
+            args = (hazard, entered, _WIDTHS, _RETENTIONS, lookups, target, _LOG_LAMBDA,
+                    _BISECT_STEPS, _RESIDENCE_CAP)  # fmt: skip
+            plan, survival = choose(*args)
+            python_plan, python_survival = choose_python(*args)
+            assert plan == python_plan
+            assert survival.tobytes() == python_survival.tobytes()
+
+
+@needs_native
+def test_native_plan_refuses_tables_of_another_size() -> None:
+    assert native_choose is not None
+    hazard = np.zeros((_CLASSES, _BINS))
+    survival = np.empty_like(hazard)
+
+    def call(**change: Any) -> None:
+        assert native_choose is not None
+        args: dict[str, Any] = {
+            "hazard": hazard, "entered": hazard, "widths": _WIDTHS, "retentions": _RETENTIONS,
+            "survival": survival,
+        } | change  # fmt: skip
+        native_choose(args["hazard"], args["entered"], args["widths"], args["retentions"],
+                      1.0, 10.0, -20.0, 5.0, 30, 4.0, np.exp, args["survival"])  # fmt: skip
+
+    call()
+    for bad in (
+        {"entered": hazard[:-1]},
+        {"retentions": _RETENTIONS[:-1]},
+        {"widths": _WIDTHS[:0]},
+        {"survival": survival.tobytes()},
+    ):
+        with pytest.raises((ValueError, TypeError)):
+            call(**bad)
+
+
 def test_a_member_keeping_anothers_plan_makes_its_own_only_when_asked() -> None:
     holder = planned("holder", 4)
     member, twin = planned("member", 9, lookups=320), planned("member", 9, lookups=320)
@@ -160,7 +221,8 @@ def test_a_member_keeping_anothers_plan_makes_its_own_only_when_asked() -> None:
 def test_policies_plan_the_same_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
     policy = planned("a", 5, lookups=2 * _REFRESH + 1)
     with_native = [policy.retention(c) for c in range(_CLASSES)]
-    monkeypatch.setattr("kvd.store.eviction.density.log_lambda", log_lambda_python)
+    monkeypatch.setattr("kvd.store.eviction.density.choose", choose_python)
+    monkeypatch.setattr("kvd.store.eviction.density_plan.log_lambda", log_lambda_python)
     monkeypatch.setattr(
         "kvd.store.eviction.density.proportional_hazards", proportional_hazards_python
     )
