@@ -107,8 +107,8 @@ _AGE_EDGES: tuple[int, ...] = tuple(sorted({int(1.25**j) for j in range(60) if 1
 _BINS = len(_AGE_EDGES)
 _RING = 1 << 15
 assert _AGE_EDGES[-1] < _RING
-# Retentions are recomputed every _REFRESH lookups (a 73 x 43 solve, ~0.16 ms
-# with its hazards and bisection in C, kvd.store.eviction.density_plan);
+# Retentions are recomputed every _REFRESH lookups (a 73 x 43 solve, ~0.09 ms
+# hot in C, kvd.store.eviction.density_plan);
 # counts are halved every _DECAY lookups. Halving every 1024 / 4096 lookups
 # changed the tuning set's hit ratios by < 0.2 points.
 _REFRESH = 64
