@@ -335,7 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     lookup_cmd.add_argument("--keys", nargs="*", type=int, help="chain lengths")
     lookup_cmd.add_argument(
-        "--paths", nargs="*", default=[], choices=("shm-socket", "grpc-unix", "grpc-tcp")
+        "--paths",
+        nargs="*",
+        default=[],
+        choices=("shm-socket", "shm-burst", "grpc-unix", "grpc-tcp"),
     )
     engine_cmd = sub.add_parser(
         "engine", help="TTFT through a real vLLM: recompute, its prefix cache, kvd L1/L2, peers"
