@@ -98,7 +98,7 @@ def extensions() -> list[Extension]:
             sources=[str(path.relative_to(ROOT)) for path in NATIVE_SOURCES],
             include_dirs=["native"],
             libraries=["uring"],
-            # No fused multiply-add: density_lambda rounds as numpy does.
+            # No fused multiply-add: the density plan (kvd_plan.c) rounds as numpy does.
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-ffp-contract=off"],
             optional=True,
         )

@@ -1,26 +1,27 @@
 /*
- * density_lambda: the bisection of the `density` eviction policy's plan
- * (DensityPolicy._refresh in kvd/store/eviction/density.py holds the same
- * loop in numpy, used where this is not built; a test runs both on the same
- * counts and compares the plans).
+ * The `density` eviction policy's plan (kvd/store/eviction/density_plan.py
+ * holds the same steps in numpy, used where this is not built; tests run
+ * both on the same counts and compare the plans to the bit).
  *
- * Each class c picks the retention j that maximises gain[c][j] - lambda *
- * cost[c][j]; lambda is bisected on its log until the planned occupancy
- * (the sum over classes of occupancy[c][pick]) fills the blocks tracked.
+ * density_hazards: the reuse hazard per class and age bin
+ * (proportional_hazards, ~40 small numpy calls): column sums row after row
+ * (numpy's reduction over the first axis), row sums pairwise, bincount's
+ * sums in index order.
+ *
+ * density_choose: the plan from the hazards (choose). Survival, gain and
+ * cost per class and retention, then each class picks the retention j that
+ * maximises gain[c][j] - lambda * cost[c][j]; lambda is bisected on its log
+ * until the planned occupancy (the sum over classes of occupancy[c][pick])
+ * fills the blocks tracked, and the picks are capped. In numpy each of the
+ * bisection's 30 steps is seven array calls (~7 us); here it is one pass
+ * over the 73 x 44 table.
+ *
  * The arithmetic is numpy's, step for step, so the plan is the same to the
- * bit: exp is numpy's own (passed in), the product is rounded before the
+ * bit: exp is numpy's own (passed in), a product is rounded before the
  * subtraction (the build contracts no multiply-add), the argmax takes the
- * first maximum (a NaN first of all, as numpy's does), and the sum over
- * classes is numpy's pairwise sum.
- *
- * In numpy each of the 30 steps is seven array calls (~7 us); here it is
- * one pass over the 73 x 44 table.
- *
- * density_hazards: the plan's reuse hazard per class and age bin
- * (proportional_hazards in kvd/store/eviction/density_plan.py, ~40 small
- * numpy calls), with numpy's arithmetic as well: column sums row after row
- * (its reduction over the first axis), row sums pairwise, bincount's sums
- * in index order.
+ * first maximum (a NaN first of all, as numpy's does), sums go in numpy's
+ * order (pairwise over a contiguous row, cumulative ones in order), and
+ * the cap takes Python's min and max.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -123,63 +124,11 @@ table_of(PyObject *obj, Py_buffer *view, const char *what)
         return -1;
     if (view->itemsize != sizeof(double) || view->format == NULL ||
         strcmp(view->format, "d") != 0) {
-        PyErr_Format(PyExc_TypeError, "density_lambda: %s must be float64", what);
+        PyErr_Format(PyExc_TypeError, "density plan: %s must be float64", what);
         PyBuffer_Release(view);
         return -1;
     }
     return 0;
-}
-
-PyObject *
-kvd_density_lambda_py(PyObject *Py_UNUSED(module), PyObject *args)
-{
-    PyObject *gain_obj, *cost_obj, *occupancy_obj, *exp;
-    Py_ssize_t classes, columns;
-    double target, low, high;
-    int steps;
-    if (!PyArg_ParseTuple(args, "OOOnndddiO:density_lambda", &gain_obj, &cost_obj,
-                          &occupancy_obj, &classes, &columns, &target, &low, &high, &steps,
-                          &exp))
-        return NULL;
-    if (classes <= 0 || columns <= 0 || classes > PY_SSIZE_T_MAX / columns) {
-        PyErr_SetString(PyExc_ValueError, "density_lambda: bad table shape");
-        return NULL;
-    }
-    Py_buffer gain, cost, occupancy;
-    if (table_of(gain_obj, &gain, "gain") < 0)
-        return NULL;
-    if (table_of(cost_obj, &cost, "cost") < 0) {
-        PyBuffer_Release(&gain);
-        return NULL;
-    }
-    if (table_of(occupancy_obj, &occupancy, "occupancy") < 0) {
-        PyBuffer_Release(&gain);
-        PyBuffer_Release(&cost);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    double *picked = NULL;
-    Py_ssize_t cells = classes * columns;
-    if (gain.len != cells * (Py_ssize_t)sizeof(double) || cost.len != gain.len ||
-        occupancy.len != gain.len) {
-        PyErr_SetString(PyExc_ValueError, "density_lambda: tables of another size");
-        goto done;
-    }
-    picked = PyMem_Malloc((size_t)classes * sizeof(double));
-    if (picked == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (bisect_lambda(gain.buf, cost.buf, occupancy.buf, classes, columns, target, low, &high,
-                      steps, exp, picked) < 0)
-        goto done;
-    result = PyFloat_FromDouble(high);
-done:
-    PyMem_Free(picked);
-    PyBuffer_Release(&gain);
-    PyBuffer_Release(&cost);
-    PyBuffer_Release(&occupancy);
-    return result;
 }
 
 static int
@@ -259,8 +208,8 @@ kvd_density_hazards_py(PyObject *Py_UNUSED(module), PyObject *args)
         total += values[nheld];
     }
     /* pooled, reused by column, a row's products, expected, observed,
-     * factor, per class products, then each feature's two bincounts. */
-    Py_ssize_t size = 3 * bins + 4 * classes + 2 * total;
+     * factor, then each feature's two bincounts. */
+    Py_ssize_t size = 3 * bins + 3 * classes + 2 * total;
     work = PyMem_Calloc((size_t)size, sizeof(double));
     if (work == NULL) {
         PyErr_NoMemory();
@@ -268,8 +217,7 @@ kvd_density_hazards_py(PyObject *Py_UNUSED(module), PyObject *args)
     }
     double *pooled = work, *column = pooled + bins, *row = column + bins;
     double *expected = row + bins, *observed = expected + classes;
-    double *factor = observed + classes, *product = factor + classes;
-    double *seen = product + classes;
+    double *factor = observed + classes, *seen = factor + classes;
     const double *e = entered.buf, *r = reused.buf;
     for (Py_ssize_t j = 0; j < bins; j++) {
         pooled[j] = e[j];
@@ -305,10 +253,8 @@ kvd_density_hazards_py(PyObject *Py_UNUSED(module), PyObject *args)
             double *sums = bin_sums[f];
             for (Py_ssize_t i = 0; i < values[f]; i++)
                 sums[i] = 0.0;
-            for (Py_ssize_t k = 0; k < classes; k++) {
-                product[k] = expected[k] * factor[k];
-                sums[v[k]] += product[k];
-            }
+            for (Py_ssize_t k = 0; k < classes; k++)
+                sums[v[k]] += expected[k] * factor[k];
             for (Py_ssize_t i = 0; i < values[f]; i++)
                 sums[i] = (observed_by[f][i] + prior) / (sums[i] + prior);
             for (Py_ssize_t k = 0; k < classes; k++)

@@ -139,7 +139,6 @@ PyObject *kvd_pool_read_many_py(PyObject *module, PyObject *args);
 PyObject *kvd_recv_hashed_py(PyObject *module, PyObject *args);
 /* kvd_density.c, kvd_plan.c */
 PyObject *kvd_density_learn_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *kvd_density_lambda_py(PyObject *module, PyObject *args);
 PyObject *kvd_density_hazards_py(PyObject *module, PyObject *args);
 PyObject *kvd_density_choose_py(PyObject *module, PyObject *args);
 

@@ -437,10 +437,6 @@ static PyMethodDef module_methods[] = {
      "gap_part, count_bucket, retention, entered, edge_ticks, consts, state) -> (seq, "
      "accesses): what the density eviction policy learns from one chain lookup, key by key, "
      "and its ring row closed (kvd/store/eviction/density_learn.py)."},
-    {"density_lambda", (PyCFunction)kvd_density_lambda_py, METH_VARARGS,
-     "density_lambda(gain, cost, occupancy, classes, columns, target, low, high, steps, exp) "
-     "-> float: the density eviction policy's plan bisection, numpy's arithmetic to the bit "
-     "(native/kvd_plan.c)."},
     {"density_hazards", (PyCFunction)kvd_density_hazards_py, METH_VARARGS,
      "density_hazards(entered, reused, features, classes, bins, prior, rounds, hazard) -> "
      "None: the density eviction policy's reuse hazards into hazard, numpy's arithmetic "

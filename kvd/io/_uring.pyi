@@ -94,22 +94,6 @@ def density_learn(
     """What the density eviction policy learns from one chain lookup, key by
     key (kvd/store/eviction/density_learn.py): (seq, accesses) after it."""
 
-def density_lambda(
-    gain: Buffer,
-    cost: Buffer,
-    occupancy: Buffer,
-    classes: int,
-    columns: int,
-    target: float,
-    low: float,
-    high: float,
-    steps: int,
-    exp: Callable[[float], Any],
-    /,
-) -> float:
-    """The density eviction policy's plan bisection (native/kvd_plan.c): the
-    upper end of log(lambda) after ``steps`` halvings, numpy's arithmetic."""
-
 def density_hazards(
     entered: Buffer,
     reused: Buffer,

@@ -504,13 +504,6 @@ def native_density_learn() -> Callable[..., tuple[int, int]] | None:
     return _uring.density_learn if _uring_import_error is None else None
 
 
-def native_density_lambda() -> Callable[..., float] | None:
-    """The ``density`` eviction policy's plan bisection in C
-    (``kvd.io._uring.density_lambda``; ``DensityPolicy._refresh``), or None
-    when not built."""
-    return _uring.density_lambda if _uring_import_error is None else None
-
-
 def native_density_hazards() -> Callable[..., None] | None:
     """The ``density`` eviction policy's reuse hazards in C
     (``kvd.io._uring.density_hazards``; ``proportional_hazards``), or None

@@ -14,11 +14,10 @@ runs cold once every 64 lookups (the hazards ~0.08 ms hot, the bisection's
 30 steps of seven array calls each ~0.17, the rest some 25 array calls),
 and a plan is made inside a lookup's learning, so that lookup's successor
 waited for it. ``kvd.io._uring.density_hazards`` and ``density_choose``
-(which runs ``density_lambda``'s bisection; native/kvd_plan.c) do the same
-with numpy's own arithmetic (its exp, its rounding, its argmax, its sums'
-order) and Python's ``min`` and ``max``, so the plans are the same to the
-bit; the functions here use them where they are built, and tests run both
-ways on the same counts.
+(native/kvd_plan.c) do the same with numpy's own arithmetic (its exp, its
+rounding, its argmax, its sums' order) and Python's ``min`` and ``max``,
+so the plans are the same to the bit; the functions here use them where
+they are built, and tests run both ways on the same counts.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvd.io.backend import native_density_choose, native_density_hazards, native_density_lambda
+from kvd.io.backend import native_density_choose, native_density_hazards
 
 # Prior weight (references) of each hazard factor, as in ``hazard``.
 _PRIOR_WEIGHT = 20.0
@@ -66,7 +65,7 @@ def proportional_hazards_python(
     return hazard
 
 
-def log_lambda_python(
+def log_lambda(
     gain: Floats, cost: Floats, occupancy: Floats, target: float,
     low: float, high: float, steps: int,
 ) -> float:  # fmt: skip
@@ -86,6 +85,25 @@ def log_lambda_python(
     return high
 
 
+def tables(
+    hazard: Floats, entered: Floats, widths: Floats, lookups: float
+) -> tuple[Floats, Floats, Floats, Floats, Floats]:
+    """What a plan is chosen from: the survival per class and age bin; per
+    class and retention (0, then each age edge) the share reused within it
+    (gain) and the lookups a reference stays (cost); the lookups kept per
+    lookup by each choice (occupancy, flattened); references per lookup
+    per class (scale)."""
+    classes = hazard.shape[0]
+    survival = np.cumprod(1.0 - hazard, axis=1, dtype=np.float64)
+    before = np.concatenate([np.ones((classes, 1)), survival[:, :-1]], axis=1)
+    zeros = np.zeros((classes, 1))
+    gain = np.concatenate([zeros, 1.0 - survival], axis=1)
+    cost = np.concatenate([zeros, np.cumsum(before * widths, axis=1)], axis=1)
+    scale = entered[:, 0] / lookups
+    occupancy = (scale[:, None] * cost).ravel()
+    return survival, gain, cost, occupancy, scale
+
+
 def choose_python(
     hazard: Floats, entered: Floats, widths: Floats, retentions: Floats, lookups: float,
     target: float, bounds: tuple[float, float], steps: int, residence_cap: float,
@@ -96,14 +114,7 @@ def choose_python(
     ``residence_cap`` mean residences), and the survival per class and age
     bin. ``retentions`` are the choices (0, then the age edges), ``widths``
     the age bins' widths."""
-    classes = hazard.shape[0]
-    survival = np.cumprod(1.0 - hazard, axis=1, dtype=np.float64)
-    before = np.concatenate([np.ones((classes, 1)), survival[:, :-1]], axis=1)
-    zeros = np.zeros((classes, 1))
-    gain = np.concatenate([zeros, 1.0 - survival], axis=1)
-    cost = np.concatenate([zeros, np.cumsum(before * widths, axis=1)], axis=1)
-    scale = entered[:, 0] / lookups  # references per lookup, per class
-    occupancy = (scale[:, None] * cost).ravel()  # lookups kept per lookup, per choice
+    survival, gain, cost, occupancy, scale = tables(hazard, entered, widths, lookups)
     high = log_lambda(gain, cost, occupancy, target, *bounds, steps)
     choice = np.argmax(gain - np.exp(high) * cost, axis=1)
     # Mean residence if every reference took a slot, in lookups.
@@ -142,21 +153,7 @@ def _hazards_native(
     return proportional_hazards
 
 
-def _log_lambda_native(
-    native: Callable[..., float],
-) -> Callable[[Floats, Floats, Floats, float, float, float, int], float]:
-    def log_lambda(
-        gain: Floats, cost: Floats, occupancy: Floats, target: float,
-        low: float, high: float, steps: int,
-    ) -> float:  # fmt: skip
-        classes, columns = cost.shape
-        return native(gain, cost, occupancy, classes, columns, target, low, high, steps, np.exp)
-
-    return log_lambda
-
-
-_native_lambda, _native_hazards = native_density_lambda(), native_density_hazards()
-log_lambda = _log_lambda_native(_native_lambda) if _native_lambda is not None else log_lambda_python
+_native_hazards = native_density_hazards()
 proportional_hazards = (
     _hazards_native(_native_hazards) if _native_hazards is not None else proportional_hazards_python
 )

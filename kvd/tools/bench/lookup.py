@@ -156,10 +156,10 @@ def run(
                         loader.put_many("bench", [(k, value) for k in part], chained=True,
                                         parent=parent)  # fmt: skip
             for path in paths:
+                burst = BURST if path == "shm-burst" else 1
                 with _client(daemon, path) as client:
                     for n, keys in chains.items():
                         progress(f"lookup {path} {n} keys")
-                        burst = BURST if path == "shm-burst" else 1
                         row = time_lookups(client, "bench", keys, calls.get(n, 200),
                                            daemon.proc.pid, burst)  # fmt: skip
                         row.path = path
