@@ -40,11 +40,11 @@ class L2Record:
     header_bytes: int
     pins: int = 0
     live: bool = True
+    # Payload bytes as read from disk: whole O_DIRECT blocks (set from size).
+    read_bytes: int = field(init=False)
 
-    @property
-    def read_bytes(self) -> int:
-        """Payload bytes as read from disk: whole O_DIRECT blocks."""
-        return align_up(self.size, BLOCK_BYTES)
+    def __post_init__(self) -> None:
+        self.read_bytes = align_up(self.size, BLOCK_BYTES)
 
 
 @dataclass(eq=False, slots=True)

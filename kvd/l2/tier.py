@@ -375,13 +375,12 @@ class L2Tier:
             self._io_done.set()
         counters = self.counters
         errors: list[Exception | None] = [None] * len(reads)
+        if not any(statuses):  # every one ReadStatus.OK: _outcome's first lines, summed
+            counters.reads += len(reads)
+            counters.read_bytes += sum([record.size for record, _ in items])
+            return errors
         for index, status in enumerate(statuses):
-            record = items[index][0]
-            if status == ReadStatus.OK:  # _outcome's first lines, without its call
-                counters.reads += 1
-                counters.read_bytes += record.size
-            else:
-                errors[index] = self._outcome(record, status)
+            errors[index] = self._outcome(items[index][0], status)
         return errors
 
     def _outcome(self, record: L2Record, status: int) -> Exception | None:

@@ -72,19 +72,20 @@ class Placement:
         seen: set[bytes] = set()
         ns = self.entries.by_name.get(ns_name)
         in_l1 = ns.entries if ns is not None else {}
-        lookup, promotions = self.l2.lookup, self.promotions
+        on_l2, promotions = self.l2.index, self.promotions
         for index, key in enumerate(keys):
             if not key or len(key) > KEY_BYTES_MAX:
                 continue  # ``fetch`` refuses it, for this item alone
-            if key in seen or key in in_l1 or (ns_name, key) in promotions:
+            if key in seen or key in in_l1:
                 continue
             seen.add(key)
-            if record := lookup(ns_name, key):
+            pk = (ns_name, key)
+            if pk not in promotions and (record := on_l2.get(pk)):
                 records.append((index, record))
         readers: dict[int, Reader | None] = {}
         try:
             while records:
-                taken = await self._promote_some(records, readers)
+                taken = await self._promote_some(ns_name, records, readers)
                 del records[:taken]
         except ResourceExhausted:
             pass  # the pool is pinned full: the rest go to ``fetch``, which says so per key
@@ -96,42 +97,44 @@ class Placement:
         return readers
 
     async def _promote_some(
-        self, records: list[tuple[int, L2Record]], readers: dict[int, Reader | None]
+        self, ns_name: str, records: list[tuple[int, L2Record]], readers: dict[int, Reader | None]
     ) -> int:
         """Promote a prefix of ``records`` with one L2 read; its length.
 
         The first record's pages may wait for eviction; the others' are
         taken only when free at once, so that no batch waits holding pages.
         """
+        ns = self.entries.namespace(ns_name)  # before any page is taken: it may refuse
         # One future for the batch's promotions: a get of one of its keys
         # waits for the whole read (one backend call) either way.
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         batch: list[tuple[int, L2Record, list[Run]]] = []
         promotions: list[tuple[str, bytes]] = []
         views: list[tuple[L2Record, list[memoryview]]] = []
+        under_way, entries, pool_views = self.promotions, self.entries, self.pool.views
         batch_bytes = taken = 0
         try:
             for index, record in records:
-                pk = (record.namespace, record.key)
+                pk = (ns_name, record.key)
                 read_bytes = record.read_bytes
                 if batch and batch_bytes + read_bytes > FETCH_BATCH_BYTES_MAX:
                     break
-                if pk in self.promotions or not record.live:
+                if pk in under_way or not record.live:
                     # Another get began reading it while this batch waited for
                     # pages, or it was deleted: ``fetch`` shares or misses.
                     taken += 1
                     continue
                 runs = (
-                    self.entries.alloc_now(record.size, expire=False)
+                    entries.alloc_now(record.size, expire=False)
                     if batch
-                    else await self.entries.alloc(record.size)
+                    else await entries.alloc(record.size)
                 )
                 if runs is None:
                     break
-                self.promotions[pk] = done
+                under_way[pk] = done
                 promotions.append(pk)
                 batch.append((index, record, runs))
-                views.append((record, self.pool.views(runs, read_bytes)))
+                views.append((record, pool_views(runs, read_bytes)))
                 batch_bytes += read_bytes
                 taken += 1
             errors = await self.l2.read_many(views)
@@ -139,25 +142,29 @@ class Placement:
             fresh: list[Entry] = []  # read here: linked into L1 together
             served: list[tuple[Entry, bool | list[memoryview]]] = []
             at: list[int] = []
+            in_l1 = ns.entries
             for (index, record, runs), (_, pages), error in zip(read, views, errors, strict=True):
-                entry = None
-                if error is None:
-                    entry = self._adopted(record, runs)
-                else:
+                if error is None and record.live and in_l1.get(record.key) is None:
+                    entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
+                                  record.parent or None, l2=record)  # fmt: skip
+                    fresh.append(entry)  # the pages just read: their views serve the get
+                    served.append((entry, _value_views(pages, record)))
+                    at.append(index)
+                    continue
+                current: Entry | None = None
+                if error is not None:
                     self.pool.free(runs)
                     self.counters.promotion_failures += 1
-                if entry is None:
-                    self._miss(record.namespace)
+                else:  # L1's own copy (a put landed meanwhile), or None (deleted)
+                    current = self._adopted(record, runs)
+                if current is None:
+                    self._miss(ns_name)
                     readers[index] = None
                     continue
-                if entry.runs is runs:  # the pages just read: their views serve the get
-                    fresh.append(entry)
-                    served.append((entry, _value_views(pages, record)))
-                else:  # L1 got its own copy while this read ran (a put)
-                    served.append((entry, True))
+                served.append((current, True))
                 at.append(index)
             views.clear()
-            self.entries.link_many(fresh)
+            entries.link_many(fresh)
             self.counters.promotions += len(fresh)
             self.counters.l2_hits += len(fresh)
             readers.update(zip(at, self._readers(served, TIER_L2), strict=True))
@@ -167,7 +174,7 @@ class Placement:
             for _, _, runs in batch:  # not read: cancelled, or the backend failed
                 self.pool.free(runs)
             for pk in promotions:
-                del self.promotions[pk]
+                del under_way[pk]
             done.set_result(None)
 
     def l2_only(self, ns_name: str, key: bytes) -> L2Record | None:

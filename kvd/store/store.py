@@ -51,6 +51,7 @@ from kvd.store.index import (
     TIER_L2,
     Entry,
     Namespace,
+    PolicyKey,
     PutResult,
     PutTicket,
     Reader,
@@ -476,8 +477,13 @@ class Store:
     ) -> list[Reader]:
         """``_reader`` of each entry, with its views (as ``_pin`` takes them)."""
         self._hits([entry for entry, _ in served])
-        pin = self._pin
-        return [pin(entry, tier, views) for entry, views in served]
+        unpin, pages = self.entries.unpin, self.pool.views
+        out: list[Reader] = []
+        for entry, views in served:  # _pin, inline
+            entry.readers += 1
+            out.append(Reader(unpin, entry, pages(entry.runs, entry.size) if views is True
+                              else views or [], tier))  # fmt: skip
+        return out
 
     def _hit(self, entry: Entry) -> None:
         self._hits((entry,))
@@ -485,11 +491,14 @@ class Store:
     def _hits(self, entries: Sequence[Entry]) -> None:
         """Gets served: counted, and the policy's recency (one call)."""
         counters = self.counters
+        told: list[PolicyKey] = []
         for entry in entries:
-            entry.ns.hits += 1
+            ns = entry.ns
+            ns.hits += 1
             counters.bytes_out += entry.size
+            told.append((ns.id, entry.key))
         counters.hits += len(entries)
-        self.learning.touch_many([(entry.ns.id, entry.key) for entry in entries])
+        self.learning.touch_many(told)
 
     def _pin(self, entry: Entry, tier: int, views: bool | list[memoryview] = True) -> Reader:
         """A reader of ``entry``, with views of its pages (True), none (False),
