@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from kvd.l1.pool import PAGE_BYTES, Pool, PoolFull, Run, pages_for
+from kvd.store.eviction.chains import PARK
 from kvd.store.eviction.policy import EvictionPolicy
 from kvd.store.index import Entry, Namespace, PolicyKey, StoreCounters, check_namespace
 from kvd.wire.errors import ResourceExhausted
@@ -153,9 +154,22 @@ class Entries:
         # A value not yet on L2 stays, unless L2 is failing (then it is dropped).
         return not (entry.dirty and self._keep_dirty())
 
-    def _pinned(self, pk: PolicyKey) -> bool:
+    def _pinned(self, pk: PolicyKey) -> int:
+        """The victim search's ``skip``: False for an evictable value, PARK for
+        one not yet on L2 (held out of the searches until ``cleaned``: a
+        write-back backlog is not walked by every eviction), True for the
+        other pinned ones (a reader or a lease holds it)."""
         entry = self._by_pk(pk)
-        return entry is None or not self.evictable(entry)
+        if entry is None:
+            return True
+        if entry.dirty and self._keep_dirty():
+            return PARK
+        return entry.readers > 0 or entry.leases > 0
+
+    def cleaned(self, entry: Entry) -> None:
+        """A value reached L2 (write-back): evictable again, once unpinned."""
+        if entry.linked and not entry.guest:
+            self.policy.unpark((entry.ns.id, entry.key))
 
     def evict(self, entry: Entry) -> None:
         if entry.dirty:
@@ -187,6 +201,8 @@ class Entries:
     def _evict_one(self) -> bool:
         if self.guests and self._evict_guest():
             return True
+        if not self._keep_dirty():
+            self.policy.unpark_all()  # L2 is failing: values not on it may go
         pk = self.policy.victim(self._pinned)
         if pk is None:
             return False

@@ -112,9 +112,15 @@ class DeferredPolicy(Generic[K]):
         self.settle()
         self.policy.remove(key)
 
-    def victim(self, skip: Callable[[K], bool]) -> K | None:
+    def victim(self, skip: Callable[[K], int]) -> K | None:
         self.settle()
         return self.policy.victim(skip)
+
+    def unpark(self, key: K) -> None:
+        self.policy.unpark(key)  # nothing queued changes what a search parked
+
+    def unpark_all(self) -> None:
+        self.policy.unpark_all()
 
     def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         self.settle()

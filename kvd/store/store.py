@@ -126,7 +126,7 @@ class Store:
         if l2 is not None:
             self.writeback = WriteBack(
                 l2, pool, self.entries.pin, self.entries.unpin,
-                limits.namespace_l2_quota_bytes, clock,
+                limits.namespace_l2_quota_bytes, clock, self.entries.cleaned,
             )  # fmt: skip
             self.placement = Placement(
                 l2, pool, self.entries, self.counters, self._readers, self._miss,

@@ -93,11 +93,13 @@ class WriteBack:
         unpin: Callable[[Entry], None],
         namespace_l2_quota_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        cleaned: Callable[[Entry], None] = lambda entry: None,
     ) -> None:
         self.l2 = l2
         self.pool = pool
         self._pin = pin
         self._unpin = unpin
+        self._cleaned = cleaned  # told of each value that reached L2 (Entries.cleaned)
         self.namespace_l2_quota_bytes = namespace_l2_quota_bytes  # 0: no quota
         self._clock = clock
         self._queue: deque[Entry] = deque()  # dirty: not yet on L2
@@ -254,7 +256,9 @@ class WriteBack:
             await self.l2.delete_record(record)
             return
         entry.l2 = record
-        entry.dirty = False
+        if entry.dirty:
+            entry.dirty = False
+            self._cleaned(entry)
 
     async def make_durable(self, entry: Entry | None) -> None:
         """Append (unless already on L2) and sync. Failures are ``DurableNoRoom``

@@ -91,6 +91,12 @@ class Recorded:
         self.calls.append(("victim", key))
         return key
 
+    def unpark(self, key: Any) -> None:
+        self.policy.unpark(key)
+
+    def unpark_all(self) -> None:
+        self.policy.unpark_all()
+
     def on_lookup(self, keys: Sequence[Any], hits: int, mine: Sequence[bool] | None = None) -> None:
         self.calls.append(("on_lookup", tuple(keys), hits))
         self.mines.append(None if mine is None else list(mine))

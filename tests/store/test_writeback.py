@@ -4,6 +4,7 @@ written back and gone from L1."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,36 @@ async def test_exists_finds_values_in_l1_and_on_l2(tmp_path: Path) -> None:
         assert store.exists("ns", keys) == [True, False, True, True, True, False]
         assert store.exists("other", keys) == [False] * len(keys)
         assert tier.holds("ns", [b"l2", b"none"]) == [True, False]
+    finally:
+        await store.close()
+        tier.close()
+
+
+async def test_values_waiting_for_write_back_are_searched_once(tmp_path: Path) -> None:
+    """A full L1 of values not yet on L2: a put that needs room looks at each
+    of them once, not once per eviction (every put of an ingest burst
+    walked the whole backlog); written, they go again."""
+    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=MiB)
+    tier = L2Tier(devices, backend("threads"))
+    await tier.recover()
+    store = Store(Pool(8 * PAGE_BYTES), store_limits(), l2=tier)
+    try:
+        for i in range(8):  # write-back not started yet: all eight stay dirty
+            await store.put("ns", b"k%d" % i, b"v" * 1000, hasher=checksum)
+        looked: list[object] = []
+        pinned = store.entries._pinned
+        store.entries._pinned = lambda pk: looked.append(pk) or pinned(pk)  # type: ignore[method-assign]
+        first = asyncio.create_task(store.put("ns", b"n0", b"v" * 1000, hasher=checksum))
+        second = asyncio.create_task(store.put("ns", b"n1", b"v" * 1000, hasher=checksum))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not first.done() and not second.done()  # waiting for write-back
+        assert sorted(looked) == sorted(set(looked)) and len(looked) == 8
+        store.start()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+        kept = [store.l1_size("ns", b"k%d" % i) for i in range(8)]
+        assert kept.count(None) == 2
+        assert store.l1_size("ns", b"n0") == store.l1_size("ns", b"n1") == 1000
     finally:
         await store.close()
         tier.close()

@@ -55,6 +55,14 @@ def heap_entries_max(live: int) -> int:
     return HEAP_FACTOR * live + HEAP_SLACK + HEAP_CHECK
 
 
+# A victim search's ``skip`` verdict besides True/False: the key cannot go
+# now and is held out of the search (``ChainPolicy._parked``) until the
+# caller ``unpark``s it; a dirty value waiting for write-back is one. A
+# pinned key merely skipped is stepped over on every search, and a backlog
+# of thousands of them made every eviction (every put into a full L1) walk
+# them all.
+PARK = 2
+
 # Hit counts saturate here: beyond ~8 hits a block is "hot" and further hits
 # only need to refresh it, not to pin it for ever (measured: caps 4..16 give
 # the same hit ratio within 0.1 point on the conversation trace).
@@ -101,6 +109,10 @@ class ChainPolicy(Generic[K]):
         self._leaf_heap: list[tuple[float, int, K]] = []
         self._inner_heap: list[tuple[float, int, K]] = []
         self._seq = 0
+        # Heap entries a search was told to PARK, by key, with the heap they
+        # came from: back in it on ``unpark`` (stale by then if the key was
+        # pushed again meanwhile; searches drop stale entries).
+        self._parked: dict[K, tuple[list[tuple[float, int, K]], tuple[float, int, K]]] = {}
 
     # -- subclass hooks -------------------------------------------------------
 
@@ -168,6 +180,7 @@ class ChainPolicy(Generic[K]):
         node = self._nodes.pop(key, None)
         if node is None:
             return
+        self._parked.pop(key, None)
         evicted = key == self._offered
         if evicted:
             self._offered = None
@@ -186,6 +199,18 @@ class ChainPolicy(Generic[K]):
             self._leaf_heap.clear()
             self._inner_heap.clear()
 
+    def unpark(self, key: K) -> None:
+        """A key a search parked may go again (its value was written to L2)."""
+        parked = self._parked.pop(key, None)
+        if parked is not None:
+            heapq.heappush(*parked)
+
+    def unpark_all(self) -> None:
+        """Every parked key may go again (L2 is failing: dirty values may be dropped)."""
+        for heap, entry in self._parked.values():
+            heapq.heappush(heap, entry)
+        self._parked.clear()
+
     def on_lookup(self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None) -> None:
         """A lookup of the chain ``keys`` found its first ``hits`` resident
         (already touched); the rest are about to be put. With ``mine``, only
@@ -203,7 +228,7 @@ class ChainPolicy(Generic[K]):
         policy cannot (it has no plan, or the bytes are no plan of its)."""
         return False
 
-    def victim(self, skip: Callable[[K], bool]) -> K | None:
+    def victim(self, skip: Callable[[K], int]) -> K | None:
         key = self._first_leaf(skip)
         if key is None:
             # Every leaf is skipped, and _first_leaf moved every interior
@@ -213,7 +238,7 @@ class ChainPolicy(Generic[K]):
             self._offered = key
         return key
 
-    def _victim_after_filling(self, filling: Container[K], skip: Callable[[K], bool]) -> K | None:
+    def _victim_after_filling(self, filling: Container[K], skip: Callable[[K], int]) -> K | None:
         """``victim``, but a leaf whose chain is still being put (in
         ``filling``) goes only after every other leaf, and before any
         interior block (that would strand it anyway)."""
@@ -249,14 +274,15 @@ class ChainPolicy(Generic[K]):
         heapq.heapify(inner)
         self._leaf_heap = leaves
         self._inner_heap = inner
+        self._parked.clear()  # their keys are in the new heaps
 
-    def _first_leaf(self, skip: Callable[[K], bool]) -> K | None:
+    def _first_leaf(self, skip: Callable[[K], int]) -> K | None:
         """``_first_unskipped`` over the leaf heap; a live entry of a block
         that is no longer a leaf (``_became_inner``) moves to the inner heap."""
         return self._first_unskipped(self._leaf_heap, skip, leaves=True)
 
     def _first_unskipped(
-        self, heap: list[tuple[float, int, K]], skip: Callable[[K], bool], leaves: bool = False
+        self, heap: list[tuple[float, int, K]], skip: Callable[[K], int], leaves: bool = False
     ) -> K | None:
         nodes, children = self._nodes, self._children
         stepped_over: list[tuple[float, int, K]] = []
@@ -271,8 +297,11 @@ class ChainPolicy(Generic[K]):
                 heapq.heapreplace(heap, (node.priority, entry[1], key))
             elif leaves and key in children:
                 heapq.heappush(self._inner_heap, heapq.heappop(heap))
-            elif skip(key):
-                stepped_over.append(heapq.heappop(heap))
+            elif verdict := skip(key):
+                if verdict == PARK:
+                    self._parked[key] = (heap, heapq.heappop(heap))
+                else:
+                    stepped_over.append(heapq.heappop(heap))
             else:
                 found = key
                 break

@@ -474,7 +474,7 @@ class DensityPolicy(ChainPolicy[K]):
             while len(self._ghost) > _GHOST_FACTOR * len(self._nodes) + HEAP_SLACK:
                 self._ghost.popitem(last=False)
 
-    def victim(self, skip: Callable[[K], bool]) -> K | None:
+    def victim(self, skip: Callable[[K], int]) -> K | None:
         return self._victim_after_filling(self._filling, skip)
 
     # -- learning -------------------------------------------------------------

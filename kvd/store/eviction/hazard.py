@@ -260,7 +260,7 @@ class HazardPolicy(ChainPolicy[K]):
     def _on_remove(self, key: K, node: Node[K], evicted: bool) -> None:
         self._filling.pop(key, None)
 
-    def victim(self, skip: Callable[[K], bool]) -> K | None:
+    def victim(self, skip: Callable[[K], int]) -> K | None:
         return self._victim_after_filling(self._filling, skip)
 
     # -- learning -------------------------------------------------------------

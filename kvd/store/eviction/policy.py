@@ -86,7 +86,13 @@ class EvictionPolicy(Protocol[K]):
 
     def remove(self, key: K) -> None: ...
 
-    def victim(self, skip: Callable[[K], bool]) -> K | None: ...
+    def victim(self, skip: Callable[[K], int]) -> K | None: ...
+
+    def unpark(self, key: K) -> None:
+        """A key a victim search parked (``skip`` said ``PARK``) may go again."""
+
+    def unpark_all(self) -> None:
+        """Every parked key may go again."""
 
     def on_lookup(
         self, keys: Sequence[K], hits: int, mine: Sequence[bool] | None = None

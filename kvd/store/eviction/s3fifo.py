@@ -120,10 +120,11 @@ class S3FifoPolicy(ChainPolicy[K]):
             heapq.heapify(heap)
         self._small_heaps = (heaps[0], heaps[1])
         self._main_heaps = (heaps[2], heaps[3])
+        self._parked.clear()  # their keys are in the new heaps
 
     def _oldest(
         self, heaps: tuple[list[tuple[float, int, K]], list[tuple[float, int, K]]],
-        skip: Callable[[K], bool],
+        skip: Callable[[K], int],
     ) -> K | None:  # fmt: skip
         for heap in heaps:
             key = self._first_unskipped(heap, skip)
@@ -131,7 +132,7 @@ class S3FifoPolicy(ChainPolicy[K]):
                 return key
         return None
 
-    def victim(self, skip: Callable[[K], bool]) -> K | None:
+    def victim(self, skip: Callable[[K], int]) -> K | None:
         for _ in range(_ROUNDS_MAX):
             from_small = self._small > _SMALL_SHARE * len(self._nodes)
             key = self._oldest(self._small_heaps if from_small else self._main_heaps, skip)

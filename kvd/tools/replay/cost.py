@@ -77,7 +77,7 @@ class CallLog:
         self._add(_REMOVE, key, 0)
         self.inner.remove(key)
 
-    def victim(self, skip: Callable[[int], bool]) -> int | None:
+    def victim(self, skip: Callable[[int], int]) -> int | None:
         pinned = getattr(skip, "__self__", None)
         if not isinstance(pinned, (set, frozenset)):
             raise TypeError("CallLog records victim(skip) only for skip = a_set.__contains__")
@@ -98,6 +98,12 @@ class CallLog:
 
     def adopt_plan(self, plan: bytes) -> bool:
         raise AssertionError("the cost replay is of one daemon")
+
+    def unpark(self, key: int) -> None:
+        self.inner.unpark(key)
+
+    def unpark_all(self) -> None:
+        self.inner.unpark_all()
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -125,8 +131,14 @@ class _NullPolicy:
     def remove(self, key: int) -> None:
         pass
 
-    def victim(self, skip: Callable[[int], bool]) -> int | None:
+    def victim(self, skip: Callable[[int], int]) -> int | None:
         return None
+
+    def unpark(self, key: int) -> None:
+        pass
+
+    def unpark_all(self) -> None:
+        pass
 
     def on_lookup(self, keys: Sequence[int], hits: int, mine: Sequence[bool] | None = None) -> None:
         pass

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvd.store.eviction.chains import heap_entries_max
+from kvd.store.eviction.chains import PARK, heap_entries_max
 from kvd.store.eviction.hazard import _AGE_EDGES, HazardPolicy, turn_class
 from kvd.store.eviction.lru import GdfPolicy, LruPolicy
 from kvd.store.eviction.policy import (
@@ -481,3 +481,44 @@ def test_hazard_hit_never_shortens_a_deadline() -> None:
     policy.insert(7, 2)
     policy.remove(3)
     assert drain(policy) == [7, 2, 1]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_parked_key_is_not_searched_again_until_unparked(name: str) -> None:
+    """A key the search was told to PARK is held out of later searches, then
+    comes back where it was: the victims are those of a search that only
+    stepped over it."""
+    keys = [("k", i) for i in range(12)]
+
+    def victims(park: bool) -> list[Any]:
+        policy = make_policy(name)
+        for key in keys:
+            policy.insert(key, None)
+        dirty = set(keys[:5])
+        asked: list[Any] = []
+
+        def skip(key: Any) -> int:
+            asked.append(key)
+            return (PARK if park else True) if key in dirty else False
+
+        out = []
+        for _ in range(3):  # the dirty keys are visited by the first search only
+            out.append(policy.victim(skip))
+            policy.remove(out[-1])
+        if park:
+            assert sorted(asked.count(key) for key in dirty) == [1] * 5
+        for key in keys[:3]:  # written: evictable again
+            dirty.discard(key)
+            policy.unpark(key)
+        policy.remove(keys[3])  # a parked key deleted
+        for _ in range(3):
+            out.append(policy.victim(skip))
+            policy.remove(out[-1])
+        dirty.clear()
+        policy.unpark_all()
+        while (key := policy.victim(skip)) is not None:
+            out.append(key)
+            policy.remove(key)
+        return out
+
+    assert victims(park=True) == victims(park=False)
