@@ -137,6 +137,25 @@ def fio_randread(
     file_bytes: int = GiB,
 ) -> float | None:
     """fio --ioengine=io_uring --direct=1 --rw=randread on `path`: GB/s, or None without fio."""
+    return _fio(path, "randread", block_bytes, queue_depth, seconds, file_bytes)
+
+
+def fio_write(
+    path: str,
+    *,
+    block_bytes: int = MiB,
+    queue_depth: int = 4,
+    seconds: float = 5.0,
+    file_bytes: int = GiB,
+) -> float | None:
+    """fio --ioengine=io_uring --direct=1 --rw=write (sequential, as write-back
+    appends) on `path`, whose contents it overwrites: GB/s, or None without fio."""
+    return _fio(path, "write", block_bytes, queue_depth, seconds, file_bytes)
+
+
+def _fio(
+    path: str, rw: str, block_bytes: int, queue_depth: int, seconds: float, file_bytes: int
+) -> float | None:
     fio = shutil.which("fio")
     if fio is None:
         return None
@@ -146,7 +165,7 @@ def fio_randread(
         f"--filename={path}",
         "--ioengine=io_uring",
         "--direct=1",
-        "--rw=randread",
+        f"--rw={rw}",
         f"--bs={block_bytes}",
         f"--iodepth={queue_depth}",
         f"--size={file_bytes}",
@@ -156,7 +175,7 @@ def fio_randread(
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=FIO_TIMEOUT_S)
     job = json.loads(out.stdout)["jobs"][0]
-    return float(job["read"]["bw_bytes"]) / 1e9
+    return float(job["read" if rw.endswith("read") else "write"]["bw_bytes"]) / 1e9
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -19,6 +19,12 @@ Two read paths are measured in-process (no transport), each at queue depth
   shm batch get of a chain runs): two readers each get half the depth's
   worth of distinct random keys at a time, then evict them as ``store`` does.
 
+Filling the device is measured too (path ``put``, at the write-back's
+``WORKERS`` appends in flight): the store's puts of every value, fresh
+keys through an L1 of ``FILL_POOL_BYTES`` (far smaller than the data, so
+L1 is full of values waiting for write-back most of the time), until the
+last is on L2, next to fio's sequential writes of the same block size.
+
 Besides GB/s, each case reports the process's CPU time (all threads, user
 and kernel) per read, which noise from other processes on the machine moves
 far less than throughput. fio (io_uring, O_DIRECT, random reads of the same
@@ -57,7 +63,8 @@ from kvd.l2.format import BLOCK_BYTES, RECORD_ALIGN_BYTES, align_up
 from kvd.store.eviction.policy import make_policy
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
-from kvd.tools.bench.backends import fio_randread
+from kvd.store.writeback import WORKERS
+from kvd.tools.bench.backends import fio_randread, fio_write
 from kvd.wire.checksum import checksum
 
 MiB = 1 << 20
@@ -80,6 +87,7 @@ DRAWS = 1 << 17
 IO_DEPTH = 128  # the io backend's depth: above every reader depth benched by default
 DATA_FILE = "l2-bench.dat"
 LAY_OUT_BYTES = 4 * MiB  # one write of the lay-out
+FILL_POOL_BYTES = 64 * MiB  # L1 of the fill's store: an eighth of the data
 
 
 @dataclass
@@ -195,17 +203,21 @@ def _lay_out(target: Target) -> None:
         devices.close()
 
 
-async def _fill(target: Target, block_bytes: int) -> int:
-    store, tier = _open(target, "threads", 64 * MiB)
+async def _fill(target: Target, backend: str, block_bytes: int) -> tuple[int, Case]:
+    """Put ``target.data_bytes`` of fresh values; their count, and the rate
+    from the first put until the last value is on L2."""
+    store, tier = _open(target, backend, FILL_POOL_BYTES)
     store.start()
     count = target.data_bytes // block_bytes
     value = random.Random(block_bytes).randbytes(block_bytes)
+    cpu_before, start = time.process_time(), time.perf_counter()
     try:
         for i in range(count):
             await store.put("bench", _key(i), value, hasher=checksum)
     finally:
-        await _close(store, tier)
-    return count
+        await _close(store, tier)  # flushes write-back
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
+    return count, Case(count * block_bytes / elapsed / 1e9, cpu / count * 1e6)
 
 
 async def _read_store(
@@ -358,14 +370,21 @@ def run(
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     n = len(target.paths)
     for block_bytes in blocks_bytes:
-        _lay_out(target)  # also forgets earlier runs: no segment marker stays valid
-        mib, kib = target.data_bytes >> 20, block_bytes >> 10
-        progress(f"l2 read: filling {mib} MiB of {kib} KiB blocks")
-        count = asyncio.run(_fill(target, block_bytes))
+        count = target.data_bytes // block_bytes
         # fio reads the span the records take (a 64 KiB value's record is
         # 128 KiB), not just the data's size: a VM disk cached by its host
         # answers a smaller span faster.
         span_bytes = count * align_up(BLOCK_BYTES + block_bytes, RECORD_ALIGN_BYTES)
+        fio_write_gbps = fio_write(
+            ":".join(target.paths), block_bytes=block_bytes, queue_depth=WORKERS,
+            seconds=seconds, file_bytes=span_bytes,
+        )  # fmt: skip
+        _lay_out(target)  # also forgets earlier runs: no segment marker stays valid
+        mib, kib = target.data_bytes >> 20, block_bytes >> 10
+        progress(f"l2 read: {backends[0]} put: filling {mib} MiB of {kib} KiB blocks")
+        count, fill = asyncio.run(_fill(target, backends[0], block_bytes))
+        rows.append(Row(backends[0], "put", n, block_bytes, WORKERS, fill.gbps,
+                        fill.cpu_us_per_read, fio_write_gbps))  # fmt: skip
         for depth in depths:
             fio = fio_randread(
                 ":".join(target.paths), block_bytes=block_bytes, queue_depth=depth,
@@ -390,8 +409,7 @@ def run(
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| backend | path | devices | block | QD | kvd L2 read GB/s | CPU µs/read | fio GB/s "
-        "| kvd/fio |",
+        "| backend | path | devices | block | QD | kvd GB/s | CPU µs/op | fio GB/s | kvd/fio |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

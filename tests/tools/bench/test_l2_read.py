@@ -1,5 +1,5 @@
-"""``kvd bench l2`` on a small data set: rows for every case with GB/s and CPU
-time per read, on a directory and on RAM-backed loop devices it makes
+"""``kvd bench l2`` on a small data set: rows for every case (the fill's puts
+among them) with GB/s and CPU time per op, on a directory and on RAM-backed loop devices it makes
 itself (root only), striped over two of them, and cleaned up after."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvd.io.backend import native_available
+from kvd.store.writeback import WORKERS
 from kvd.tools.bench import l2_read, ramdisk
 
 MiB = 1 << 20
@@ -30,13 +31,15 @@ def _attached() -> str:
 
 def _check_rows(rows: list[l2_read.Row], devices: int) -> None:
     backends = {"uring", "threads"} if native_available()[0] else {"threads"}
-    cases = {(b, p) for b in backends for p in l2_read.READ_PATHS}
+    fill = "uring" if native_available()[0] else "threads"
+    cases = {(b, p) for b in backends for p in l2_read.READ_PATHS} | {(fill, "put")}
     assert {(r.backend, r.path) for r in rows} == cases
     for row in rows:
-        assert row.devices == devices and row.block_bytes == 64 << 10 and row.depth == 4
+        depth = WORKERS if row.path == "put" else 4
+        assert row.devices == devices and row.block_bytes == 64 << 10 and row.depth == depth
         assert row.kvd_gbps > 0 and row.cpu_us_per_read > 0
     table = l2_read.markdown(rows)
-    assert "CPU µs/read" in table and table.count("\n") == len(rows) + 1
+    assert "CPU µs/op" in table and table.count("\n") == len(rows) + 1
 
 
 @pytest.mark.slow
@@ -91,7 +94,7 @@ def test_lay_out_leaves_no_unwritten_block_for_fio(tmp_path: Path) -> None:
         assert os.pread(fd, 4096, per_path - 4096) != bytes(4096)
     finally:
         os.close(fd)
-    count = asyncio.run(l2_read._fill(target, 64 << 10))
+    count, _ = asyncio.run(l2_read._fill(target, "threads", 64 << 10))
     assert count == DATA_BYTES // (64 << 10)
     case = asyncio.run(l2_read._read_tier(target, "threads", 4, 0.2, batched=True))
     assert case.gbps > 0
