@@ -124,11 +124,10 @@ class Placement:
                     # pages, or it was deleted: ``fetch`` shares or misses.
                     taken += 1
                     continue
-                runs = (
-                    entries.alloc_now(record.size, expire=False)
-                    if batch
-                    else await entries.alloc(record.size)
-                )
+                # Room at once (no coroutine made), or, for the first, waited for.
+                runs = entries.alloc_now(record.size, expire=not batch)
+                if runs is None and not batch:
+                    runs = await entries.alloc(record.size)
                 if runs is None:
                     break
                 under_way[pk] = done
@@ -224,7 +223,7 @@ class Placement:
         done = asyncio.get_running_loop().create_future()
         self.promotions[(record.namespace, record.key)] = done
         try:
-            runs = await self.entries.alloc(record.size)
+            runs = self.entries.alloc_now(record.size) or await self.entries.alloc(record.size)
             try:
                 await self.l2.read(record, self.pool.views(runs, record.read_bytes))
             except (ChecksumMismatch, IoError):
