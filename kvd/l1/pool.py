@@ -166,18 +166,6 @@ class Pool:
         need = pages_for(nbytes)
         if need > self.free_pages:
             raise PoolFull(f"need {need} pages, {self.free_pages} free")
-        cls = need.bit_length() - 1
-        stack = self._classes[cls]
-        if stack and stack[-1][1] == need:
-            # _take's common case, inline (every promotion and put): a run of
-            # exactly the value's pages on top, e.g. a 64 KiB value reusing a
-            # freed page.
-            run = stack.pop()
-            if not stack:
-                self._nonempty &= ~(1 << cls)
-            self._run_count -= 1
-            self.free_pages -= need
-            return [run]
         runs = self._take(need)
         if len(runs) > _RUNS_PER_VALUE_MAX:
             # Only small runs are left: merge freed neighbours back into large
@@ -279,11 +267,6 @@ class Pool:
 
     def views(self, runs: Sequence[Run], nbytes: int) -> list[memoryview]:
         """Writable slices of the arena covering the first ``nbytes`` of ``runs``."""
-        if len(runs) == 1:  # the common case, one run
-            first, count = runs[0]
-            assert nbytes <= count * PAGE_BYTES, "runs shorter than the value"
-            start = first * PAGE_BYTES
-            return [self._view[start : start + nbytes]] if nbytes > 0 else []
         out: list[memoryview] = []
         left = nbytes
         for first, count in runs:

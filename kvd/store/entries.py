@@ -162,14 +162,19 @@ class Entries:
         entry = self._by_pk(pk)
         if entry is None:
             return True
-        if entry.dirty and self._keep_dirty():
-            return PARK
-        return entry.readers > 0 or entry.leases > 0
+        if self.evictable(entry):
+            return False
+        return PARK if entry.dirty and self._keep_dirty() else True
 
     def cleaned(self, entry: Entry) -> None:
         """A value reached L2 (write-back): evictable again, once unpinned."""
         if entry.linked and not entry.guest:
             self.policy.unpark((entry.ns.id, entry.key))
+
+    def l2_failing(self) -> None:
+        """Write-back failed and backs off: values not on L2 may be dropped
+        meanwhile (``keep_dirty`` is false), so none stays parked."""
+        self.policy.unpark_all()
 
     def evict(self, entry: Entry) -> None:
         if entry.dirty:
@@ -201,8 +206,6 @@ class Entries:
     def _evict_one(self) -> bool:
         if self.guests and self._evict_guest():
             return True
-        if not self._keep_dirty():
-            self.policy.unpark_all()  # L2 is failing: values not on it may go
         pk = self.policy.victim(self._pinned)
         if pk is None:
             return False

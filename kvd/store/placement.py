@@ -72,15 +72,14 @@ class Placement:
         seen: set[bytes] = set()
         ns = self.entries.by_name.get(ns_name)
         in_l1 = ns.entries if ns is not None else {}
-        on_l2, promotions = self.l2.index, self.promotions
+        lookup, promotions = self.l2.lookup, self.promotions
         for index, key in enumerate(keys):
             if not key or len(key) > KEY_BYTES_MAX:
                 continue  # ``fetch`` refuses it, for this item alone
-            if key in seen or key in in_l1:
+            if key in seen or key in in_l1 or (ns_name, key) in promotions:
                 continue
             seen.add(key)
-            pk = (ns_name, key)
-            if pk not in promotions and (record := on_l2.get(pk)):
+            if record := lookup(ns_name, key):
                 records.append((index, record))
         readers: dict[int, Reader | None] = {}
         try:
@@ -104,7 +103,6 @@ class Placement:
         The first record's pages may wait for eviction; the others' are
         taken only when free at once, so that no batch waits holding pages.
         """
-        ns = self.entries.namespace(ns_name)  # before any page is taken: it may refuse
         # One future for the batch's promotions: a get of one of its keys
         # waits for the whole read (one backend call) either way.
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -141,26 +139,22 @@ class Placement:
             fresh: list[Entry] = []  # read here: linked into L1 together
             served: list[tuple[Entry, bool | list[memoryview]]] = []
             at: list[int] = []
-            in_l1 = ns.entries
             for (index, record, runs), (_, pages), error in zip(read, views, errors, strict=True):
-                if error is None and record.live and in_l1.get(record.key) is None:
-                    entry = Entry(ns, record.key, record.size, record.checksum, record.meta, runs,
-                                  record.parent or None, l2=record)  # fmt: skip
-                    fresh.append(entry)  # the pages just read: their views serve the get
-                    served.append((entry, _value_views(pages, record)))
-                    at.append(index)
-                    continue
-                current: Entry | None = None
-                if error is not None:
+                entry = None
+                if error is None:
+                    entry = self._adopted(record, runs)
+                else:
                     self.pool.free(runs)
                     self.counters.promotion_failures += 1
-                else:  # L1's own copy (a put landed meanwhile), or None (deleted)
-                    current = self._adopted(record, runs)
-                if current is None:
+                if entry is None:
                     self._miss(ns_name)
                     readers[index] = None
                     continue
-                served.append((current, True))
+                if entry.runs is runs:  # the pages just read: their views serve the get
+                    fresh.append(entry)
+                    served.append((entry, _value_views(pages, record)))
+                else:  # L1 got its own copy while this read ran (a put)
+                    served.append((entry, True))
                 at.append(index)
             views.clear()
             entries.link_many(fresh)

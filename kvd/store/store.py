@@ -51,7 +51,6 @@ from kvd.store.index import (
     TIER_L2,
     Entry,
     Namespace,
-    PolicyKey,
     PutResult,
     PutTicket,
     Reader,
@@ -127,6 +126,7 @@ class Store:
             self.writeback = WriteBack(
                 l2, pool, self.entries.pin, self.entries.unpin,
                 limits.namespace_l2_quota_bytes, clock, self.entries.cleaned,
+                self.entries.l2_failing,
             )  # fmt: skip
             self.placement = Placement(
                 l2, pool, self.entries, self.counters, self._readers, self._miss,
@@ -477,13 +477,8 @@ class Store:
     ) -> list[Reader]:
         """``_reader`` of each entry, with its views (as ``_pin`` takes them)."""
         self._hits([entry for entry, _ in served])
-        unpin, pages = self.entries.unpin, self.pool.views
-        out: list[Reader] = []
-        for entry, views in served:  # _pin, inline
-            entry.readers += 1
-            out.append(Reader(unpin, entry, pages(entry.runs, entry.size) if views is True
-                              else views or [], tier))  # fmt: skip
-        return out
+        pin = self._pin
+        return [pin(entry, tier, views) for entry, views in served]
 
     def _hit(self, entry: Entry) -> None:
         self._hits((entry,))
@@ -491,14 +486,11 @@ class Store:
     def _hits(self, entries: Sequence[Entry]) -> None:
         """Gets served: counted, and the policy's recency (one call)."""
         counters = self.counters
-        told: list[PolicyKey] = []
         for entry in entries:
-            ns = entry.ns
-            ns.hits += 1
+            entry.ns.hits += 1
             counters.bytes_out += entry.size
-            told.append((ns.id, entry.key))
         counters.hits += len(entries)
-        self.learning.touch_many(told)
+        self.learning.touch_many([(entry.ns.id, entry.key) for entry in entries])
 
     def _pin(self, entry: Entry, tier: int, views: bool | list[memoryview] = True) -> Reader:
         """A reader of ``entry``, with views of its pages (True), none (False),

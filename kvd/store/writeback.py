@@ -94,12 +94,14 @@ class WriteBack:
         namespace_l2_quota_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
         cleaned: Callable[[Entry], None] = lambda entry: None,
+        failing: Callable[[], None] = lambda: None,
     ) -> None:
         self.l2 = l2
         self.pool = pool
         self._pin = pin
         self._unpin = unpin
         self._cleaned = cleaned  # told of each value that reached L2 (Entries.cleaned)
+        self._failing = failing  # told when a failure starts a backoff (Entries.l2_failing)
         self.namespace_l2_quota_bytes = namespace_l2_quota_bytes  # 0: no quota
         self._clock = clock
         self._queue: deque[Entry] = deque()  # dirty: not yet on L2
@@ -151,6 +153,7 @@ class WriteBack:
         if self.healthy:
             log.error("L2 write failed; dirty L1 values may be dropped", extra={"error": str(exc)})
         self._unhealthy_until = self._clock() + BACKOFF_S
+        self._failing()
 
     # ---- queue -----------------------------------------------------------------
     def start(self) -> None:

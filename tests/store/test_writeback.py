@@ -94,3 +94,27 @@ async def test_values_waiting_for_write_back_are_searched_once(tmp_path: Path) -
     finally:
         await store.close()
         tier.close()
+
+
+async def test_parked_values_may_go_once_write_back_fails(tmp_path: Path) -> None:
+    """Values parked while waiting for write-back become evictable when the
+    writes fail (L2 is failing: they may be dropped), so a put waiting for
+    room gets it at once instead of after write-back's wait."""
+    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=MiB)
+    tier = L2Tier(devices, faults.wrap(backend("threads"), "write:eio:every=1"))
+    await tier.recover()
+    store = Store(Pool(8 * PAGE_BYTES), store_limits(), l2=tier)
+    try:
+        for i in range(8):  # write-back not started yet: all eight stay dirty
+            await store.put("ns", b"k%d" % i, b"v" * 1000, hasher=checksum)
+        put = asyncio.create_task(store.put("ns", b"n", b"v" * 1000, hasher=checksum))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not put.done()  # the eight parked, waiting for write-back
+        store.start()  # every write fails
+        await asyncio.wait_for(put, 2)
+        assert store.l1_size("ns", b"n") == 1000
+        assert [store.l1_size("ns", b"k%d" % i) for i in range(8)].count(None) == 1
+    finally:
+        await store.close()
+        tier.close()

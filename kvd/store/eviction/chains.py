@@ -66,7 +66,7 @@ PARK = 2
 # Hit counts saturate here: beyond ~8 hits a block is "hot" and further hits
 # only need to refresh it, not to pin it for ever (measured: caps 4..16 give
 # the same hit ratio within 0.1 point on the conversation trace).
-FREQ_MAX = 8
+_FREQ_MAX = 8
 
 
 class Node(Generic[K]):
@@ -167,7 +167,7 @@ class ChainPolicy(Generic[K]):
         node = self._nodes.get(key)
         if node is None:
             return
-        node.hits = min(node.hits + 1, FREQ_MAX)
+        node.hits = min(node.hits + 1, _FREQ_MAX)
         node.priority = self._priority_on_touch(node)
         self._push(key, node)
 
