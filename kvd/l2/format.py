@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvd.io.backend import ReadStatus
 from kvd.wire.checksum import checksum, checksum_views
@@ -79,16 +79,17 @@ class RecordHeader:
     payload_bytes: int
     payload_checksum: int
     flags: int = 0
+    # Derived from the fields above when the header is made.
+    header_bytes: int = field(init=False, compare=False)
+    record_bytes: int = field(init=False, compare=False)
 
-    @property
-    def header_bytes(self) -> int:
+    def __post_init__(self) -> None:
         ns = len(self.namespace.encode())
         body = _FIXED.size + ns + len(self.key) + len(self.parent) + len(self.meta) + 8
-        return align_up(body, BLOCK_BYTES)
-
-    @property
-    def record_bytes(self) -> int:
-        return align_up(self.header_bytes + self.payload_bytes, RECORD_ALIGN_BYTES)
+        header_bytes = align_up(body, BLOCK_BYTES)
+        object.__setattr__(self, "header_bytes", header_bytes)
+        record_bytes = align_up(header_bytes + self.payload_bytes, RECORD_ALIGN_BYTES)
+        object.__setattr__(self, "record_bytes", record_bytes)
 
     def encode(self) -> bytes:
         ns = self.namespace.encode()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.l2.format import BLOCK_BYTES, align_up
@@ -45,6 +46,20 @@ class L2Record:
 
     def __post_init__(self) -> None:
         self.read_bytes = align_up(self.size, BLOCK_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """One record for ``L2Tier.append_many``: ``payload`` covers ``size``
+    rounded up to 4 KiB (whole O_DIRECT blocks)."""
+
+    namespace: str
+    key: bytes
+    parent: bytes
+    meta: bytes
+    size: int
+    checksum: int
+    payload: Sequence[memoryview]
 
 
 @dataclass(eq=False, slots=True)

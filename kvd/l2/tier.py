@@ -31,7 +31,7 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 
-from kvd.io.backend import IoBackend, IoError, OpKind, ReadStatus, RecordRead
+from kvd.io.backend import IoBackend, IoError, IoOp, OpKind, ReadStatus, RecordRead
 from kvd.l2.devices import AlignedBuffer, DeviceSet
 from kvd.l2.format import (
     BLOCK_BYTES,
@@ -47,6 +47,7 @@ from kvd.l2.format import (
 )
 from kvd.l2.reads import RecordReads
 from kvd.l2.records import (
+    Append,
     ChecksumMismatch,
     Key,
     L2Counters,
@@ -149,44 +150,82 @@ class L2Tier:
         payload_checksum: int,
         payload: Sequence[memoryview],
     ) -> L2Record:
-        """Write one record; ``payload`` covers ``size`` rounded up to 4 KiB.
+        """Write one record (``append_many`` of one); raises IoError (errno
+        kept) or L2Full."""
+        item = Append(namespace, key, parent, meta, size, payload_checksum, payload)
+        (outcome,) = await self.append_many([item])
+        if isinstance(outcome, L2Record):
+            return outcome
+        raise outcome
 
-        Raises IoError (errno kept) or L2Full; the index only ever holds
-        records whose write completed.
-        """
-        assert sum(len(v) for v in payload) == align_up(size, BLOCK_BYTES)
-        header = RecordHeader(namespace, key, parent, meta, 0, 0, size, payload_checksum)
+    async def append_many(self, items: Sequence[Append]) -> list[L2Record | IoError | L2Full]:
+        """Write records, all in one submission: for each, its record or the
+        IoError (errno kept) or L2Full it met. Records take their room in
+        turn; when one finds none (or opening a segment fails), it and the
+        records after it fail, and those before are still written. The index
+        only ever holds records whose write completed."""
+        outcomes: list[L2Record | IoError | L2Full | None] = [None] * len(items)
+        placed: list[tuple[int, Segment, int, RecordHeader, AlignedBuffer]] = []
+        try:
+            for index, item in enumerate(items):
+                try:
+                    placed.append((index, *await self._place(item)))
+                except (IoError, L2Full) as exc:
+                    if isinstance(exc, IoError) and exc.errno == errno.EFBIG:
+                        outcomes[index] = exc  # this record alone can never be written
+                        continue
+                    outcomes[index:] = [exc] * (len(items) - index)
+                    break
+            writes = [
+                (segment.index, offset, [buffer.view[: header.header_bytes], *items[i].payload])
+                for i, segment, offset, header, buffer in placed
+            ]
+            failures = await self._write_many(writes)
+        finally:
+            for _, segment, _, _, buffer in placed:
+                segment.io_inflight -= 1
+                self._buffers.append(buffer)
+            self._io_done.set()
+        for (index, segment, offset, header, _), failure in zip(placed, failures, strict=True):
+            if failure is not None:
+                outcomes[index] = failure
+                continue
+            crashpoints.hit("after_payload_write")
+            item = items[index]
+            record = L2Record(
+                item.namespace, item.key, item.parent, item.meta, item.size, item.checksum,
+                header.seq, segment.index, offset, header.header_bytes,
+            )  # fmt: skip
+            self.counters.writes += 1
+            self.counters.write_bytes += item.size
+            if segment.state is not SegmentState.FREE and segment.generation == header.generation:
+                self._publish(segment, record, header.record_bytes)
+            outcomes[index] = record
+        done = [outcome for outcome in outcomes if outcome is not None]
+        assert len(done) == len(items)
+        return done
+
+    async def _place(self, item: Append) -> tuple[Segment, int, RecordHeader, AlignedBuffer]:
+        """Room for ``item``'s record (its segment held busy until the caller's
+        write ends), and its header encoded into a buffer."""
+        assert sum(len(v) for v in item.payload) == align_up(item.size, BLOCK_BYTES)
+        header = RecordHeader(item.namespace, item.key, item.parent, item.meta, 0, 0,
+                              item.size, item.checksum)  # fmt: skip
         record_bytes = header.record_bytes
         if record_bytes > self.devices.logical_segment_bytes - RECORD_ALIGN_BYTES:
             raise IoError(errno.EFBIG, f"record of {record_bytes} bytes is larger than a segment")
         segment = await self._room_for(record_bytes)
         offset = segment.write_pos
         segment.write_pos += record_bytes
+        segment.io_inflight += 1  # no reclaim of it, even by this batch's next room
         header = RecordHeader(
-            namespace, key, parent, meta, segment.generation, self._next_seq(),
-            size, payload_checksum,
+            item.namespace, item.key, item.parent, item.meta, segment.generation,
+            self._next_seq(), item.size, item.checksum,
         )  # fmt: skip
         buffer = self._header_buffer()
         encoded = header.encode()
         buffer.view[: len(encoded)] = encoded
-        segment.io_inflight += 1
-        try:
-            views = [buffer.view[: len(encoded)], *payload]
-            await self._write(segment.index, offset, views)
-        finally:
-            segment.io_inflight -= 1
-            self._buffers.append(buffer)
-            self._io_done.set()
-        crashpoints.hit("after_payload_write")
-        record = L2Record(
-            namespace, key, parent, meta, size, payload_checksum, header.seq,
-            segment.index, offset, len(encoded),
-        )  # fmt: skip
-        self.counters.writes += 1
-        self.counters.write_bytes += size
-        if segment.state is not SegmentState.FREE and segment.generation == header.generation:
-            self._publish(segment, record, record_bytes)
-        return record
+        return segment, offset, header, buffer
 
     def _publish(self, segment: Segment, record: L2Record, record_bytes: int) -> None:
         key = (record.namespace, record.key)
@@ -206,21 +245,32 @@ class L2Tier:
             self.on_record(record, True)
 
     async def _write(self, segment: int, offset: int, views: Sequence[memoryview]) -> None:
-        """Every L2 write (records, segment markers, tombstones); failures are counted here."""
-        ops = self.devices.ops(OpKind.WRITE, segment, offset, views)
+        """One L2 write (segment markers, tombstones); raises its IoError."""
+        (failure,) = await self._write_many([(segment, offset, views)])
+        if failure is not None:
+            raise failure
+
+    async def _write_many(
+        self, writes: Sequence[tuple[int, int, Sequence[memoryview]]]
+    ) -> list[IoError | None]:
+        """Every L2 write goes through here: each (segment, offset, views), all
+        in one submission; each one's IoError or None. Failures are counted
+        here, once per write however many paths failed."""
+        if not writes:
+            return []
+        ops = [self.devices.ops(OpKind.WRITE, *write) for write in writes]
         try:
-            results = await self.io.submit_many(ops)
-        except IoError:
-            self.counters.write_errors += 1
-            raise
-        for op, result in zip(ops, results, strict=True):
-            want = sum(len(b) for b in op.bufs)
-            if result == want:
-                continue
-            self.counters.write_errors += 1  # once per write, however many paths failed
-            if result < 0:
-                raise IoError(-result, f"L2 write of segment {segment}")
-            raise IoError(errno.EIO, f"short L2 write: {result} of {want} bytes")
+            results = await self.io.submit_many([op for per_write in ops for op in per_write])
+        except IoError as exc:
+            self.counters.write_errors += len(writes)
+            return [exc] * len(writes)
+        failures: list[IoError | None] = []
+        at = 0
+        for (segment, _, _), per_write in zip(writes, ops, strict=True):
+            failures.append(_write_failure(segment, per_write, results[at : at + len(per_write)]))
+            at += len(per_write)
+        self.counters.write_errors += len(failures) - failures.count(None)
+        return failures
 
     async def _room_for(self, record_bytes: int) -> Segment:
         segment = self._open
@@ -548,6 +598,17 @@ class L2Tier:
             buffer.close()
         self._buffers = []
         self.reads.close()
+
+
+def _write_failure(segment: int, ops: Sequence[IoOp], results: Sequence[int]) -> IoError | None:
+    """The error of a write whose ops returned ``results``; None when each wrote all its bytes."""
+    for op, result in zip(ops, results, strict=True):
+        want = sum(len(b) for b in op.bufs)
+        if result < 0:
+            return IoError(-result, f"L2 write of segment {segment}")
+        if result != want:
+            return IoError(errno.EIO, f"short L2 write: {result} of {want} bytes")
+    return None
 
 
 def _record_read(record: L2Record, segment: Segment, views: Sequence[memoryview]) -> RecordRead:

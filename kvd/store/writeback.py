@@ -40,8 +40,9 @@ from collections.abc import Callable
 
 from kvd.io.backend import IoError
 from kvd.l1.pool import Pool
-from kvd.l2 import L2Full, L2Tier
+from kvd.l2 import L2Full, L2Record, L2Tier
 from kvd.l2.format import BLOCK_BYTES, align_up
+from kvd.l2.records import Append
 from kvd.store.index import Entry
 from kvd.util import crashpoints
 from kvd.wire.errors import ResourceExhausted, Unavailable
@@ -49,8 +50,13 @@ from kvd.wire.errors import ResourceExhausted, Unavailable
 log = logging.getLogger("kvd.store.writeback")
 
 # Appends in flight at once: enough to keep a few NVMe queues busy while
-# leaving pool pages for puts (each worker pins one value).
+# leaving pool pages for puts (each worker pins the values of one batch).
 WORKERS = 4
+# A worker takes what is queued, up to this many values and bytes (at least
+# one value), and appends them with one submission: one ring call for a
+# batch of small values instead of one each.
+BATCH_VALUES_MAX = 32
+BATCH_BYTES_MAX = 4 << 20
 # How long a put may wait for write-back to make room in L1.
 WAIT_S = 5.0
 # After an L2 write error, how long dirty entries may be dropped instead.
@@ -175,29 +181,39 @@ class WriteBack:
         self._wake.set()
         return True
 
-    async def _next(self) -> Entry:
-        """The next entry to write; dirty ones before rewrites."""
+    async def _next(self) -> list[Entry]:
+        """The next entries to write (``BATCH_VALUES_MAX``, ``BATCH_BYTES_MAX``),
+        dirty ones before rewrites; evicted, deleted and already written
+        ones are dropped on the way."""
         while True:
             while not self._queue and not self._rewrites:
                 self._wake.clear()
                 await self._wake.wait()
             if not self.healthy:
                 await asyncio.sleep(max(0.0, self._unhealthy_until - self._clock()))
-                if not self._queue and not self._rewrites:
-                    # Every worker sleeps through the backoff; the first ones
-                    # awake took what was queued.
-                    continue
-            return self._queue.popleft() if self._queue else self._rewrites.popleft()
+            batch: list[Entry] = []
+            nbytes = 0
+            for queue in (self._queue, self._rewrites):
+                while queue and len(batch) < BATCH_VALUES_MAX:
+                    entry = queue[0]
+                    if batch and nbytes + entry.size > BATCH_BYTES_MAX:
+                        break
+                    queue.popleft()
+                    if entry.linked and (entry.dirty or entry.l2 is None):
+                        batch.append(entry)
+                        nbytes += entry.size
+            if batch:
+                # Every worker may sleep through a backoff; the first ones
+                # awake take what was queued.
+                return batch
 
     async def _work(self) -> None:
         while True:
-            entry = await self._next()
-            if not entry.linked or (not entry.dirty and entry.l2 is not None):
-                continue  # evicted or deleted, or written meanwhile
-            try:
-                await self.write(entry)
-            except (IoError, L2Full) as exc:
-                self._failed(exc)
+            entries = await self._next()
+            for entry, error in zip(entries, await self.write_many(entries), strict=True):
+                if error is None:
+                    continue
+                self._failed(error)
                 if entry.linked and entry.dirty:
                     self._queue.append(entry)
                 elif entry.linked and entry.l2 is None:
@@ -232,19 +248,45 @@ class WriteBack:
 
     async def write(self, entry: Entry, *, durable: bool = False) -> None:
         """Append one L1 entry to L2 (its pages pinned meanwhile); raises on failure."""
-        await self._within_l2_quota(entry, durable)
-        self._pin(entry)
-        self.writing += 1
+        (error,) = await self.write_many([entry], durable=durable)
+        if error is not None:
+            raise error
+
+    async def write_many(
+        self, entries: list[Entry], *, durable: bool = False
+    ) -> list[IoError | L2Full | None]:
+        """Append L1 entries to L2 in one submission, each within its
+        namespace's L2 quota (a durable put over it is refused), their pages
+        pinned meanwhile; each one's error, or None (written, or gone while
+        the quota's deletes ran)."""
+        for entry in entries:
+            await self._within_l2_quota(entry, durable)
+        live = [e for e in entries if e.linked and (e.dirty or e.l2 is None)]
+        for entry in live:
+            self._pin(entry)
+        self.writing += len(live)
         try:
-            views = self.pool.views(entry.runs, align_up(entry.size, BLOCK_BYTES))
-            record = await self.l2.append(
-                entry.ns.name, entry.key, entry.parent or b"", entry.meta, entry.size,
-                entry.checksum, views,
-            )  # fmt: skip
+            outcomes = await self.l2.append_many([self._append_of(entry) for entry in live])
         finally:
-            self.writing -= 1
-            self._unpin(entry)
+            self.writing -= len(live)
+            for entry in live:
+                self._unpin(entry)
             self._progress.set()
+        errors: dict[int, IoError | L2Full] = {}
+        for entry, outcome in zip(live, outcomes, strict=True):
+            if isinstance(outcome, L2Record):
+                await self._written(entry, outcome)
+            else:
+                errors[id(entry)] = outcome
+        return [errors.get(id(entry)) for entry in entries]
+
+    def _append_of(self, entry: Entry) -> Append:
+        views = self.pool.views(entry.runs, align_up(entry.size, BLOCK_BYTES))
+        ns, parent = entry.ns.name, entry.parent or b""
+        return Append(ns, entry.key, parent, entry.meta, entry.size, entry.checksum, views)
+
+    async def _written(self, entry: Entry, record: L2Record) -> None:
+        """``entry`` is on L2 as ``record``: count it, and mark it clean."""
         if entry.dirty:
             self.first_write_bytes += entry.size
             self._rewrite_credit_bytes = min(

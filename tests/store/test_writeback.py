@@ -5,12 +5,15 @@ written back and gone from L1."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from kvd.io import faults
+from kvd.io.backend import IoError
 from kvd.l1.pool import PAGE_BYTES, Pool
+from kvd.l2.records import Append, L2Full, L2Record
 from kvd.l2.tier import L2Tier
 from kvd.store.store import Store
 from kvd.store.writeback import DurableNoRoom, DurableWriteFailed
@@ -115,6 +118,69 @@ async def test_parked_values_may_go_once_write_back_fails(tmp_path: Path) -> Non
         await asyncio.wait_for(put, 2)
         assert store.l1_size("ns", b"n") == 1000
         assert [store.l1_size("ns", b"k%d" % i) for i in range(8)].count(None) == 1
+    finally:
+        await store.close()
+        tier.close()
+
+
+async def _written_back(
+    tmp_path: Path, spec: str, sizes: list[int], pool_pages: int
+) -> tuple[Store, L2Tier, list[int]]:
+    """Values of ``sizes`` put while write-back is stopped, then written back
+    to a tier with io faults ``spec``; the store, the tier and the number of
+    values in each ``append_many`` call write-back made."""
+    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=8 * MiB)
+    tier = L2Tier(devices, faults.wrap(backend("threads"), spec))
+    await tier.recover()
+    batches: list[int] = []
+    append_many = tier.append_many
+
+    async def noted(items: Sequence[Append]) -> list[L2Record | IoError | L2Full]:
+        batches.append(len(items))
+        return await append_many(items)
+
+    tier.append_many = noted  # type: ignore[method-assign]
+    store = Store(Pool(pool_pages * PAGE_BYTES), store_limits(max_value_bytes=8 * MiB), l2=tier)
+    for i, size in enumerate(sizes):
+        await store.put("ns", b"k%d" % i, bytes([i]) * size, hasher=checksum)
+    store.start()
+    writeback = store.writeback
+    assert writeback is not None
+    async with asyncio.timeout(10.0):  # flush stops while L2 is failing: wait that out
+        while await writeback.flush(0.1):
+            await asyncio.sleep(0.05)
+    return store, tier, batches
+
+
+async def test_write_back_appends_what_is_queued_together(tmp_path: Path) -> None:
+    store, tier, batches = await _written_back(tmp_path, "", [1000] * 10, 16)
+    try:
+        assert batches == [10]
+        assert tier.holds("ns", [b"k%d" % i for i in range(10)]) == [True] * 10
+    finally:
+        await store.close()
+        tier.close()
+
+
+async def test_a_write_back_batch_holds_at_most_its_bytes(tmp_path: Path) -> None:
+    sizes = [MiB] * 5 + [5 * MiB, MiB]  # batches are cut at 4 MiB, one value at least
+    store, tier, batches = await _written_back(tmp_path, "", sizes, 200)
+    try:
+        assert batches == [4, 1, 1, 1]
+        assert tier.holds("ns", [b"k%d" % i for i in range(7)]) == [True] * 7
+    finally:
+        await store.close()
+        tier.close()
+
+
+async def test_a_failed_write_in_a_batch_is_written_again_alone(tmp_path: Path) -> None:
+    # Write op 1 is the segment marker, 2-5 the first batch's four records.
+    store, tier, batches = await _written_back(tmp_path, "write:eio:nth=3", [1000] * 4, 16)
+    try:
+        assert batches == [4, 1]
+        assert store.writeback is not None and store.writeback.errors == 1
+        assert tier.holds("ns", [b"k%d" % i for i in range(4)]) == [True] * 4
+        assert store.stats()["l1_dropped_unwritten"] == 0
     finally:
         await store.close()
         tier.close()
