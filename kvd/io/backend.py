@@ -76,8 +76,8 @@ logger = logging.getLogger("kvd.io")
 DEPTH_MAX = 4096  # matches the native ring's DEPTH_MAX
 THREADS_MAX = 256
 OPS_PER_CALL_MAX = 65536  # one submit_many call; a 16 GiB segment scan in 256 KiB ops
-# A record read's user_data: this bit, then its batch's number and its index
-# in the batch (plain ops count up from 0, far below it).
+# An op's or record read's user_data: this bit, then its batch's number and
+# its index in the batch.
 _RECORD_BIT = 1 << 62
 _RECORD_INDEX_BITS = 20  # > OPS_PER_CALL_MAX records in one batch
 _RECORD_INDEX_MASK = (1 << _RECORD_INDEX_BITS) - 1
@@ -100,8 +100,9 @@ ReadRecordsFn = Callable[[StripeLayout, Sequence[RecordRead], RecordDone], Await
 
 
 class _RecordBatch:
-    """One read_records call: its callback, how many records are still out,
-    and a future done when none is (the call returns only then)."""
+    """One call's ops or records (``_run``, ``read_records``): its callback,
+    how many are still out, and a future done when none is (the call
+    returns only then)."""
 
     __slots__ = ("done", "left", "on_done")
 
@@ -251,10 +252,8 @@ class UringBackend(_BackendBase):
         # (no IPI per completion): see native/kvd_uring.c.
         self.cooperative = self._ring.cooperative
         self._efd = self._ring.eventfd()
-        self._waiting: dict[int, asyncio.Future[int]] = {}  # plain ops in flight
-        self._batches: dict[int, _RecordBatch] = {}  # record batches with records in flight
+        self._batches: dict[int, _RecordBatch] = {}  # batches with ops or records in flight
         self._line: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._next_user_data = 0
         self._next_batch = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_scheduled = False
@@ -308,25 +307,17 @@ class UringBackend(_BackendBase):
                 turn.set_result(None)
                 return
 
-    def _push(
-        self, loop: asyncio.AbstractEventLoop, ops: Sequence[IoOp]
-    ) -> list[asyncio.Future[int]]:
-        """Hand ops (that fit in the room) to the ring."""
-        native: list[_uring.Op] = []
-        for op in ops:
-            bufs = op.bufs[0] if len(op.bufs) == 1 else (tuple(op.bufs) if op.bufs else None)
-            user_data = self._next_user_data + len(native)
-            native.append((int(op.kind), op.fd, op.offset, bufs, user_data))
+    def _submit_ops(self, ops: Sequence[IoOp], user_data: int) -> int:
+        """Hand ops (that fit in the room) to the ring, numbered from ``user_data``."""
+        native = [
+            (int(op.kind), op.fd, op.offset,
+             op.bufs[0] if len(op.bufs) == 1 else (tuple(op.bufs) if op.bufs else None),
+             user_data + i)
+            for i, op in enumerate(ops)
+        ]  # fmt: skip
         accepted = self._ring.submit(native)
         assert accepted == len(native), (accepted, len(native))  # they fit: see _room
-        futs: list[asyncio.Future[int]] = []
-        for item in native:
-            fut: asyncio.Future[int] = loop.create_future()
-            self._waiting[item[4]] = fut
-            futs.append(fut)
-        self._next_user_data += len(native)
-        self._retry_unsubmitted(loop)
-        return futs
+        return accepted
 
     def _retry_unsubmitted(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._ring.unsubmitted and not self._flush_scheduled:
@@ -361,11 +352,6 @@ class UringBackend(_BackendBase):
 
     def _deliver(self, done: list[tuple[int, int]]) -> None:
         for user_data, result in done:
-            if user_data < _RECORD_BIT:
-                fut = self._waiting.pop(user_data)
-                if not fut.done():
-                    fut.set_result(result)
-                continue
             number = (user_data - _RECORD_BIT) >> _RECORD_INDEX_BITS
             batch = self._batches[number]
             batch.on_done(user_data & _RECORD_INDEX_MASK, result)
@@ -376,25 +362,17 @@ class UringBackend(_BackendBase):
                     batch.done.set_result(None)
 
     async def _run(self, ops: Sequence[IoOp]) -> list[int]:
+        """Plain ops, as one batch: their results in order (no future per op)."""
         self._check_ops(ops)
-        loop = self._bind()
-        futs: list[asyncio.Future[int]] = []
-        pushed = 0
-
-        def push() -> bool:
-            nonlocal pushed
-            take = ops[pushed : pushed + self._room()]
-            if take:
-                futs.extend(self._push(loop, take))
-                pushed += len(take)
-            return pushed == len(ops)
-
-        try:
-            await self._admit(push)
-        except BaseException:
-            await _settle(futs)
-            raise
-        return await _settle(futs)
+        results = [0] * len(ops)
+        if ops:
+            await self._batch(
+                len(ops), results.__setitem__,
+                lambda first, user_data: self._submit_ops(
+                    ops[first : first + self._room()], user_data
+                ),
+            )  # fmt: skip
+        return results
 
     async def read_records(
         self, layout: StripeLayout, records: Sequence[RecordRead], on_done: RecordDone
@@ -409,30 +387,43 @@ class UringBackend(_BackendBase):
         if len(records) > OPS_PER_CALL_MAX:
             raise ValueError(f"at most {OPS_PER_CALL_MAX} records per call, got {len(records)}")
         self._room()  # closed?
-        if not records:
-            return
+        if records:
+            native = layout.native
+            await self._batch(
+                len(records), on_done,
+                lambda first, user_data: self._ring.submit_records(
+                    native, records, first, user_data
+                ),
+            )  # fmt: skip
+
+    async def _batch(
+        self, count: int, on_done: RecordDone, push_some: Callable[[int, int], int]
+    ) -> None:
+        """Push ``count`` items, ops or records: ``push_some(first, user_data)``
+        pushes what fits from item ``first`` on, numbered from ``user_data``,
+        and says how many went; between pushes, wait in line for room.
+        ``on_done(index, result)`` as each ends; returns once every one ended."""
         loop = self._bind()
         number = self._next_batch
         self._next_batch += 1
         base = _RECORD_BIT | (number << _RECORD_INDEX_BITS)
-        batch = _RecordBatch(on_done, len(records), loop.create_future())
+        batch = _RecordBatch(on_done, count, loop.create_future())
         pushed = 0
-        native = layout.native
 
         def push() -> bool:
             nonlocal pushed
             if self._room() > 0:
-                accepted = self._ring.submit_records(native, records, pushed, base + pushed)
+                accepted = push_some(pushed, base + pushed)
                 if accepted and not pushed:
                     self._batches[number] = batch
                 pushed += accepted
                 self._retry_unsubmitted(loop)
-            return pushed == len(records)
+            return pushed == count
 
         try:
             await self._admit(push)
         except BaseException:
-            batch.end(len(records) - pushed)  # those never went out
+            batch.end(count - pushed)  # those never went out
             if batch.left == 0:
                 self._batches.pop(number, None)
             await settle([batch.done])
@@ -440,7 +431,7 @@ class UringBackend(_BackendBase):
         try:
             await batch.done
         except asyncio.CancelledError:
-            # That cancelled batch.done; wait for the records still out on a
+            # That cancelled batch.done; wait for the items still out on a
             # fresh one (settle absorbs further cancels), then re-raise.
             if batch.left:
                 batch.done = loop.create_future()
