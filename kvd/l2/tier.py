@@ -82,6 +82,10 @@ class L2Tier:
         self._opening: asyncio.Future[Segment] | None = None
         self._io_done = asyncio.Event()
         self._buffers: list[AlignedBuffer] = []
+        # Syncs asked for and made durable (sync()): callers share one fdatasync.
+        self._syncs_asked = 0
+        self._syncs_done = 0
+        self._syncing = asyncio.Lock()
         self.on_drop: Callable[[L2Record], None] = lambda record: None
         # Told of each record indexed (True) and forgotten (False): the pool's KV events.
         self.on_record: Callable[[L2Record, bool], None] | None = None
@@ -489,9 +493,21 @@ class L2Tier:
             self._io_done.set()
 
     async def sync(self) -> None:
-        """Make every completed write durable (fdatasync on each path)."""
-        await asyncio.gather(*(self.io.fsync(fd, data_only=True) for fd in self.devices.fds()))
-        self.counters.syncs += 1
+        """Make every completed write durable (fdatasync on each path).
+
+        Callers share syncs (group commit): one fdatasync at a time, and a
+        caller whose ask came before a sync began returns when it ends,
+        since every write completed before the ask is covered by it. A
+        failed sync raises for its caller; those waiting try their own."""
+        asked = self._syncs_asked = self._syncs_asked + 1
+        async with self._syncing:
+            if self._syncs_done >= asked:
+                return
+            await asyncio.sleep(0)  # callers woken with this one ask first
+            covers = self._syncs_asked
+            await asyncio.gather(*(self.io.fsync(fd, data_only=True) for fd in self.devices.fds()))
+            self._syncs_done = max(self._syncs_done, covers)
+            self.counters.syncs += 1
 
     # ---- recovery --------------------------------------------------------------
     async def recover(self) -> int:
