@@ -24,6 +24,11 @@ Filling the device is measured too (path ``put``, at the write-back's
 keys through an L1 of ``FILL_POOL_BYTES`` (far smaller than the data, so
 L1 is full of values waiting for write-back most of the time), until the
 last is on L2, next to fio's sequential writes of the same block size.
+And durable puts (path ``put-durable``): ``DURABLE_WRITERS`` writers each
+putting fresh values with ``durable`` (on L2 and synced before each
+answer) into a store whose L1 holds them all, next to fio's sequential
+writes at that depth with an fdatasync after every ``DURABLE_WRITERS``
+writes.
 
 Besides GB/s, each case reports the process's CPU time (all threads, user
 and kernel) per read, which noise from other processes on the machine moves
@@ -64,7 +69,7 @@ from kvd.store.eviction.policy import make_policy
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
 from kvd.store.writeback import WORKERS
-from kvd.tools.bench.backends import fio_randread, fio_write
+from kvd.tools.bench.backends import fio_randread, fio_write, fio_write_synced
 from kvd.wire.checksum import checksum
 
 MiB = 1 << 20
@@ -88,6 +93,8 @@ IO_DEPTH = 128  # the io backend's depth: above every reader depth benched by de
 DATA_FILE = "l2-bench.dat"
 LAY_OUT_BYTES = 4 * MiB  # one write of the lay-out
 FILL_POOL_BYTES = 64 * MiB  # L1 of the fill's store: an eighth of the data
+DURABLE_WRITERS = 16  # durable puts in flight at once
+DURABLE_BYTES = 128 * MiB  # put durably per block size, at most
 
 
 @dataclass
@@ -218,6 +225,30 @@ async def _fill(target: Target, backend: str, block_bytes: int) -> tuple[int, Ca
         await _close(store, tier)  # flushes write-back
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
     return count, Case(count * block_bytes / elapsed / 1e9, cpu / count * 1e6)
+
+
+async def _durable(target: Target, backend: str, block_bytes: int) -> Case:
+    """``DURABLE_WRITERS`` writers putting fresh values durably, up to
+    ``DURABLE_BYTES`` or a quarter of the data (L1 holds them all); the
+    rate and CPU per put."""
+    count = max(DURABLE_WRITERS, min(DURABLE_BYTES, target.data_bytes // 4) // block_bytes)
+    store, tier = _open(target, backend, count * align_up(block_bytes, PAGE_BYTES) + 64 * MiB)
+    await tier.recover()
+    store.start()
+    value = random.Random(block_bytes).randbytes(block_bytes)
+    keys = iter(range(count))
+
+    async def writer() -> None:
+        for i in keys:
+            await store.put("durable", _key(i), value, hasher=checksum, durable=True)
+
+    cpu_before, start = time.process_time(), time.perf_counter()
+    try:
+        await asyncio.gather(*(writer() for _ in range(DURABLE_WRITERS)))
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_before
+    finally:
+        await _close(store, tier)
+    return Case(count * block_bytes / elapsed / 1e9, cpu / count * 1e6)
 
 
 async def _read_store(
@@ -379,12 +410,20 @@ def run(
             ":".join(target.paths), block_bytes=block_bytes, queue_depth=WORKERS,
             seconds=seconds, file_bytes=span_bytes,
         )  # fmt: skip
+        fio_synced_gbps = fio_write_synced(
+            ":".join(target.paths), block_bytes=block_bytes, queue_depth=DURABLE_WRITERS,
+            seconds=seconds, file_bytes=span_bytes,
+        )  # fmt: skip
         _lay_out(target)  # also forgets earlier runs: no segment marker stays valid
         mib, kib = target.data_bytes >> 20, block_bytes >> 10
         progress(f"l2 read: {backends[0]} put: filling {mib} MiB of {kib} KiB blocks")
         count, fill = asyncio.run(_fill(target, backends[0], block_bytes))
         rows.append(Row(backends[0], "put", n, block_bytes, WORKERS, fill.gbps,
                         fill.cpu_us_per_read, fio_write_gbps))  # fmt: skip
+        progress(f"l2 read: {backends[0]} put-durable: {DURABLE_WRITERS} writers, {kib} KiB")
+        durable = asyncio.run(_durable(target, backends[0], block_bytes))
+        rows.append(Row(backends[0], "put-durable", n, block_bytes, DURABLE_WRITERS,
+                        durable.gbps, durable.cpu_us_per_read, fio_synced_gbps))  # fmt: skip
         for depth in depths:
             fio = fio_randread(
                 ":".join(target.paths), block_bytes=block_bytes, queue_depth=depth,

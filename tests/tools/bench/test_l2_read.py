@@ -1,6 +1,7 @@
-"""``kvd bench l2`` on a small data set: rows for every case (the fill's puts
-among them) with GB/s and CPU time per op, on a directory and on RAM-backed loop devices it makes
-itself (root only), striped over two of them, and cleaned up after."""
+"""``kvd bench l2`` on a small data set: rows for every case (the fill's and
+the durable puts among them) with GB/s and CPU time per op, on a directory
+and on RAM-backed loop devices it makes itself (root only), striped over two
+of them, and cleaned up after."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ def _attached() -> str:
 def _check_rows(rows: list[l2_read.Row], devices: int) -> None:
     backends = {"uring", "threads"} if native_available()[0] else {"threads"}
     fill = "uring" if native_available()[0] else "threads"
-    cases = {(b, p) for b in backends for p in l2_read.READ_PATHS} | {(fill, "put")}
+    puts = {(fill, "put"), (fill, "put-durable")}
+    cases = {(b, p) for b in backends for p in l2_read.READ_PATHS} | puts
     assert {(r.backend, r.path) for r in rows} == cases
+    depths = {"put": WORKERS, "put-durable": l2_read.DURABLE_WRITERS}
     for row in rows:
-        depth = WORKERS if row.path == "put" else 4
+        depth = depths.get(row.path, 4)
         assert row.devices == devices and row.block_bytes == 64 << 10 and row.depth == depth
         assert row.kvd_gbps > 0 and row.cpu_us_per_read > 0
     table = l2_read.markdown(rows)
