@@ -71,6 +71,10 @@ REWRITE_RATIO = 0.5
 REWRITE_CREDIT_SEGMENTS = 1
 
 
+# Why an append of an entry failed (write_many).
+WriteError = IoError | L2Full | ResourceExhausted
+
+
 class DurableNoRoom(ResourceExhausted):
     """A durable put found L2 full: no reclaimable segment, or ENOSPC/EDQUOT
     (``errno``, 0 for the former). RESOURCE_EXHAUSTED, as the registry in
@@ -117,11 +121,15 @@ class WriteBack:
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._workers: list[asyncio.Task[None]] = []
+        # Durable puts of this loop turn, appended together (_write_durable).
+        self._durable: list[tuple[Entry, asyncio.Future[None]]] = []
+        self._durable_tasks: set[asyncio.Task[None]] = set()
         self._unhealthy_until = 0.0
         self.writing = 0
         self.errors = 0
         self.dropped_unwritten = 0
         self.quota_dropped = 0
+        self.over_quota = 0  # values left in L1 only: larger than their namespace's L2 quota
         self.first_write_bytes = 0  # value bytes of puts written to L2
         self.rewrite_bytes = 0  # value bytes written again after a reclaim
         self.rewrites = 0
@@ -213,6 +221,12 @@ class WriteBack:
             for entry, error in zip(entries, await self.write_many(entries), strict=True):
                 if error is None:
                     continue
+                if isinstance(error, ResourceExhausted):  # over its namespace's L2 quota
+                    self.over_quota += 1
+                    if entry.dirty:  # left in L1 only, evicted like a clean value
+                        entry.dirty = False
+                        self._cleaned(entry)
+                    continue
                 self._failed(error)
                 if entry.linked and entry.dirty:
                     self._queue.append(entry)
@@ -254,14 +268,21 @@ class WriteBack:
 
     async def write_many(
         self, entries: list[Entry], *, durable: bool = False
-    ) -> list[IoError | L2Full | None]:
+    ) -> list[WriteError | None]:
         """Append L1 entries to L2 in one submission, each within its
-        namespace's L2 quota (a durable put over it is refused), their pages
-        pinned meanwhile; each one's error, or None (written, or gone while
-        the quota's deletes ran)."""
+        namespace's L2 quota, their pages pinned meanwhile; each one's error
+        (ResourceExhausted: over the quota with nothing to drop, or durable),
+        or None (written, or gone while the quota's deletes ran)."""
+        refused: dict[int, WriteError] = {}
         for entry in entries:
-            await self._within_l2_quota(entry, durable)
-        live = [e for e in entries if e.linked and (e.dirty or e.l2 is None)]
+            try:
+                await self._within_l2_quota(entry, durable)
+            except ResourceExhausted as exc:
+                refused[id(entry)] = exc
+        live = [
+            e for e in entries
+            if e.linked and (e.dirty or e.l2 is None) and id(e) not in refused
+        ]  # fmt: skip
         for entry in live:
             self._pin(entry)
         self.writing += len(live)
@@ -272,13 +293,12 @@ class WriteBack:
             for entry in live:
                 self._unpin(entry)
             self._progress.set()
-        errors: dict[int, IoError | L2Full] = {}
         for entry, outcome in zip(live, outcomes, strict=True):
             if isinstance(outcome, L2Record):
                 await self._written(entry, outcome)
             else:
-                errors[id(entry)] = outcome
-        return [errors.get(id(entry)) for entry in entries]
+                refused[id(entry)] = outcome
+        return [refused.get(id(entry)) for entry in entries]
 
     def _append_of(self, entry: Entry) -> Append:
         views = self.pool.views(entry.runs, align_up(entry.size, BLOCK_BYTES))
@@ -312,7 +332,7 @@ class WriteBack:
         try:
             # Clean without a record: its record was reclaimed and not rewritten.
             if entry is not None and (entry.dirty or entry.l2 is None):
-                await self.write(entry, durable=True)
+                await self._write_durable(entry)
             await self.l2.sync()
             crashpoints.hit("after_sync")
         except L2Full as exc:
@@ -323,6 +343,40 @@ class WriteBack:
             if code in (errno.ENOSPC, errno.EDQUOT):
                 raise DurableNoRoom(f"durable put: L2 is full ({exc})", code) from exc
             raise DurableWriteFailed(f"durable put: L2 write failed ({exc})", code) from exc
+
+    async def _write_durable(self, entry: Entry) -> None:
+        """Append a durable put's entry together with the other durable puts
+        of this loop turn (one submission, as their sync is one); raises its
+        own failure."""
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future[None] = loop.create_future()
+        self._durable.append((entry, written))
+        if len(self._durable) == 1:
+            loop.call_soon(self._start_durable)
+        await written
+
+    def _start_durable(self) -> None:
+        batch, self._durable = self._durable, []
+        task = asyncio.get_running_loop().create_task(self._durable_batch(batch))
+        self._durable_tasks.add(task)
+        task.add_done_callback(self._durable_tasks.discard)
+
+    async def _durable_batch(self, batch: list[tuple[Entry, asyncio.Future[None]]]) -> None:
+        try:
+            errors = await self.write_many([entry for entry, _ in batch], durable=True)
+        except asyncio.CancelledError:  # write-back closing
+            _fail_all(batch, IoError(errno.ECANCELED, "durable put: write-back closed"))
+            raise
+        except Exception as exc:  # each waiting put raises it
+            _fail_all(batch, exc)
+            return
+        for (_, written), error in zip(batch, errors, strict=True):
+            if written.done():
+                continue  # its put was cancelled meanwhile
+            if error is None:
+                written.set_result(None)
+            else:
+                written.set_exception(error)
 
     async def flush(self, deadline_s: float) -> int:
         """Write what is queued, until ``deadline_s`` (graceful shutdown); the rest left."""
@@ -335,9 +389,16 @@ class WriteBack:
         return self.queue_depth
 
     async def close(self) -> None:
-        for task in self._workers:
+        for task in [*self._workers, *self._durable_tasks]:
             task.cancel()
-        for task in self._workers:
+        for task in [*self._workers, *self._durable_tasks]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._workers = []
+
+
+def _fail_all(batch: list[tuple[Entry, asyncio.Future[None]]], error: Exception) -> None:
+    """Fail the waiting puts of a durable batch with ``error``."""
+    for _, written in batch:
+        if not written.done():
+            written.set_exception(error)

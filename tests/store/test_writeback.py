@@ -184,3 +184,98 @@ async def test_a_failed_write_in_a_batch_is_written_again_alone(tmp_path: Path) 
     finally:
         await store.close()
         tier.close()
+
+
+async def _durable_store(
+    tmp_path: Path, spec: str = "", **limits: int
+) -> tuple[Store, L2Tier, list[int]]:
+    """A started store over a tier with io faults ``spec``; the sizes of
+    the ``append_many`` calls made, noted."""
+    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=MiB)
+    tier = L2Tier(devices, faults.wrap(backend("threads"), spec))
+    await tier.recover()
+    batches: list[int] = []
+    append_many = tier.append_many
+
+    async def noted(items: Sequence[Append]) -> list[L2Record | IoError | L2Full]:
+        batches.append(len(items))
+        return await append_many(items)
+
+    tier.append_many = noted  # type: ignore[method-assign]
+    store = Store(Pool(32 * PAGE_BYTES), store_limits(**limits), l2=tier)
+    store.start()
+    return store, tier, batches
+
+
+async def test_durable_puts_at_once_are_appended_and_synced_together(tmp_path: Path) -> None:
+    store, tier, batches = await _durable_store(tmp_path)
+    try:
+        puts = [
+            store.put("ns", b"d%d" % i, b"v" * 1000, hasher=checksum, durable=True)
+            for i in range(8)
+        ]
+        await asyncio.wait_for(asyncio.gather(*puts), 10)
+        assert batches == [8]
+        assert tier.counters.syncs == 1
+        assert tier.holds("ns", [b"d%d" % i for i in range(8)]) == [True] * 8
+    finally:
+        await store.close()
+        tier.close()
+
+
+async def test_a_durable_put_over_its_quota_fails_alone(tmp_path: Path) -> None:
+    store, tier, batches = await _durable_store(tmp_path, namespace_l2_quota_bytes=256 * 1024)
+    try:
+        small = [
+            store.put("ns", b"s%d" % i, b"v" * 1000, hasher=checksum, durable=True)
+            for i in range(3)
+        ]
+        big = store.put("ns", b"big", b"v" * 300_000, hasher=checksum, durable=True)
+        outcomes = await asyncio.wait_for(asyncio.gather(*small, big, return_exceptions=True), 10)
+        assert not any(isinstance(o, BaseException) for o in outcomes[:3])
+        assert isinstance(outcomes[3], KvdError) and error_number(outcomes[3]) == 8
+        assert batches == [3]
+        assert tier.holds("ns", [b"s0", b"s1", b"s2", b"big"]) == [True, True, True, False]
+        assert store.l1_size("ns", b"big") is None  # a failed durable put leaves nothing
+    finally:
+        await store.close()
+        tier.close()
+
+
+async def test_a_failed_durable_write_fails_its_put_alone(tmp_path: Path) -> None:
+    # Write op 1 is the segment marker, 2-4 the three records.
+    store, tier, _ = await _durable_store(tmp_path, "write:eio:nth=3")
+    try:
+        puts = [
+            store.put("ns", b"d%d" % i, b"v" * 1000, hasher=checksum, durable=True)
+            for i in range(3)
+        ]
+        outcomes = await asyncio.wait_for(asyncio.gather(*puts, return_exceptions=True), 10)
+        assert outcomes[0] is not None and outcomes[2] is not None
+        assert not isinstance(outcomes[0], BaseException)
+        assert not isinstance(outcomes[2], BaseException)
+        assert isinstance(outcomes[1], DurableWriteFailed) and outcomes[1].errno == 5
+        assert tier.holds("ns", [b"d0", b"d1", b"d2"]) == [True, False, True]
+    finally:
+        await store.close()
+        tier.close()
+
+
+async def test_a_value_over_its_namespace_quota_stays_in_l1_only(tmp_path: Path) -> None:
+    """Write-back of a value larger than its namespace's L2 quota (nothing
+    to drop for it) leaves it in L1 only, and write-back goes on: such
+    values once ended the workers that met them, one each."""
+    store, tier, _ = await _durable_store(tmp_path, namespace_l2_quota_bytes=128 * 1024)
+    writeback = store.writeback
+    assert writeback is not None
+    try:
+        for i in range(6):
+            await store.put("ns", b"big%d" % i, b"v" * 200_000, hasher=checksum)
+        await store.put("ns", b"small", b"v" * 1000, hasher=checksum)
+        assert await writeback.flush(5.0) == 0
+        assert tier.holds("ns", [b"small", b"big0"]) == [True, False]
+        assert writeback.over_quota == 6
+        assert store.l1_size("ns", b"big5") == 200_000  # still served from L1
+    finally:
+        await store.close()
+        tier.close()
