@@ -260,12 +260,6 @@ class WriteBack:
             await self.l2.delete_record(oldest)
             self.quota_dropped += 1
 
-    async def write(self, entry: Entry, *, durable: bool = False) -> None:
-        """Append one L1 entry to L2 (its pages pinned meanwhile); raises on failure."""
-        (error,) = await self.write_many([entry], durable=durable)
-        if error is not None:
-            raise error
-
     async def write_many(
         self, entries: list[Entry], *, durable: bool = False
     ) -> list[WriteError | None]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.io.backend import IoBackend, native_available, open_backend
+from kvd.io.backend import IoBackend, IoOp, native_available, open_backend
 from kvd.l2.devices import DeviceSet
 from kvd.l2.format import BLOCK_BYTES, align_up
 from kvd.l2.records import L2Record
@@ -32,6 +32,9 @@ BACKENDS = [
 ]
 KiB = 1024
 MiB = 1024 * KiB
+# The ``small`` fixture's tier (tests/l2/conftest.py): one path, 4 segments.
+SMALL_SEGMENT_BYTES = 256 * KiB  # a marker and three 64 KiB records
+SMALL_PAYLOAD_BYTES = 60 * KiB  # header + payload = exactly one 64 KiB record
 
 
 def backend(kind: str) -> IoBackend:
@@ -198,3 +201,27 @@ class Env:
         path, offset = self.location(record, at)
         old = raw_read(path, offset, 1)
         raw_write(path, offset, bytes([old[0] ^ 0x5A]))
+
+
+class PassThrough:
+    """An io backend that hands every call to ``inner``: tests subclass it
+    to hold, count or watch the calls they care about."""
+
+    def __init__(self, inner: IoBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    async def submit_many(self, ops: Sequence[IoOp]) -> list[int]:
+        return await self.inner.submit_many(ops)
+
+    async def read(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
+        return await self.inner.read(fd, offset, bufs)
+
+    async def write(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
+        return await self.inner.write(fd, offset, bufs)
+
+    async def fsync(self, fd: int, *, data_only: bool = False) -> None:
+        await self.inner.fsync(fd, data_only=data_only)
+
+    def close(self) -> None:
+        self.inner.close()

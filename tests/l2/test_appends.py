@@ -6,8 +6,7 @@ records after it, never taking the others' places or leaving them unwritten."""
 from __future__ import annotations
 
 import errno
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 
@@ -17,31 +16,23 @@ from kvd.l2 import tier as tier_module
 from kvd.l2.records import Append, L2Full, L2Record
 from kvd.l2.tier import L2Tier
 from kvd.wire.checksum import checksum
-from tests.l2 import BACKENDS, Env, KiB, get, padded, payload, put
-
-SEGMENT_BYTES = 256 * KiB  # 1 path: a marker and three 64 KiB records
-PAYLOAD_BYTES = 60 * KiB  # header + payload = exactly one 64 KiB record
-
-
-@pytest.fixture(params=BACKENDS)
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-async def small(tmp_path: Path, kind: str) -> AsyncIterator[Env]:
-    """One path, 4 segments of 256 KiB: full after 12 records of 60 KiB."""
-    env = Env(tmp_path, kind, paths=1, segments=4, segment_bytes=SEGMENT_BYTES)
-    yield env
-    env.close_all()
+from tests.l2 import (
+    SMALL_PAYLOAD_BYTES,
+    SMALL_SEGMENT_BYTES,
+    Env,
+    PassThrough,
+    get,
+    padded,
+    payload,
+    put,
+)
 
 
-class CountedWrites:
+class CountedWrites(PassThrough):
     """An io backend that notes how many write ops each submission of writes carried."""
 
     def __init__(self, inner: IoBackend) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.writes: list[int] = []
 
     async def submit_many(self, ops: Sequence[IoOp]) -> list[int]:
@@ -49,18 +40,6 @@ class CountedWrites:
         if writes:
             self.writes.append(writes)
         return await self.inner.submit_many(ops)
-
-    async def read(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
-        return await self.inner.read(fd, offset, bufs)
-
-    async def write(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
-        return await self.inner.write(fd, offset, bufs)
-
-    async def fsync(self, fd: int, *, data_only: bool = False) -> None:
-        await self.inner.fsync(fd, data_only=data_only)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 async def append(tier: L2Tier, values: dict[bytes, bytes]) -> list[L2Record | IoError | L2Full]:
@@ -77,7 +56,7 @@ async def append(tier: L2Tier, values: dict[bytes, bytes]) -> list[L2Record | Io
             buffer.close()
 
 
-def values_of(first: int, count: int, size: int = PAYLOAD_BYTES) -> dict[bytes, bytes]:
+def values_of(first: int, count: int, size: int = SMALL_PAYLOAD_BYTES) -> dict[bytes, bytes]:
     return {b"k%03d" % i: payload(size, i) for i in range(first, first + count)}
 
 
@@ -114,7 +93,7 @@ async def test_a_failed_write_fails_its_record_alone(small: Env) -> None:
 async def test_a_record_too_large_fails_alone(small: Env) -> None:
     tier = await small.open()
     values = values_of(0, 3)
-    values[b"k001"] = bytes(SEGMENT_BYTES)
+    values[b"k001"] = bytes(SMALL_SEGMENT_BYTES)
     first, big, third = await append(tier, values)
     assert isinstance(big, IoError) and big.errno == errno.EFBIG
     assert isinstance(first, L2Record) and isinstance(third, L2Record)
@@ -142,8 +121,8 @@ async def test_no_room_fails_the_rest_of_the_batch(
 
 async def test_append_is_a_batch_of_one(small: Env) -> None:
     tier = await small.open()
-    record = await put(tier, b"one", payload(PAYLOAD_BYTES, 1))
-    assert await get(tier, record) == payload(PAYLOAD_BYTES, 1)
+    record = await put(tier, b"one", payload(SMALL_PAYLOAD_BYTES, 1))
+    assert await get(tier, record) == payload(SMALL_PAYLOAD_BYTES, 1)
     with pytest.raises(IoError, match="larger than a segment"):
-        await put(tier, b"big", bytes(SEGMENT_BYTES))
+        await put(tier, b"big", bytes(SMALL_SEGMENT_BYTES))
     assert await tier.append_many([]) == []

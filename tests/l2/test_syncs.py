@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from kvd.io import faults
-from kvd.io.backend import IoBackend, IoError, IoOp
+from kvd.io.backend import IoBackend, IoError
 from kvd.l2.tier import L2Tier
-from tests.l2 import Env, KiB, payload, put
+from tests.l2 import Env, KiB, PassThrough, payload, put
 
 TEST_TIMEOUT_S = 30.0
 
@@ -27,25 +27,15 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
     env.close_all()
 
 
-class GatedSyncs:
+class GatedSyncs(PassThrough):
     """An io backend that counts fsyncs and holds each at a gate while armed."""
 
     def __init__(self, inner: IoBackend) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.fsyncs = 0
         self.armed = False
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()
-
-    async def submit_many(self, ops: Sequence[IoOp]) -> list[int]:
-        return await self.inner.submit_many(ops)
-
-    async def read(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
-        return await self.inner.read(fd, offset, bufs)
-
-    async def write(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
-        return await self.inner.write(fd, offset, bufs)
 
     async def fsync(self, fd: int, *, data_only: bool = False) -> None:
         self.fsyncs += 1
@@ -53,9 +43,6 @@ class GatedSyncs:
             self.entered.set()
             await self.gate.wait()
         await self.inner.fsync(fd, data_only=data_only)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 async def gated(env: Env) -> tuple[L2Tier, GatedSyncs]:

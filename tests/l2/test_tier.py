@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,11 +18,13 @@ from kvd.l2.format import RECORD_ALIGN_BYTES
 from kvd.l2.records import ChecksumMismatch, L2Full, SegmentState
 from kvd.l2.tier import L2Tier
 from tests.l2 import (
-    BACKENDS,
+    SMALL_PAYLOAD_BYTES,
+    SMALL_SEGMENT_BYTES,
     Aligned,
     Env,
     KiB,
     MiB,
+    PassThrough,
     get,
     payload,
     put,
@@ -30,21 +32,6 @@ from tests.l2 import (
 )
 
 TEST_TIMEOUT_S = 30.0
-SMALL_SEGMENT_BYTES = 256 * KiB  # 1 path: a marker and three 64 KiB records
-SMALL_PAYLOAD_BYTES = 60 * KiB  # header + payload = exactly one 64 KiB record
-
-
-@pytest.fixture(params=BACKENDS)
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-async def small(tmp_path: Path, kind: str) -> AsyncIterator[Env]:
-    """One path, 4 segments of 256 KiB: fills after 12 records of 60 KiB."""
-    env = Env(tmp_path, kind, paths=1, segments=4, segment_bytes=SMALL_SEGMENT_BYTES)
-    yield env
-    env.close_all()
 
 
 async def fill(tier: L2Tier, count: int, start: int = 0) -> dict[bytes, bytes]:
@@ -296,12 +283,11 @@ async def test_all_segments_pinned_is_l2_full(small: Env, monkeypatch: pytest.Mo
     assert len(tier.index) == 12
 
 
-class GatedReads:
+class GatedReads(PassThrough):
     """An io backend whose reads wait at a gate: holds a read in flight on purpose."""
 
     def __init__(self, inner: IoBackend) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.armed = False
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()
@@ -311,18 +297,6 @@ class GatedReads:
             self.entered.set()
             await self.gate.wait()
         return await self.inner.submit_many(ops)
-
-    async def read(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
-        return await self.inner.read(fd, offset, bufs)
-
-    async def write(self, fd: int, offset: int, bufs: Sequence[memoryview]) -> int:
-        return await self.inner.write(fd, offset, bufs)
-
-    async def fsync(self, fd: int, *, data_only: bool = False) -> None:
-        await self.inner.fsync(fd, data_only=data_only)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 async def test_segment_with_a_read_in_flight_is_not_reclaimed(small: Env) -> None:

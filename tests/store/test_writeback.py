@@ -123,13 +123,10 @@ async def test_parked_values_may_go_once_write_back_fails(tmp_path: Path) -> Non
         tier.close()
 
 
-async def _written_back(
-    tmp_path: Path, spec: str, sizes: list[int], pool_pages: int
-) -> tuple[Store, L2Tier, list[int]]:
-    """Values of ``sizes`` put while write-back is stopped, then written back
-    to a tier with io faults ``spec``; the store, the tier and the number of
-    values in each ``append_many`` call write-back made."""
-    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=8 * MiB)
+async def _noted_tier(tmp_path: Path, spec: str, segment_bytes: int) -> tuple[L2Tier, list[int]]:
+    """A recovered tier of 3 segments with io faults ``spec``, and the
+    number of records in each of its ``append_many`` calls, as they come."""
+    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=segment_bytes)
     tier = L2Tier(devices, faults.wrap(backend("threads"), spec))
     await tier.recover()
     batches: list[int] = []
@@ -140,6 +137,16 @@ async def _written_back(
         return await append_many(items)
 
     tier.append_many = noted  # type: ignore[method-assign]
+    return tier, batches
+
+
+async def _written_back(
+    tmp_path: Path, spec: str, sizes: list[int], pool_pages: int
+) -> tuple[Store, L2Tier, list[int]]:
+    """Values of ``sizes`` put while write-back is stopped, then written back
+    to a tier with io faults ``spec``; the store, the tier and the number of
+    values in each ``append_many`` call write-back made."""
+    tier, batches = await _noted_tier(tmp_path, spec, 8 * MiB)
     store = Store(Pool(pool_pages * PAGE_BYTES), store_limits(max_value_bytes=8 * MiB), l2=tier)
     for i, size in enumerate(sizes):
         await store.put("ns", b"k%d" % i, bytes([i]) * size, hasher=checksum)
@@ -191,17 +198,7 @@ async def _durable_store(
 ) -> tuple[Store, L2Tier, list[int]]:
     """A started store over a tier with io faults ``spec``; the sizes of
     the ``append_many`` calls made, noted."""
-    devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=MiB)
-    tier = L2Tier(devices, faults.wrap(backend("threads"), spec))
-    await tier.recover()
-    batches: list[int] = []
-    append_many = tier.append_many
-
-    async def noted(items: Sequence[Append]) -> list[L2Record | IoError | L2Full]:
-        batches.append(len(items))
-        return await append_many(items)
-
-    tier.append_many = noted  # type: ignore[method-assign]
+    tier, batches = await _noted_tier(tmp_path, spec, MiB)
     store = Store(Pool(32 * PAGE_BYTES), store_limits(**limits), l2=tier)
     store.start()
     return store, tier, batches
