@@ -200,7 +200,7 @@ class Config:
     namespace_l2_quota_bytes: int = _setting(
         0,
         help="L2 bytes one namespace may hold; over it, its oldest records go and durable "
-        "puts are refused; 0: no quota",
+        "puts are refused (a value larger than it stays in L1 only); 0: no quota",
         min=0,
         max=1 * PiB,
     )
