@@ -39,11 +39,8 @@ from kvd.l2.format import (
     FLAG_TOMBSTONE,
     HEADER_BYTES_MAX,
     RECORD_ALIGN_BYTES,
-    HeaderError,
     RecordHeader,
     align_up,
-    decode,
-    header_bytes_at,
 )
 from kvd.l2.reads import RecordReads
 from kvd.l2.records import (
@@ -56,6 +53,7 @@ from kvd.l2.records import (
     Segment,
     SegmentState,
 )
+from kvd.l2.scan import scan
 from kvd.util import crashpoints
 
 log = logging.getLogger("kvd.l2")
@@ -532,7 +530,11 @@ class L2Tier:
 
         async def one(segment: Segment) -> None:
             async with semaphore:
-                headers, offsets = await self._scan(segment)
+                buffer = self._header_buffer()
+                try:
+                    headers, offsets = await scan(self.devices, self.io, buffer, segment)
+                finally:
+                    self._buffers.append(buffer)
                 found.append((segment, headers, offsets))
 
         await asyncio.gather(*(one(s) for s in self.segments))
@@ -570,59 +572,6 @@ class L2Tier:
                 self._forget(stored)
         self.counters.recovered_records = len(self.index)
         return len(self.index)
-
-    async def _read_header(self, segment: int, offset: int) -> RecordHeader | None:
-        buffer = self._header_buffer()
-        try:
-            view = buffer.view[:BLOCK_BYTES]
-            ops = self.devices.ops(OpKind.READ, segment, offset, [view])
-            if (await self.io.submit_many(ops)) != [BLOCK_BYTES] * len(ops):
-                return None
-            size = header_bytes_at(view)
-            if size > BLOCK_BYTES:
-                rest = buffer.view[BLOCK_BYTES:size]
-                ops = self.devices.ops(OpKind.READ, segment, offset + BLOCK_BYTES, [rest])
-                if sum(await self.io.submit_many(ops)) != size - BLOCK_BYTES:
-                    return None
-            if not size:
-                return None
-            return decode(buffer.view[:size])
-        except HeaderError:
-            return None
-        finally:
-            self._buffers.append(buffer)
-
-    async def _scan(self, segment: Segment) -> tuple[list[RecordHeader], list[int]]:
-        first = await self._read_header(segment.index, 0)
-        if first is None or not first.flags & FLAG_SEGMENT:
-            segment.state = SegmentState.FREE
-            return [], []
-        segment.state = SegmentState.SEALED
-        segment.generation = first.generation
-        segment.first_seq = first.seq
-        headers: list[RecordHeader] = []
-        offsets: list[int] = []
-        offset = tail = RECORD_ALIGN_BYTES
-        end = self.devices.logical_segment_bytes
-        while offset + BLOCK_BYTES <= end:
-            header = await self._read_header(segment.index, offset)
-            if (
-                header is None
-                or header.generation != first.generation
-                or header.flags & FLAG_SEGMENT
-            ):
-                offset += RECORD_ALIGN_BYTES
-                continue
-            if offset + header.record_bytes > end:
-                break
-            headers.append(header)
-            offsets.append(offset)
-            offset += header.record_bytes
-            tail = offset
-        # Sealed for now; recover() reopens the newest segment at its tail.
-        segment.write_pos = end
-        segment.tail = tail
-        return headers, offsets
 
     def close(self) -> None:
         for buffer in self._buffers:
