@@ -42,6 +42,7 @@ from kvd.l2.format import (
     RecordHeader,
     align_up,
 )
+from kvd.l2.group_sync import GroupSync
 from kvd.l2.reads import RecordReads
 from kvd.l2.records import (
     Append,
@@ -80,11 +81,7 @@ class L2Tier:
         self._opening: asyncio.Future[Segment] | None = None
         self._io_done = asyncio.Event()
         self._buffers: list[AlignedBuffer] = []
-        # Syncs asked for and made durable (sync()): callers share one fdatasync.
-        self._syncs_asked = 0
-        self._syncs_done = 0
-        self._syncing = False  # a sync is running; callers waiting for its end:
-        self._sync_waiters: list[asyncio.Future[None]] = []
+        self._syncs = GroupSync(self._sync_paths)
         self.on_drop: Callable[[L2Record], None] = lambda record: None
         # Told of each record indexed (True) and forgotten (False): the pool's KV events.
         self.on_record: Callable[[L2Record, bool], None] | None = None
@@ -492,35 +489,13 @@ class L2Tier:
             self._io_done.set()
 
     async def sync(self) -> None:
-        """Make every completed write durable (fdatasync on each path).
+        """Make every completed write durable (fdatasync on each path); callers
+        at about the same time share one (``GroupSync``)."""
+        await self._syncs.sync()
 
-        Callers share syncs (group commit): one runs at a time, and a caller
-        whose ask came before a sync began returns when it ends, since every
-        write completed before the ask is covered by it; the callers it
-        covers return together. A failed sync raises for the caller that ran
-        it; the others it would have covered run their own."""
-        asked = self._syncs_asked = self._syncs_asked + 1
-        while self._syncs_done < asked:
-            if self._syncing:  # it may have begun before the ask: wait for its end
-                ended = asyncio.get_running_loop().create_future()
-                self._sync_waiters.append(ended)
-                await ended
-                continue
-            self._syncing = True
-            try:
-                await asyncio.sleep(0)  # callers woken with this one ask first
-                covers = self._syncs_asked
-                await asyncio.gather(
-                    *(self.io.fsync(fd, data_only=True) for fd in self.devices.fds())
-                )
-                self._syncs_done = max(self._syncs_done, covers)
-                self.counters.syncs += 1
-            finally:
-                self._syncing = False
-                waiters, self._sync_waiters = self._sync_waiters, []
-                for ended in waiters:
-                    if not ended.done():
-                        ended.set_result(None)
+    async def _sync_paths(self) -> None:
+        await asyncio.gather(*(self.io.fsync(fd, data_only=True) for fd in self.devices.fds()))
+        self.counters.syncs += 1
 
     # ---- recovery --------------------------------------------------------------
     async def recover(self) -> int:
