@@ -1,4 +1,5 @@
-"""Walking a segment's records on disk, for recovery (``L2Tier.recover``).
+"""Walking a segment's records on disk, for recovery (``L2Tier.recover``);
+``header_at`` also serves ``kvd fsck``.
 
 A segment in use starts with a segment marker that carries its generation;
 the walk then jumps from record to record by each one's length, and after a
@@ -15,6 +16,7 @@ from kvd.l2.devices import AlignedBuffer, DeviceSet
 from kvd.l2.format import (
     BLOCK_BYTES,
     FLAG_SEGMENT,
+    MAGIC,
     RECORD_ALIGN_BYTES,
     HeaderError,
     RecordHeader,
@@ -24,27 +26,37 @@ from kvd.l2.format import (
 from kvd.l2.records import Segment, SegmentState
 
 
-async def read_header(
+async def header_at(
+    devices: DeviceSet, io: IoBackend, buffer: AlignedBuffer, segment: int, offset: int
+) -> tuple[RecordHeader | None, bool] | None:
+    """The valid record header at ``offset`` of ``segment`` (read into
+    ``buffer``, of ``HEADER_BYTES_MAX``) or None, and whether its magic is
+    there; None when the read came back short (recovery skips the place,
+    fsck reports it)."""
+    view = buffer.view[:BLOCK_BYTES]
+    ops = devices.ops(OpKind.READ, segment, offset, [view])
+    if (await io.submit_many(ops)) != [BLOCK_BYTES] * len(ops):
+        return None
+    magic = bytes(view[: len(MAGIC)]) == MAGIC
+    size = header_bytes_at(view)
+    if not size:
+        return None, magic
+    if size > BLOCK_BYTES:
+        rest = buffer.view[BLOCK_BYTES:size]
+        ops = devices.ops(OpKind.READ, segment, offset + BLOCK_BYTES, [rest])
+        if sum(await io.submit_many(ops)) != size - BLOCK_BYTES:
+            return None
+    try:
+        return decode(buffer.view[:size]), magic
+    except HeaderError:
+        return None, magic
+
+
+async def _header(
     devices: DeviceSet, io: IoBackend, buffer: AlignedBuffer, segment: int, offset: int
 ) -> RecordHeader | None:
-    """The valid record header at ``offset`` of ``segment`` (read into
-    ``buffer``, of ``HEADER_BYTES_MAX``), or None."""
-    try:
-        view = buffer.view[:BLOCK_BYTES]
-        ops = devices.ops(OpKind.READ, segment, offset, [view])
-        if (await io.submit_many(ops)) != [BLOCK_BYTES] * len(ops):
-            return None
-        size = header_bytes_at(view)
-        if size > BLOCK_BYTES:
-            rest = buffer.view[BLOCK_BYTES:size]
-            ops = devices.ops(OpKind.READ, segment, offset + BLOCK_BYTES, [rest])
-            if sum(await io.submit_many(ops)) != size - BLOCK_BYTES:
-                return None
-        if not size:
-            return None
-        return decode(buffer.view[:size])
-    except HeaderError:
-        return None
+    found = await header_at(devices, io, buffer, segment, offset)
+    return found[0] if found is not None else None
 
 
 async def scan(
@@ -53,7 +65,7 @@ async def scan(
     """The valid records of ``segment`` of its current use, and their offsets;
     sets its state (FREE without a marker, else SEALED), generation, first
     sequence number and tail (the end of its last valid record)."""
-    first = await read_header(devices, io, buffer, segment.index, 0)
+    first = await _header(devices, io, buffer, segment.index, 0)
     if first is None or not first.flags & FLAG_SEGMENT:
         segment.state = SegmentState.FREE
         return [], []
@@ -65,7 +77,7 @@ async def scan(
     offset = tail = RECORD_ALIGN_BYTES
     end = devices.logical_segment_bytes
     while offset + BLOCK_BYTES <= end:
-        header = await read_header(devices, io, buffer, segment.index, offset)
+        header = await _header(devices, io, buffer, segment.index, offset)
         if header is None or header.generation != first.generation or header.flags & FLAG_SEGMENT:
             offset += RECORD_ALIGN_BYTES
             continue

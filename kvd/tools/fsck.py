@@ -51,14 +51,11 @@ from kvd.l2.format import (
     FLAG_SEGMENT,
     FLAG_TOMBSTONE,
     HEADER_BYTES_MAX,
-    MAGIC,
     RECORD_ALIGN_BYTES,
-    HeaderError,
     RecordHeader,
-    decode,
-    header_bytes_at,
 )
 from kvd.l2.records import ChecksumMismatch, L2Record, SegmentState
+from kvd.l2.scan import header_at
 from kvd.l2.tier import L2Tier
 
 EXIT_CLEAN = 0
@@ -123,23 +120,10 @@ async def _header_at(
     devices: DeviceSet, io: IoBackend, buffer: AlignedBuffer, segment: int, offset: int
 ) -> tuple[RecordHeader | None, bool]:
     """The verified header at a logical offset (or None), and whether the magic is there."""
-    view = buffer.view[:BLOCK_BYTES]
-    ops = devices.ops(OpKind.READ, segment, offset, [view])
-    if await io.submit_many(ops) != [BLOCK_BYTES] * len(ops):
+    found = await header_at(devices, io, buffer, segment, offset)
+    if found is None:
         raise IoError(5, f"reading the header at segment {segment} offset {offset}")
-    magic = bytes(view[: len(MAGIC)]) == MAGIC
-    size = header_bytes_at(view)
-    if not size:
-        return None, magic
-    if size > BLOCK_BYTES:
-        rest = buffer.view[BLOCK_BYTES:size]
-        ops = devices.ops(OpKind.READ, segment, offset + BLOCK_BYTES, [rest])
-        if sum(await io.submit_many(ops)) != size - BLOCK_BYTES:
-            raise IoError(5, f"reading the header at segment {segment} offset {offset}")
-    try:
-        return decode(buffer.view[:size]), magic
-    except HeaderError:
-        return None, magic
+    return found
 
 
 async def _walk(
