@@ -207,7 +207,7 @@ class WriteBack:
                     if batch and nbytes + entry.size > BATCH_BYTES_MAX:
                         break
                     queue.popleft()
-                    if entry.linked and (entry.dirty or entry.l2 is None):
+                    if _unwritten(entry):
                         batch.append(entry)
                         nbytes += entry.size
             if batch:
@@ -273,10 +273,7 @@ class WriteBack:
                 await self._within_l2_quota(entry, durable)
             except ResourceExhausted as exc:
                 refused[id(entry)] = exc
-        live = [
-            e for e in entries
-            if e.linked and (e.dirty or e.l2 is None) and id(e) not in refused
-        ]  # fmt: skip
+        live = [e for e in entries if _unwritten(e) and id(e) not in refused]
         for entry in live:
             self._pin(entry)
         self.writing += len(live)
@@ -389,6 +386,12 @@ class WriteBack:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._workers = []
+
+
+def _unwritten(entry: Entry) -> bool:
+    """Whether ``entry`` still needs an append: in L1, and dirty, or clean
+    with its record reclaimed (a rewrite)."""
+    return entry.linked and (entry.dirty or entry.l2 is None)
 
 
 def _fail_all(batch: list[tuple[Entry, asyncio.Future[None]]], error: Exception) -> None:
