@@ -46,6 +46,7 @@ _T = TypeVar("_T")
 # The names of kvd.store.eviction.policy's table, written here so that the
 # settings import nothing of the store (a test checks that both agree).
 EVICTION_POLICIES = ("lru", "gdf", "pred", "hazard", "s3fifo", "density")
+L2_ADMISSIONS = ("all", "twice")  # kvd.store.admission
 
 
 def _setting(
@@ -206,6 +207,14 @@ class Config:
     )
     eviction_policy: str = _setting(
         "density", help="L1 replacement policy", choices=EVICTION_POLICIES
+    )
+    l2_admission: str = _setting(
+        "all",
+        help="which puts are written to L2: all; or twice, a value once a second request "
+        "references it (a lookup or get that finds it in L1, a put of it again; the keys "
+        "put lately are remembered, ~60 MiB at most): a value used once costs no SSD write, "
+        "and is gone when L1 evicts it. Durable puts are always written",
+        choices=L2_ADMISSIONS,
     )
     shutdown_grace_ms: int = _setting(
         10_000, help="time to drain and flush on SIGTERM before exit", min=0, max=600_000

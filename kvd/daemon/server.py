@@ -115,6 +115,12 @@ _L2_COUNTERS = {
         "Reclaimed records still in L1 left there only (rewrite credit spent)",
     ),
     "l1_dropped_unwritten": ("kvd_l1_dropped_unwritten", "L1 values evicted before reaching L2"),
+    "l2_held_back": ("kvd_l2_held_back", "Puts not written to L2 at once (l2_admission = twice)"),
+    "l2_admitted": ("kvd_l2_admitted", "Held-back values written once referenced again"),
+    "l2_never_written": (
+        "kvd_l2_never_written",
+        "Held-back values evicted from L1 before a second reference",
+    ),
     "promotions": ("kvd_l2_promotions", "Values read from L2 into L1"),
 }
 _STORE_COUNTERS = {

@@ -76,6 +76,8 @@ class ChainLookups:
         self._leases = leases
         self._limits = limits
         self._prefetch = prefetch
+        # Told of the L1 values each lookup found (``Admission.referenced``), or None.
+        self.referenced: Callable[[Sequence[Entry]], None] | None = None
 
     def stored(self, ns_name: str, key: bytes) -> Entry | L2Record | None:
         """The value's L1 entry, else its L2 record, else None."""
@@ -113,6 +115,8 @@ class ChainLookups:
         pins, l1_hits = scan.pins, len(scan.in_l1)
         # The policy learns how each chain's lookup went (the first of a namespace too).
         self._learning.defer_lookup(scan.in_l1, list(keys), scan.leading_l1, ns.id, mine)
+        if self.referenced is not None:
+            self.referenced([pin for pin in pins if isinstance(pin, Entry)])
         lease_id = self._leases.grant(ns_name, pins, lease_ms) if lease_ms and pins else 0
         if l1_hits < len(pins):
             self._prefetch([p for p in pins if isinstance(p, L2Record)])

@@ -179,6 +179,8 @@ class Entries:
     def evict(self, entry: Entry) -> None:
         if entry.dirty:
             self._on_drop_dirty()
+        elif entry.held_back:
+            self.counters.l2_never_written += 1
         self.unlink(entry)
         self.counters.evictions += 1
 

@@ -41,6 +41,7 @@ class StoreLimits:
     namespace_l1_quota_bytes: int  # 0: no quota
     namespace_l2_quota_bytes: int
     uploads_max_bytes: int  # 0: no cap
+    l2_admission: str  # which puts reach L2 (kvd.store.admission)
 
     @classmethod
     def from_config(cls, config: Config) -> StoreLimits:
@@ -53,6 +54,7 @@ class StoreLimits:
             namespace_l2_quota_bytes=config.namespace_l2_quota_bytes,
             # 0 in the setting: half of L1 (dram_bytes).
             uploads_max_bytes=config.uploads_max_bytes or config.dram_bytes // 2,
+            l2_admission=config.l2_admission,
         )
 
 
@@ -72,6 +74,8 @@ class Entry:
     linked: bool = True  # False once unlinked from L1 (evicted or deleted)
     deleted: bool = False  # unlinked by a delete (not by eviction)
     dirty: bool = False  # not yet on L2 (only when there is an L2)
+    # Not queued for L2 until a second reference (``l2_admission = twice``).
+    held_back: bool = False
     l2: L2Record | None = None
     # A pool member's copy of a value another member owns (Entries.guests):
     # outside the eviction policy, and the first to go.
@@ -164,6 +168,9 @@ class StoreCounters:
     promotions: int = 0
     promotion_failures: int = 0
     l2_reinserted: int = 0
+    l2_held_back: int = 0  # puts not queued for L2 at once (kvd.store.admission)
+    l2_admitted: int = 0  # of those, queued at a later reference
+    l2_never_written: int = 0  # of those, evicted from L1 first
 
 
 def check_namespace(name: str) -> None:

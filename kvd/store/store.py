@@ -9,8 +9,10 @@ leaves nothing behind), and a reader's entry cannot be evicted or freed until
 the reader closes (a delete while reading unlinks the key at once and frees
 the pages after the last reader).
 
-Placement: a put lands in L1 and is queued for L2 (``kvd.store.writeback``); a
-durable put returns once its record is on L2 and synced. L1 evicts only
+Placement: a put lands in L1 and is queued for L2 (``kvd.store.writeback``;
+with ``l2_admission = twice`` only once referenced again:
+``kvd.store.admission``); a durable put returns once its record is on L2 and
+synced. L1 evicts only
 entries already on L2 (``dirty`` ones wait, unless L2 is failing: then they
 are dropped and counted). A get that misses L1 but hits L2 reads the record
 into fresh pool pages (promotion), verifying its checksum; concurrent gets
@@ -43,6 +45,7 @@ from typing import Any
 from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2 import L2Record, L2Tier
 from kvd.store import deletes
+from kvd.store.admission import Admission
 from kvd.store.chains import ChainLookups
 from kvd.store.entries import Entries
 from kvd.store.eviction.policy import EvictionPolicy, make_policy
@@ -115,6 +118,9 @@ class Store:
             self.entries, l2, self.learning, self.leases, limits, self._prefetch
         )
         self.writeback: WriteBack | None = None
+        self.admission: Admission | None = None
+        # ``Admission.referenced`` where puts wait for a second reference, else None.
+        self._referenced: Callable[[Sequence[Entry]], None] | None = None
         self.placement: Placement | None = None
         self.prefetcher: Prefetcher | None = None
         # The pool's hooks (kvd.cluster.router): a miss asks the owner; a put goes to it.
@@ -128,6 +134,9 @@ class Store:
                 limits.namespace_l2_quota_bytes, clock, self.entries.cleaned,
                 self.entries.l2_failing,
             )  # fmt: skip
+            self.admission = Admission(limits.l2_admission, self.writeback.enqueue, self.counters)
+            if self.admission.holds_back:
+                self._referenced = self.chains.referenced = self.admission.referenced
             self.placement = Placement(
                 l2, pool, self.entries, self.counters, self._readers, self._miss,
                 self.writeback.reinsert,
@@ -230,14 +239,16 @@ class Store:
         if checksum is not None:
             stored = self._stored_checksum(ns_name, key)
             if stored is not None:
-                return self._same_or_conflict(stored, checksum)
+                return self._same_or_conflict(ns_name, key, stored, checksum)
         return None
 
-    def _same_or_conflict(self, stored: int, checksum: int) -> PutResult:
+    def _same_or_conflict(self, ns_name: str, key: bytes, stored: int, checksum: int) -> PutResult:
         if stored != checksum:
             self.counters.put_conflicts += 1
             raise AlreadyExists("key is stored with different content (keys are write-once)")
         self.counters.put_existed += 1
+        if self._referenced is not None and (entry := self._l1(ns_name, key)) is not None:
+            self._referenced((entry,))  # a put again is a reference
         return PutResult(existed=True, checksum=checksum)
 
     def finish_put(self, ticket: PutTicket, checksum: int, *, queue: bool = True) -> PutResult:
@@ -257,7 +268,7 @@ class Store:
         stored = self._stored_checksum(ticket.ns_name, ticket.key)
         if stored is not None:
             self.pool.free(ticket.runs)
-            return self._same_or_conflict(stored, checksum)
+            return self._same_or_conflict(ticket.ns_name, ticket.key, stored, checksum)
         ns = self.entries.namespace(ticket.ns_name)
         entry = Entry(
             ns, ticket.key, ticket.size, checksum, ticket.meta, ticket.runs, ticket.parent
@@ -267,10 +278,11 @@ class Store:
         self.counters.puts += 1
         self.counters.bytes_in += entry.size
         # A guest is its owner's to keep on disk: only a durable put writes one here.
-        if self.writeback is not None and not (entry.guest and queue):
-            entry.dirty = True
+        if self.admission is not None and not (entry.guest and queue):
             if queue:
-                self.writeback.enqueue(entry)
+                self.admission.at_put(entry)  # dirty and queued, or held back
+            else:
+                entry.dirty = True  # a durable put: its writer appends it
         if self.on_put is not None:
             self.on_put(entry)
         return PutResult(existed=False, checksum=checksum)
@@ -491,6 +503,8 @@ class Store:
             counters.bytes_out += entry.size
         counters.hits += len(entries)
         self.learning.touch_many([(entry.ns.id, entry.key) for entry in entries])
+        if self._referenced is not None:
+            self._referenced(entries)
 
     def _pin(self, entry: Entry, tier: int, views: bool | list[memoryview] = True) -> Reader:
         """A reader of ``entry``, with views of its pages (True), none (False),

@@ -27,7 +27,7 @@ class Clock:
         return self.now
 
 
-def store_limits(**limits: int) -> StoreLimits:
+def store_limits(**limits: int | str) -> StoreLimits:
     """The settings' defaults (the only ones), with ``limits`` changed."""
     return dataclasses.replace(StoreLimits.from_config(Config()), **limits)
 
