@@ -18,21 +18,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvd.client import Client
+from kvd.config.settings import L2_ADMISSIONS
 from kvd.store.eviction.policy import DEFAULT_POLICY, POLICIES
 from kvd.tools.replay import prefill, suite, workloads
 from kvd.tools.replay.run import (
     MODEL_BLOCK_BYTES,
+    L2Layout,
     ReplayStats,
     capacity_of,
     dram_bytes_for,
+    l2_layout,
     modeled_ttft,
     replay,
     start_l1_daemon,
 )
 from kvd.tools.replay.sim import belady, capacity_for, simulate, unbounded
+from kvd.tools.replay.tiers import simulate_tiers
 from kvd.tools.replay.trace import Trace, load_trace
 
 CURVE_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
+# How long a replay with L2 waits, after its last request, for write-back to
+# write what is queued before it reads the daemon's L2 counters.
+WRITE_BACK_DRAIN_S = 60.0
+# The daemon's L2 counters a two-tier replay reports (``kvd.store``'s stats).
+L2_FIGURES = ("l2_writes", "l2_write_bytes", "l2_rewrites", "l2_reclaims", "l2_held_back",
+              "l2_admitted", "l2_never_written", "l1_dropped_unwritten")  # fmt: skip
 # Prefill rate when none is given: SmolLM2-135M on one CPU core of the
 # development machine is of this order (DESIGN.md's 15-25x restore claim).
 PREFILL_TOKENS_PER_S_DEFAULT = 2000.0
@@ -180,6 +191,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{model['ttft_mean_without_kvd_s']:.2f} s without kvd, "
         f"{model['ttft_mean_with_kvd_s']:.2f} s with ({model['ttft_speedup']:.2f}x).",
     ]
+    if "tiers" in report:
+        lines += _tiers_markdown(report["tiers"])
     return "\n".join(lines)
 
 
@@ -198,16 +211,21 @@ def run_bench(
     model_bytes = MODEL_BLOCK_BYTES[args.model]
     policy = args.policy or DEFAULT_POLICY
     daemon = None
+    l2: L2Layout | None = None
+    l2_figures: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="kvd-replay-") as tmp:
         target = args.target
         if not target:
             dram_bytes = dram_bytes_for(capacity, block_bytes)
             capacity = capacity_of(dram_bytes, block_bytes)
-            daemon = start_l1_daemon(
-                Path(tmp), dram_bytes, block_bytes, ["--eviction-policy", policy]
-            )
+            extra = ["--eviction-policy", policy]
+            if args.l2_ratio:
+                l2 = l2_layout(args.l2_ratio * capacity, block_bytes)
+                extra += ["--l2-admission", args.l2_admission]
+            daemon = start_l1_daemon(Path(tmp), dram_bytes, block_bytes, extra, l2)
             target = daemon.target
-            progress(f"started kvd at {target}: L1 {dram_bytes} B = {capacity} blocks")
+            progress(f"started kvd at {target}: L1 {dram_bytes} B = {capacity} blocks"
+                     + (f", L2 {l2.ssd_bytes} B = {l2.blocks} blocks" if l2 else ""))  # fmt: skip
         try:
             stats = replay(
                 target,
@@ -218,6 +236,8 @@ def run_bench(
                 speed=args.speed,
                 progress=progress,
             )
+            if l2 is not None:
+                l2_figures = _drained_l2_figures(target)
         finally:
             if daemon is not None:
                 daemon.stop()
@@ -264,7 +284,64 @@ def run_bench(
         "model": model,
         "curve": {"fractions": list(CURVE_FRACTIONS), "block_hit_ratio": rows},
     }
+    if l2 is not None:
+        progress("simulating the two tiers")
+        report["tiers"] = _tiers(trace, policy, capacity, l2, args.l2_admission, stats,
+                                 l2_figures)  # fmt: skip
     return report, markdown(report)
+
+
+def _drained_l2_figures(target: str) -> dict[str, int]:
+    """The daemon's L2 counters once write-back has written what is queued
+    (or ``WRITE_BACK_DRAIN_S`` has passed)."""
+    with Client(target) as client:
+        deadline = time.monotonic() + WRITE_BACK_DRAIN_S
+        while True:
+            values = client.stats()
+            idle = not values.get("writeback_queue") and not values.get("writeback_writing")
+            if idle or time.monotonic() > deadline:
+                return {name: int(values.get(name, 0)) for name in L2_FIGURES}
+            time.sleep(0.1)
+
+
+def _tiers(trace: Trace, policy: str, capacity: int, l2: L2Layout, admission: str,
+           stats: ReplayStats, figures: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+    """The daemon's two tiers next to ``kvd.tools.replay.tiers``'s simulation
+    of the same sizes and admission rule (FIFO reclaim with reinsertion)."""
+    simulated = simulate_tiers(trace, policy, capacity, l2.blocks, admit=admission)
+    hits = stats.l1_hits + stats.l2_hits
+    return {
+        "l2_blocks": l2.blocks,
+        "l2_bytes": l2.ssd_bytes,
+        "admission": admission,
+        "daemon": {
+            "block_hit_ratio": stats.block_hits / (stats.block_refs or 1),
+            "l1_share": stats.l1_hits / hits if hits else 0.0,
+            **figures,
+        },
+        "simulator": simulated.as_dict(),
+    }
+
+
+def _tiers_markdown(tiers: dict[str, Any]) -> list[str]:
+    daemon, sim = tiers["daemon"], tiers["simulator"]
+    return [
+        "",
+        f"Two tiers: L2 of {tiers['l2_blocks']} blocks ({tiers['l2_bytes'] / 2**30:.2f} GiB), "
+        f"admission `{tiers['admission']}`:",
+        "",
+        "| | block hit ratio | L1 share of hits | L2 writes (blocks) |",
+        "|---|---|---|---|",
+        f"| daemon | {100 * daemon['block_hit_ratio']:.2f} % | {100 * daemon['l1_share']:.1f} % "
+        f"| {daemon['l2_writes']} ({daemon['l2_write_bytes'] / 2**30:.2f} GiB) |",
+        f"| simulator | {100 * sim['block_hit_ratio']:.2f} % | {100 * sim['l1_share']:.1f} % "
+        f"| {sim['l2_writes']} |",
+        "",
+        f"Daemon: {daemon['l2_held_back']} puts held back, {daemon['l2_admitted']} of them "
+        f"written at a second reference, {daemon['l2_never_written']} evicted unwritten; "
+        f"{daemon['l2_rewrites']} records rewritten at reclaim, {daemon['l2_reclaims']} "
+        f"segments reclaimed.",
+    ]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -327,6 +404,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         choices=("", *POLICIES),
         help=f"eviction policy of a started daemon [default {DEFAULT_POLICY}]",
+    )
+    parser.add_argument(
+        "--l2-ratio",
+        type=int,
+        default=0,
+        help="give a started daemon an L2 of this many times its L1 (0: L1 only) and "
+        "report both tiers next to their simulation (kvd.tools.replay.tiers)",
+    )
+    parser.add_argument(
+        "--l2-admission",
+        default="all",
+        choices=L2_ADMISSIONS,
+        help="the started daemon's l2_admission (with --l2-ratio)",
     )
     parser.add_argument("--namespace", default="replay", help="namespace of the blocks")
     parser.add_argument(

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvd.client import Client
+from kvd.l2.format import BLOCK_BYTES, RECORD_ALIGN_BYTES, align_up
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.replay.trace import Trace
 
@@ -49,6 +50,11 @@ SPEED_MAX = 1e6
 # Latency samples kept per operation (reservoir beyond it): 12k requests fit.
 SAMPLES_MAX = 1 << 16
 START_TIMEOUT_S = 30.0
+# The L2 a replay gives its daemon (``l2_layout``): segments this large, so
+# that reclaim, which empties the oldest segment whole, frees a small share
+# of L2 at a time (FIFO by segment), and at least this many of them.
+L2_SEGMENT_BYTES = 16 << 20
+L2_SEGMENTS_MIN = 8
 
 
 class ReplayError(RuntimeError):
@@ -242,15 +248,41 @@ def replay(target: str, trace: Trace, *, block_bytes: int, namespace: str = "rep
 
 
 def start_l1_daemon(
-    workdir: Path, dram_bytes: int, max_value_bytes: int, extra_args: Sequence[str] = ()
+    workdir: Path,
+    dram_bytes: int,
+    max_value_bytes: int,
+    extra_args: Sequence[str] = (),
+    l2: L2Layout | None = None,
 ) -> SpawnedDaemon:
     """``kvd serve`` with an L1 of a given size and no L2, on ephemeral ports:
-    the daemon whose decisions the simulator reproduces."""
+    the daemon whose decisions the simulator reproduces; with ``l2``, that
+    L2 in ``workdir`` as well."""
     workdir.mkdir(parents=True, exist_ok=True)
     return SpawnedDaemon(
         workdir, [*extra_args, "--metrics-listen", ""], dram=str(dram_bytes),
-        max_value=str(max(max_value_bytes, 1024)), ssd="",
+        max_value=str(max(max_value_bytes, 1024)),
+        ssd=str(l2.ssd_bytes) if l2 else "", segment=str(L2_SEGMENT_BYTES),
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class L2Layout:
+    """An L2 for a replay's daemon: its bytes, and the blocks it holds
+    (a 64 KiB-aligned record a block, less each segment's marker)."""
+
+    ssd_bytes: int
+    blocks: int
+
+
+def l2_layout(blocks: int, block_bytes: int) -> L2Layout:
+    """The smallest L2 of whole ``L2_SEGMENT_BYTES`` segments (at least
+    ``L2_SEGMENTS_MIN``) holding ``blocks`` blocks of ``block_bytes``."""
+    record = align_up(BLOCK_BYTES + block_bytes, RECORD_ALIGN_BYTES)
+    per_segment = L2_SEGMENT_BYTES // record - 1
+    if per_segment < 1:
+        raise ReplayError(f"blocks of {block_bytes} B do not fit L2 segments of 16 MiB")
+    segments = max(L2_SEGMENTS_MIN, -(-blocks // per_segment))
+    return L2Layout(segments * L2_SEGMENT_BYTES, segments * per_segment)
 
 
 def modeled_ttft(trace: Trace, stats: ReplayStats, prefill_tokens_per_s: float,
