@@ -52,7 +52,12 @@ def put(
 
 
 def read(store: Store, key: bytes, ns: str = "ns") -> bytes | None:
-    reader = run(store.fetch(ns, key))
+    return run(fetched(store, key, ns))
+
+
+async def fetched(store: Store, key: bytes, ns: str = "ns") -> bytes | None:
+    """``read`` inside a running event loop."""
+    reader = await store.fetch(ns, key)
     if reader is None:
         return None
     try:

@@ -19,7 +19,7 @@ from kvd.store.index import StoreCounters
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from tests.l2 import MiB, backend, open_devices
-from tests.store.support import store_limits
+from tests.store.support import fetched, store_limits
 
 PAGES = 8  # L1 holds eight values of VALUE_BYTES (one page each)
 VALUE_BYTES = 1000
@@ -57,16 +57,6 @@ async def _written(store: Store) -> list[bytes]:
     return [key for key, held in zip(keys, store.l2.holds("ns", keys), strict=True) if held]
 
 
-async def _read(store: Store, key: bytes) -> bytes | None:
-    reader = await store.fetch("ns", key)
-    if reader is None:
-        return None
-    try:
-        return b"".join(reader.views)
-    finally:
-        reader.close()
-
-
 async def _fill(store: Store, first: int) -> None:
     """PAGES more puts (keys from k<first>): every older value leaves L1."""
     for i in range(first, first + PAGES):
@@ -79,7 +69,7 @@ async def test_a_value_used_once_is_never_written(tmp_path: Path) -> None:
         assert await _written(store) == []
         await _fill(store, 10)
         assert store.l1_size("ns", b"k0") is None  # evicted unwritten: gone
-        assert await _read(store, b"k0") is None
+        assert await fetched(store, b"k0") is None
         assert await _written(store) == []
         assert store.counters.l2_held_back == 1 + PAGES
         assert store.counters.l2_never_written == 1
@@ -88,7 +78,7 @@ async def test_a_value_used_once_is_never_written(tmp_path: Path) -> None:
 
 
 async def _get_again(store: Store, key: bytes) -> None:
-    assert await _read(store, key) == _value(key)
+    assert await fetched(store, key) == _value(key)
 
 
 async def _look_up_again(store: Store, key: bytes) -> None:
@@ -111,8 +101,8 @@ async def test_a_second_reference_writes_it(
         assert store.counters.l2_admitted == 1
         await _fill(store, 10)  # k0 leaves L1 for L2 alone, k1 is gone
         assert store.l1_size("ns", b"k0") is None
-        assert await _read(store, b"k0") == _value(b"k0")  # read back from L2
-        assert await _read(store, b"k1") is None
+        assert await fetched(store, b"k0") == _value(b"k0")  # read back from L2
+        assert await fetched(store, b"k1") is None
         assert store.counters.l2_never_written >= 1
 
 
