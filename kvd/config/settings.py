@@ -212,7 +212,7 @@ class Config:
         "all",
         help="which puts are written to L2: all; or twice, a value once a second request "
         "references it (a lookup or get that finds it in L1, a put of it again; the keys "
-        "put lately are remembered, ~60 MiB at most): a value used once costs no SSD write, "
+        "put lately are remembered, ~70 MiB at most): a value used once costs no SSD write, "
         "and is gone when L1 evicts it. Durable puts are always written",
         choices=L2_ADMISSIONS,
     )
