@@ -490,16 +490,19 @@ class _Connection:
                     self.drained.set()
 
     async def _send(self, header: bytes, reader: Reader | None) -> None:
+        sent = False
         try:
             parts = [memoryview(header)]
             if reader is not None:
                 parts.extend(reader.views)
             size = reader.size if reader is not None else 0
             await self.server.sender.send(self.sock, parts, len(header) + size)
+            sent = True
         finally:
             if reader is not None:
                 reader.close()
-                self.values.served("bulk_get", TIER_NAMES[reader.tier], reader.size)
+                # A hit either way; bytes moved only once they left (not a timed-out send).
+                self.values.served("bulk_get", TIER_NAMES[reader.tier], reader.size * sent)
 
 
 def _refuse(sock: socket.socket, reason: str) -> None:
