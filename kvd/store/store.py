@@ -12,9 +12,8 @@ the pages after the last reader).
 Placement: a put lands in L1 and is queued for L2 (``kvd.store.writeback``;
 with ``l2_admission = twice`` only once referenced again:
 ``kvd.store.admission``); a durable put returns once its record is on L2 and
-synced. L1 evicts only
-entries already on L2 (``dirty`` ones wait, unless L2 is failing: then they
-are dropped and counted). A get that misses L1 but hits L2 reads the record
+synced. L1 evicts only entries already on L2 or held back from it (``dirty``
+ones wait, unless L2 is failing: then they are dropped and counted). A get that misses L1 but hits L2 reads the record
 into fresh pool pages (promotion), verifying its checksum; concurrent gets
 of one key share one read.
 
