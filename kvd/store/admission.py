@@ -87,6 +87,14 @@ class Admission:
         entry.dirty = True
         self._enqueue(entry)
 
+    def admit_now(self, entry: Entry | None) -> None:
+        """A durable put of a stored value: one held back is its writer's to
+        append now (dirty, not queued)."""
+        if entry is not None and entry.held_back:
+            entry.held_back = False
+            entry.dirty = True
+            self._counters.l2_admitted += 1
+
     def referenced(self, entries: Sequence[Entry]) -> None:
         """Values a request referenced (hits, a put again): the ones held
         back go to write-back now."""

@@ -13,9 +13,10 @@ Placement: a put lands in L1 and is queued for L2 (``kvd.store.writeback``;
 with ``l2_admission = twice`` only once referenced again:
 ``kvd.store.admission``); a durable put returns once its record is on L2 and
 synced. L1 evicts only entries already on L2 or held back from it (``dirty``
-ones wait, unless L2 is failing: then they are dropped and counted). A get that misses L1 but hits L2 reads the record
-into fresh pool pages (promotion), verifying its checksum; concurrent gets
-of one key share one read.
+ones wait, unless L2 is failing: then they are dropped and counted). A get
+that misses L1 but hits L2 reads the record into fresh pool pages
+(promotion), verifying its checksum; concurrent gets of one key share one
+read.
 
 A put whose bytes are still arriving (a stream) reserves pages as they
 come instead (``kvd.store.uploads``): nothing is evicted for bytes not yet sent.
@@ -169,10 +170,6 @@ class Store:
         """Pool bytes held by puts whose bytes are still arriving."""
         return self.uploads.held_bytes
 
-    @property
-    def _promotions(self) -> dict[tuple[str, bytes], asyncio.Future[None]]:
-        return self.placement.promotions if self.placement is not None else {}
-
     def namespaces(self) -> list[Namespace]:
         return list(self.entries.by_name.values())
 
@@ -310,6 +307,14 @@ class Store:
         crashpoints.hit("after_publish")
         return result
 
+    async def make_durable(self, ns_name: str, key: bytes) -> None:
+        """``publish``'s durability for a key ``begin_put`` found stored: on L2, synced."""
+        if self.writeback is None or self.admission is None:
+            raise Unavailable("durable put: this daemon has no L2 tier (ssd_path)")
+        entry = self._l1(ns_name, key)  # None: the key is only on L2
+        self.admission.admit_now(entry)
+        await self.writeback.make_durable(entry)
+
     def publish_now(self, ticket: PutTicket, checksum: int) -> PutResult:
         """``publish`` of a put that is not durable: it needs no waiting."""
         result = self.finish_put(ticket, checksum)
@@ -339,6 +344,8 @@ class Store:
         value = memoryview(value).cast("B")
         ticket = await self.begin_put(ns_name, key, len(value), meta, parent, checksum)
         if isinstance(ticket, PutResult):
+            if durable:
+                await self.make_durable(ns_name, key)
             return ticket
         try:
             offset = 0

@@ -515,7 +515,7 @@ async def test_batched_get_of_a_chain_is_one_l2_read(rig: Rig) -> None:
     assert got == {i: value_for(key) for i, key in enumerate(keys)}
     assert rig.store.counters.l2_hits >= len(keys)
     assert rig.store.pool.used_bytes == used + len(keys) * PAGE_BYTES  # now in L1
-    assert not rig.store._promotions
+    assert rig.store.placement is not None and not rig.store.placement.promotions
 
 
 async def test_batched_get_bounds_its_read_bytes(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -604,7 +604,7 @@ async def test_batched_get_serves_a_copy_linked_during_its_read(rig: Rig) -> Non
     assert await getting == {i: value_for(k) for i, k in enumerate(keys)}
     assert rig.store.entries.get(NS, keys[1]) is copy, "the read replaced L1's copy"
     assert rig.store.pool.used_bytes == used + 3 * PAGE_BYTES  # the read's pages of p01 freed
-    assert not rig.store._promotions
+    assert rig.store.placement is not None and not rig.store.placement.promotions
 
 
 async def test_cancelled_batched_get_gives_its_pages_back(rig: Rig) -> None:
@@ -616,7 +616,7 @@ async def test_cancelled_batched_get_gives_its_pages_back(rig: Rig) -> None:
     with pytest.raises(asyncio.CancelledError):
         await getting
     assert rig.store.pool.used_bytes == used
-    assert not rig.store._promotions
+    assert rig.store.placement is not None and not rig.store.placement.promotions
     assert await fetch_all(rig.store, keys) == {i: value_for(k) for i, k in enumerate(keys)}
 
 
@@ -639,4 +639,4 @@ async def test_batched_get_in_a_pool_pinned_full_leaves_the_rest_to_fetch(rig: R
         for reader in [*pinned, *held.values()]:
             if reader is not None:
                 reader.close()
-    assert not rig.store._promotions
+    assert rig.store.placement is not None and not rig.store.placement.promotions

@@ -121,8 +121,10 @@ async def test_a_key_put_again_after_its_eviction_is_written_at_once(tmp_path: P
 async def test_a_durable_put_is_written_whatever_the_rule(tmp_path: Path) -> None:
     async with _store(tmp_path) as store:
         await _put(store, b"k0", durable=True)
-        assert store.l2 is not None and store.l2.holds("ns", [b"k0"]) == [True]
-        assert store.counters.l2_held_back == 0
+        await _put(store, b"k1")
+        await _put(store, b"k1", durable=True)  # held back, then put again durable
+        assert store.l2 is not None and store.l2.holds("ns", [b"k0", b"k1"]) == [True, True]
+        assert store.counters.l2_held_back == store.counters.l2_admitted == 1
 
 
 async def test_all_writes_every_put(tmp_path: Path) -> None:

@@ -338,17 +338,14 @@ class _Connection:
         dropped (refused: the client learns it without waiting for its send)."""
         ns, key, parent, meta = split_tail(request, tail)
         checksum = request.checksum if request.flags & FLAG_CHECKSUM else None
-        values = self.values
+        values, durable = self.values, bool(request.flags & FLAG_DURABLE)
         try:
             self._authorize(ns)
             if _buffered(self.sock) >= request.length:  # all arrived: pages at once, no extra turn
-                ticket = await values.begin_put(
-                    ns, key, request.length, meta, parent or None, checksum
-                )
+                begin = values.begin_put
             else:
-                ticket = values.begin_upload(
-                    ns, key, request.length, meta, parent or None, checksum
-                )
+                begin = values.begin_upload
+            ticket = await begin(ns, key, request.length, meta, parent or None, checksum, durable)
         except KvdError as exc:
             code = refused(self.server.metrics, "bulk_put", exc)
             await self._answer(encode_response(OP_PUT, request.request_id, code, message=str(exc)))
@@ -375,9 +372,7 @@ class _Connection:
                 for view in ticket.views:
                     await recv_into_exact(self.loop, self.sock, view, hasher)
             try:
-                result = await values.publish(
-                    "bulk_put", ticket, hasher.value(), bool(request.flags & FLAG_DURABLE)
-                )
+                result = await values.publish("bulk_put", ticket, hasher.value(), durable)
             except KvdError as exc:
                 if isinstance(exc, DataLoss):
                     values.metrics.rejected.labels("checksum").inc()

@@ -161,8 +161,8 @@ class KVStoreService:
         check_grpc(self.auth, context, h.namespace)
         checksum_sent = h.checksum if h.HasField("checksum") else None
         values = self.values
-        ticket = values.begin_upload(
-            h.namespace, h.key, h.size, h.meta, h.parent or None, checksum_sent
+        ticket = await values.begin_upload(
+            h.namespace, h.key, h.size, h.meta, h.parent or None, checksum_sent, h.durable
         )
         if isinstance(ticket, PutResult):
             return pb.PutResponse(existed=True, checksum=ticket.checksum)

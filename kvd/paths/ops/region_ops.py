@@ -188,7 +188,9 @@ class RegionOps:
                 parent = item.parent or (previous if batch.chained else None)
                 previous = item.key
                 try:
-                    begun = await self._begin_put(region, batch.namespace, item, parent, i)
+                    begun = await self._begin_put(
+                        region, batch.namespace, item, parent, i, batch.durable
+                    )
                 except KvdError as exc:
                     results[i] = item_status(exc)
                     continue
@@ -214,13 +216,21 @@ class RegionOps:
         return all_results(results)
 
     async def _begin_put(
-        self, region: Region, ns: str, item: RegionItem, parent: bytes | None, index: int
+        self,
+        region: Region,
+        ns: str,
+        item: RegionItem,
+        parent: bytes | None,
+        index: int,
+        durable: bool,
     ) -> ItemResult | tuple[PutTicket, CopyJob]:
         span = region.span(item.offset, item.length)
         ticket = await self.store.begin_put(
             ns, item.key, item.length, item.meta, parent, item.checksum
         )
         if isinstance(ticket, PutResult):
+            if durable:  # the stored value must be on L2 before the answer too
+                await self.store.make_durable(ns, item.key)
             return existed_result(ticket.checksum, item)
         try:
             self.inflight.acquire(item.length)

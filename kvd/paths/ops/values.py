@@ -175,7 +175,7 @@ class ValueOps:
         return values
 
     # ---- put -------------------------------------------------------------------
-    def begin_upload(
+    async def begin_upload(
         self,
         ns: str,
         key: bytes,
@@ -183,10 +183,13 @@ class ValueOps:
         meta: bytes,
         parent: bytes | None,
         checksum_sent: int | None,
+        durable: bool = False,
     ) -> PutTicket | PutResult:
         """A put whose bytes are yet to arrive: no page yet (``grow`` adds
-        them as bytes arrive), or the answer when the key holds these bytes."""
-        return self.store.begin_upload(ns, key, size, meta, parent, checksum_sent)
+        them as bytes arrive), or the answer when the key holds these bytes
+        (``durable``: once they are on L2)."""
+        begun = self.store.begin_upload(ns, key, size, meta, parent, checksum_sent)
+        return await self._durable(begun, ns, key, durable)
 
     async def begin_put(
         self,
@@ -196,9 +199,21 @@ class ValueOps:
         meta: bytes,
         parent: bytes | None,
         checksum_sent: int | None,
+        durable: bool = False,
     ) -> PutTicket | PutResult:
-        """A put whose bytes have all arrived: its pages at once."""
-        return await self.store.begin_put(ns, key, size, meta, parent, checksum_sent)
+        """A put whose bytes have all arrived: its pages at once (or the
+        answer, as ``begin_upload``)."""
+        begun = await self.store.begin_put(ns, key, size, meta, parent, checksum_sent)
+        return await self._durable(begun, ns, key, durable)
+
+    async def _durable(
+        self, begun: PutTicket | PutResult, ns: str, key: bytes, durable: bool
+    ) -> PutTicket | PutResult:
+        """A durable put of a key found stored answers once its value is on L2
+        too, as one that stores it does (``Store.publish``)."""
+        if durable and isinstance(begun, PutResult):
+            await self.store.make_durable(ns, key)
+        return begun
 
     async def grow(self, ticket: PutTicket, nbytes: int) -> list[memoryview]:
         """Pages for the ticket's next ``nbytes``, waiting for write-back to make room."""
