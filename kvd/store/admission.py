@@ -7,10 +7,11 @@ reference is a lookup that finds the value in L1, a get of it, or a put of
 its key again. A put of a key put here lately (``Sightings``: held back
 then, and evicted since) is the second reference at once.
 
-Durable puts, and a pool member's writes of the values it owns, are
-written whatever the rule. A value held back is evicted like a value
-already on L2, and is then gone: L1 held its only copy (counted as
-``l2_never_written``). docs/eviction-workloads.md ("Two tiers") has what
+Durable puts are written whatever the rule (a durable put of a key held
+back writes it then: ``Store.make_durable``); a pool member's copies of
+values other members own are written by neither rule. A value held back is
+evicted like a value already on L2, and is then gone: L1 held its only copy
+(counted as ``l2_never_written``). docs/eviction-workloads.md ("Two tiers") has what
 the rule saves and costs on each workload, in the simulator and through
 the daemon.
 """
