@@ -126,6 +126,12 @@ class Placement:
                 runs = entries.alloc_now(record.size, expire=not batch)
                 if runs is None and not batch:
                     runs = await entries.alloc(record.size)
+                    if pk in under_way or not record.live:
+                        # Taken by another get (a read-ahead) while this one
+                        # waited: reading it as well, both would claim it.
+                        self.pool.free(runs)
+                        taken += 1
+                        continue
                 if runs is None:
                     break
                 under_way[pk] = done
