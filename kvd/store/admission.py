@@ -68,7 +68,6 @@ class Admission:
     ) -> None:
         if rule not in L2_ADMISSIONS:
             raise ValueError(f"l2_admission {rule!r}: one of {', '.join(L2_ADMISSIONS)}")
-        self.rule = rule
         self._enqueue = enqueue
         self._counters = counters
         self._sightings = Sightings(capacity) if rule == "twice" else None
@@ -92,16 +91,18 @@ class Admission:
         """A durable put of a stored value: one held back is its writer's to
         append now (dirty, not queued)."""
         if entry is not None and entry.held_back:
-            entry.held_back = False
-            entry.dirty = True
-            self._counters.l2_admitted += 1
+            self._admit(entry)
 
     def referenced(self, entries: Sequence[Entry]) -> None:
         """Values a request referenced (hits, a put again): the ones held
         back go to write-back now."""
         for entry in entries:
             if entry.held_back and entry.linked:
-                entry.held_back = False
-                entry.dirty = True
+                self._admit(entry)
                 self._enqueue(entry)
-                self._counters.l2_admitted += 1
+
+    def _admit(self, entry: Entry) -> None:
+        """A held-back value is one to write now."""
+        entry.held_back = False
+        entry.dirty = True
+        self._counters.l2_admitted += 1
