@@ -225,12 +225,10 @@ class RegionOps:
         durable: bool,
     ) -> ItemResult | tuple[PutTicket, CopyJob]:
         span = region.span(item.offset, item.length)
-        ticket = await self.store.begin_put(
-            ns, item.key, item.length, item.meta, parent, item.checksum
+        ticket = await self.values.begin_put(
+            ns, item.key, item.length, item.meta, parent, item.checksum, durable
         )
         if isinstance(ticket, PutResult):
-            if durable:  # the stored value must be on L2 before the answer too
-                await self.store.make_durable(ns, item.key)
             return existed_result(ticket.checksum, item)
         try:
             self.inflight.acquire(item.length)
