@@ -27,12 +27,24 @@ REPO = Path(__file__).resolve().parent.parent
 IO_BACKEND = os.environ.get("TEST_IO_BACKEND", "")
 
 
+LISTENERS = ("--listen", "--metrics-listen", "--bulk-listen")
+
+
 class DaemonProcess(SpawnedDaemon):
-    """A test's daemon: ``kvd bench``'s, on ``TEST_IO_BACKEND`` when set."""
+    """A test's daemon: ``kvd bench``'s, on ``TEST_IO_BACKEND`` when set.
+
+    It listens on ports no earlier test of the run had (unless its ``args``
+    name them), not on the kernel's ephemeral ones: a client an earlier test
+    left behind keeps reconnecting to its daemon's port, and reached a later
+    daemon the kernel gave that port (CI runs counted its calls in another
+    test's figures)."""
 
     def __init__(self, workdir: Path, args: list[str], *more: Any, **options: Any) -> None:
         if IO_BACKEND and "--io-backend" not in args:
             args = [*args, "--io-backend", IO_BACKEND]
+        unset = [flag for flag in LISTENERS if flag not in args]
+        for flag, port in zip(unset, free_ports(len(unset)), strict=True):
+            args = [*args, flag, f"127.0.0.1:{port}"]
         super().__init__(workdir, args, *more, **options)
 
 
@@ -44,14 +56,18 @@ T = TypeVar("T")
 # kernel's ephemeral range: a port the kernel handed out and took back may
 # go to the next ":0" listener or outgoing connection (an earlier daemon's
 # metrics or bulk port, say) before the daemon meant to take it starts. A
-# CI run lost a pool test to that ("Address already in use").
+# CI run lost a pool test to that ("Address already in use"). No port is
+# handed out twice in one run, so nothing an earlier test left pointing at
+# a port finds a later test's listener there.
 PORTS_LOW = 20_000
 PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
 
 
 def free_ports(count: int) -> list[int]:
     """``count`` distinct loopback ports free now, below the ephemeral range
-    (random ones, each bound to check it, held together so they differ)."""
+    and never returned before in this process (random ones, each bound to
+    check it, held together so they differ)."""
     try:
         ephemeral_low = int(PORT_RANGE_FILE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -60,6 +76,8 @@ def free_ports(count: int) -> list[int]:
     found: list[int] = []
     with ExitStack() as held:
         for port in random.sample(range(PORTS_LOW, high), high - PORTS_LOW):
+            if port in _handed_out:
+                continue
             sock = held.enter_context(socket.socket())
             try:
                 sock.bind(("127.0.0.1", port))
@@ -67,6 +85,7 @@ def free_ports(count: int) -> list[int]:
                 continue
             found.append(port)
             if len(found) == count:
+                _handed_out.update(found)
                 return found
     raise RuntimeError(f"fewer than {count} free ports in {PORTS_LOW}..{high - 1}")
 
