@@ -176,10 +176,6 @@ class Store:
     def _l1(self, ns_name: str, key: bytes) -> Entry | None:
         return self.entries.get(ns_name, key)
 
-    def _stored_checksum(self, ns_name: str, key: bytes) -> int | None:
-        stored = self.chains.stored(ns_name, key)
-        return None if stored is None else stored.checksum
-
     # ---- put -------------------------------------------------------------------
     async def begin_put(
         self,
@@ -233,18 +229,19 @@ class Store:
         """Validate a put; its answer when the key already holds these bytes."""
         check_put(ns_name, key, parent, meta, size, self.limits.max_value_bytes, self.pool)
         if checksum is not None:
-            stored = self._stored_checksum(ns_name, key)
+            stored = self.chains.stored(ns_name, key)
             if stored is not None:
-                return self._same_or_conflict(ns_name, key, stored, checksum)
+                return self._same_or_conflict(stored, checksum)
         return None
 
-    def _same_or_conflict(self, ns_name: str, key: bytes, stored: int, checksum: int) -> PutResult:
-        if stored != checksum:
+    def _same_or_conflict(self, stored: Entry | L2Record, checksum: int) -> PutResult:
+        """The answer to a put of a key already stored (in L1, else on L2)."""
+        if stored.checksum != checksum:
             self.counters.put_conflicts += 1
             raise AlreadyExists("key is stored with different content (keys are write-once)")
         self.counters.put_existed += 1
-        if self._referenced is not None and (entry := self._l1(ns_name, key)) is not None:
-            self._referenced((entry,))  # a put again is a reference
+        if self._referenced is not None and isinstance(stored, Entry):
+            self._referenced((stored,))  # a put again is a reference
         return PutResult(existed=True, checksum=checksum)
 
     def finish_put(self, ticket: PutTicket, checksum: int, *, queue: bool = True) -> PutResult:
@@ -261,10 +258,10 @@ class Store:
             raise DataLoss(
                 f"value hashes to {checksum:#018x}, the put said {ticket.checksum:#018x}"
             )
-        stored = self._stored_checksum(ticket.ns_name, ticket.key)
+        stored = self.chains.stored(ticket.ns_name, ticket.key)
         if stored is not None:
             self.pool.free(ticket.runs)
-            return self._same_or_conflict(ticket.ns_name, ticket.key, stored, checksum)
+            return self._same_or_conflict(stored, checksum)
         ns = self.entries.namespace(ticket.ns_name)
         entry = Entry(
             ns, ticket.key, ticket.size, checksum, ticket.meta, ticket.runs, ticket.parent
