@@ -33,11 +33,16 @@ def closed_by_daemon(sock: socket.socket) -> bool:
     return True
 
 
-def metric(metrics_port: int, name: str) -> float:
-    """An unlabelled sample of the daemon's /metrics."""
+def scrape(metrics_port: int) -> str:
+    """The daemon's /metrics, as text."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
+        return str(response.read().decode())
+
+
+def metric(metrics_port: int, name: str) -> float:
+    """An unlabelled sample of the daemon's /metrics."""
+    text = scrape(metrics_port)
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

@@ -42,7 +42,7 @@ from kvd.wire.shm import (
     TAG,
     TOUCH_REF,
 )
-from tests.sockets import metric
+from tests.sockets import metric, scrape
 from tests.support import DaemonFactory, DaemonProcess, first_answer, wait_until
 
 NS = "pool-directory"
@@ -155,8 +155,13 @@ def test_a_touch_gets_no_answer_and_a_bad_one_no_refusal(pooled: DaemonProcess) 
                                   asked[40:] + key)])  # fmt: skip
             answer = conn.answer()
             assert (answer.op, answer.request_id, answer.code) == (OP_POOL_TOUCH, 9, 0)
-            assert wait_until(lambda: _sample(pooled.metrics_port, hits) == 3)
-            assert _sample(pooled.metrics_port, refused) == 1
+            wait_until(lambda: _sample(pooled.metrics_port, hits) == 3)
+            counted = _sample(pooled.metrics_port, hits), _sample(pooled.metrics_port, refused)
+            assert counted == (3, 1), f"(hits, refused) {counted}, requests:\n" + "\n".join(
+                line
+                for line in scrape(pooled.metrics_port).splitlines()
+                if line.startswith(("kvd_requests_total", "kvd_hits_total"))
+            )
             other = encode_request(OP_POOL_TOUCH - 1, 3, NS.encode(), flags=FLAG_NO_ANSWER)
             conn.send([memoryview(other)])
             assert conn.sock.recv(4096) == b""  # closed: nothing more is read from it
