@@ -49,6 +49,20 @@ def metric(metrics_port: int, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
+def sample(metrics_port: int, name: str) -> float:
+    """``metric``, 0 while the daemon exports none (nothing counted yet)."""
+    try:
+        return metric(metrics_port, name)
+    except AssertionError:
+        return 0.0
+
+
+def samples(metrics_port: int, *prefixes: str) -> list[str]:
+    """The lines of the daemon's /metrics that start with one of ``prefixes``:
+    what to look at when a count is off."""
+    return [line for line in scrape(metrics_port).splitlines() if line.startswith(prefixes)]
+
+
 async def most_between_turns(count: Callable[[], float], work: Callable[[], None]) -> float:
     """Run blocking ``work`` in a thread while a task on this event loop reads
     ``count()`` at each of its turns; the largest growth between two turns,

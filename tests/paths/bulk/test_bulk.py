@@ -19,7 +19,7 @@ import pytest
 from kvd.client import AlreadyExists, Client, InvalidArgument, bulk
 from kvd.client.bulk import BulkClient, BulkPut
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
-from tests.sockets import closed_by_daemon, metric, recv_exact
+from tests.sockets import closed_by_daemon, metric, recv_exact, sample
 from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 NS = "bulk-test"
@@ -139,10 +139,7 @@ def test_client_uses_bulk_over_tcp(daemon_factory: DaemonFactory, tmp_path: Path
     port = bulk_daemon.metrics_port
 
     def total(op: str, direction: str) -> float:
-        try:
-            return metric(port, f'kvd_bytes_total{{direction="{direction}",op="{op}"}}')
-        except AssertionError:  # not counted yet
-            return 0.0
+        return sample(port, f'kvd_bytes_total{{direction="{direction}",op="{op}"}}')
 
     def moved(op: str, direction: str) -> float:
         """Bytes since the client's first call."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -30,25 +29,19 @@ from kvd.wire.shm import (
 )
 from tests.paths.shm.support import NS, RawRegion
 from tests.paths.support import TOKEN_A, token_file
-from tests.sockets import closed_by_daemon, metric, recv_exact
+from tests.sockets import closed_by_daemon, metric, recv_exact, sample, samples
 from tests.support import DaemonFactory, DaemonProcess
 
 CODES = {code.name: int(code.value[0]) for code in grpc.StatusCode}
 
 
 def _requests(daemon: DaemonProcess, op: str) -> float:
-    try:
-        return metric(daemon.metrics_port, f'kvd_requests_total{{code="OK",op="{op}"}}')
-    except AssertionError:
-        return 0.0
+    return sample(daemon.metrics_port, f'kvd_requests_total{{code="OK",op="{op}"}}')
 
 
 def _all_requests(daemon: DaemonProcess) -> list[str]:
     """Every request count the daemon exports: what to look at when a count is off."""
-    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return [line for line in text.splitlines() if line.startswith("kvd_requests_total{")]
+    return samples(daemon.metrics_port, "kvd_requests_total{")
 
 
 def test_a_batch_get_is_one_frame(daemon: DaemonProcess) -> None:

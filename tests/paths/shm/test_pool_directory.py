@@ -42,7 +42,7 @@ from kvd.wire.shm import (
     TAG,
     TOUCH_REF,
 )
-from tests.sockets import metric, scrape
+from tests.sockets import metric, sample, samples
 from tests.support import DaemonFactory, DaemonProcess, first_answer, wait_until
 
 NS = "pool-directory"
@@ -55,14 +55,6 @@ def _value(size: int, seed: int) -> bytes:
 
 def _key(i: int) -> bytes:
     return hashlib.sha256(b"directory-%d" % i).digest()
-
-
-def _sample(port: int, name: str) -> float:
-    """A sample of the daemon's /metrics, 0 when it has none yet."""
-    try:
-        return metric(port, name)
-    except AssertionError:
-        return 0.0
 
 
 def _shm(client: Client) -> ShmPath:
@@ -101,7 +93,7 @@ def test_gets_read_through_the_directory_without_a_frame(pooled: DaemonProcess) 
         assert [bytes(r) for r in rooms] == list(values.values())
         assert pool.direct_hits == 2 * len(values)
         # No POOL_GET carried a value; the miss asked the daemon once.
-        assert _sample(port, 'kvd_hits_total{op="shm_pool_get",tier="l1"}') == 0
+        assert sample(port, 'kvd_hits_total{op="shm_pool_get",tier="l1"}') == 0
         assert metric(port, 'kvd_misses_total{op="shm_pool_get"}') == 1
     # Closing told the daemon what was read.
     assert metric(port, 'kvd_hits_total{op="shm_pool_direct",tier="l1"}') == 2 * len(values)
@@ -155,12 +147,10 @@ def test_a_touch_gets_no_answer_and_a_bad_one_no_refusal(pooled: DaemonProcess) 
                                   asked[40:] + key)])  # fmt: skip
             answer = conn.answer()
             assert (answer.op, answer.request_id, answer.code) == (OP_POOL_TOUCH, 9, 0)
-            wait_until(lambda: _sample(pooled.metrics_port, hits) == 3)
-            counted = _sample(pooled.metrics_port, hits), _sample(pooled.metrics_port, refused)
+            wait_until(lambda: sample(pooled.metrics_port, hits) == 3)
+            counted = sample(pooled.metrics_port, hits), sample(pooled.metrics_port, refused)
             assert counted == (3, 1), f"(hits, refused) {counted}, requests:\n" + "\n".join(
-                line
-                for line in scrape(pooled.metrics_port).splitlines()
-                if line.startswith(("kvd_requests_total", "kvd_hits_total"))
+                samples(pooled.metrics_port, "kvd_requests_total", "kvd_hits_total")
             )
             other = encode_request(OP_POOL_TOUCH - 1, 3, NS.encode(), flags=FLAG_NO_ANSWER)
             conn.send([memoryview(other)])
