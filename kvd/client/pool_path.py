@@ -33,7 +33,7 @@ class PoolPath:
         direct: bool,
         batch_items: int,
         regions: RegionGets,
-        renew: Callable[[RegionOps], object],
+        renew: Callable[[RegionOps, Exception], object],
     ) -> None:
         self._want = want
         self.verify = verify
@@ -116,8 +116,8 @@ class PoolPath:
             sizes = read_all(ops.client, pool, ns, keys, buffers, self._batch_items)
         except DeadlineExceeded:
             raise
-        except (Unavailable, PermissionDenied):
-            self._renew(ops)  # maps the new daemon's pool, if it lets us
+        except (Unavailable, PermissionDenied) as exc:
+            self._renew(ops, exc)  # maps the new daemon's pool, if it lets us
             return None
         if sizes is None:
             return None

@@ -29,6 +29,7 @@ A get whose copy had begun may still land after it: its region is retired
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -53,6 +54,8 @@ from kvd.wire.errors import (
     Unavailable,
     error_for,
 )
+
+log = logging.getLogger("kvd.client")
 
 # Staging for buffers outside any region: 64 MiB holds a batch of sixteen
 # 4 MiB chunks. It is allocated at creation (~10 ms for 64 MiB here), like
@@ -166,8 +169,8 @@ class ShmPath:
             return self._region_batch(ops, name, request, region)
         except DeadlineExceeded:
             raise  # a slow daemon, not a new one: nothing to attach again
-        except (Unavailable, PermissionDenied):
-            renamed = self.renew(ops)
+        except (Unavailable, PermissionDenied) as exc:
+            renamed = self.renew(ops, exc)
             again = renamed.get(request.region_id) if renamed is not None else None
             if again is None or self._ops is None:
                 raise
@@ -187,8 +190,8 @@ class ShmPath:
             return send(ops)
         except DeadlineExceeded:
             raise
-        except (Unavailable, PermissionDenied):
-            self.renew(ops)
+        except (Unavailable, PermissionDenied) as exc:
+            self.renew(ops, exc)
             return None
 
     def _region_batch(
@@ -226,15 +229,19 @@ class ShmPath:
         os.close(region.fd)
         os.close(region.lock_fd)
 
-    def renew(self, failed: RegionOps) -> dict[int, ClientRegion] | None:
+    def renew(self, failed: RegionOps, why: Exception) -> dict[int, ClientRegion] | None:
         """After ``failed`` lost the daemon (its socket closed, or a new peer
-        that is not the daemon it knew: a restart), attach every region to the
-        daemon that serves now, in place, so the buffers handed out stay
-        valid: the regions by their old ids, or None while no daemon answers.
-        The caller may try its call once more, in the new attachment."""
+        that is not the daemon it knew: a restart; ``why``), attach every
+        region to the daemon that serves now, in place, so the buffers handed
+        out stay valid: the regions by their old ids, or None while no daemon
+        answers. The caller may try its call once more, in the new attachment."""
         with self._renew_lock:
             if self._ops is not failed:
                 return self._renamed  # another thread renewed already
+            log.warning(
+                "shm path lost its daemon; attaching the regions again",
+                extra={"socket": failed.path, "reason": f"{type(why).__name__}: {why}"},
+            )
             if self._rediscover is None:
                 return None
             try:
@@ -272,8 +279,8 @@ class ShmPath:
             return create_region(size, self._attach)
         except DeadlineExceeded:
             raise
-        except (Unavailable, PermissionDenied):
-            if ops is None or self.renew(ops) is None:
+        except (Unavailable, PermissionDenied) as exc:
+            if ops is None or self.renew(ops, exc) is None:
                 raise
         return create_region(size, self._attach)
 
@@ -414,8 +421,8 @@ class ShmPath:
             result = self._get_one_fenced(ops, ns, key, region, offset, len(buffer))
         except DeadlineExceeded:
             raise
-        except (Unavailable, PermissionDenied):
-            if self.renew(ops) is None or self._ops is None:
+        except (Unavailable, PermissionDenied) as exc:
+            if self.renew(ops, exc) is None or self._ops is None:
                 raise
             # The daemon restarted: once more, in the region's new attachment.
             result = self._get_one_fenced(self._ops, ns, key, region, offset, len(buffer))

@@ -26,7 +26,7 @@ from kvd.config.settings import ConfigError
 from kvd.tools.bench.engine_proc import ENGINE_VENV
 from tests.cluster.cluster import free_ports
 from tests.sockets import metric
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -276,6 +276,9 @@ def test_a_full_queue_drops_and_counts_and_replay_ignores_garbage() -> None:
         assert time.monotonic() - began < 1.0
         assert publisher.stats()["events_dropped"] == 6 and publisher.stats()["queue_batches"] == 2
         publisher.start()
+        # The sender answers a replay between two batches: the replay below
+        # is of both once both are sent (the machine may be slow to send).
+        assert wait_until(lambda: publisher.stats()["batches_sent"] == 2)
         garbage = ctx.socket(zmq.DEALER)
         garbage.setsockopt(zmq.LINGER, 0)
         garbage.connect(replay_endpoint)

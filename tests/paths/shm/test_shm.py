@@ -311,11 +311,12 @@ def test_client_reports_the_paths_it_uses(
 
 
 def test_a_restarted_daemon_gets_the_client_regions_again(
-    daemon_factory: DaemonFactory, tmp_path: Path
+    daemon_factory: DaemonFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A daemon restart (new pid, no regions) is met by the next call: the
     client attaches its regions to the new daemon and tries that call once
-    more, and buffers handed out before the restart keep working."""
+    more, says so in a warning with the reason, and buffers handed out
+    before the restart keep working."""
     where = tmp_path / "restarted"
     first = daemon_factory(workdir=where)
     value = os.urandom(300_000)
@@ -339,3 +340,6 @@ def test_a_restarted_daemon_gets_the_client_regions_again(
         assert client.get_many_into("ns", [b"k2", b"k", b"k"], batch) == [len(value)] * 3
         assert bytes(batch[0]) == value[::-1] and bytes(batch[1]) == bytes(batch[2]) == value
     assert third.alive()
+    renewals = [r for r in caplog.records if r.name == "kvd.client" and "again" in r.getMessage()]
+    assert len(renewals) == 2, [r.getMessage() for r in renewals]
+    assert all(getattr(r, "reason", "") for r in renewals)
