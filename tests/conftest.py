@@ -1,5 +1,6 @@
 """Shared fixtures: a real kvd daemon process per test (or per module),
-on ephemeral ports and a Unix socket under the test's tmp dir."""
+on ports no earlier test had and a Unix socket under the test's tmp dir;
+a failed test's report shows what its daemons logged above info."""
 
 from __future__ import annotations
 
@@ -13,9 +14,33 @@ from kvd.tools.bench import shmem
 from kvd.tools.bench.daemon import SpawnedDaemon
 from tests.support import DaemonFactory, DaemonProcess
 
+# A failed test's report shows at most this many of each daemon's lines.
+LOG_LINES_SHOWN = 60
+
+
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Whether the test's own body failed, for its fixtures' teardown."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call":
+        item.stash[FAILED] = report.failed
+
+
+def print_warnings(daemons: list[DaemonProcess]) -> None:
+    """What each daemon logged above info: a failed test's report shows it
+    (a connection the daemon closed, a peer it gave up on, with the reason)."""
+    for daemon in daemons:
+        lines = [line for line in daemon.log if "level=info" not in line]
+        print(f"--- {daemon.workdir}: {len(lines)} log lines above info ---")
+        print("\n".join(lines[-LOG_LINES_SHOWN:]))
+
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
+def daemon_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DaemonFactory]:
     started: list[DaemonProcess] = []
 
     def start(
@@ -30,6 +55,8 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
     yield start
     for daemon in started:
         daemon.stop()
+    if request.node.stash.get(FAILED, False):
+        print_warnings(started)
 
 
 @pytest.fixture
