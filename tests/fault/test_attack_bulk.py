@@ -21,7 +21,7 @@ from kvd.client import Client
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from kvd.wire.errors import ResourceExhausted
 from tests.sockets import recv_exact
-from tests.support import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, written_back
 
 pytestmark = pytest.mark.fault
 
@@ -71,14 +71,7 @@ def _cache(client: Client) -> list[bytes]:
     keys = [b"cached-%03d" % i for i in range(CACHED)]
     for key in keys:
         client.put(NS, key, _value(key, MiB))
-    settled = wait_until(
-        lambda: (
-            (s := client.stats()).get("writeback_queue", 0) == 0
-            and s.get("writeback_writing", 0) == 0
-        ),
-        timeout_s=30,
-    )
-    assert settled, "write-back did not settle"
+    assert written_back(client), "write-back did not settle"
     return keys
 
 

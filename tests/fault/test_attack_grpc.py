@@ -18,7 +18,7 @@ import pytest
 from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
-from tests.support import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, wait_until, written_back
 
 pytestmark = pytest.mark.fault
 
@@ -40,14 +40,7 @@ def _cache(client: Client) -> list[bytes]:
     keys = [b"cached-%03d" % i for i in range(CACHED)]
     for key in keys:
         client.put(NS, key, _value(key, MiB))
-    settled = wait_until(
-        lambda: (
-            (s := client.stats()).get("writeback_queue", 0) == 0
-            and s.get("writeback_writing", 0) == 0
-        ),
-        timeout_s=30,
-    )
-    assert settled, "write-back did not settle"
+    assert written_back(client), "write-back did not settle"
     return keys
 
 

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +37,7 @@ from kvd.store.index import StoreLimits
 from kvd.store.store import Store
 from kvd.wire.checksum import checksum
 from tests.l2 import backend, open_devices
-from tests.support import DaemonProcess
+from tests.support import DaemonProcess, wait_until, written_back
 
 pytestmark = pytest.mark.fault
 
@@ -197,15 +197,6 @@ def test_ssd_bytes_beyond_free_space_is_refused_and_leaves_no_file(tmp_path: Pat
     assert f"{free_bytes} bytes free" in printed, printed
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 @needs_root
 def test_device_switched_read_only_and_back(tmp_path: Path) -> None:
     """Write errors are counted by L2 (marker writes too), the daemon keeps
@@ -220,7 +211,7 @@ def test_device_switched_read_only_and_back(tmp_path: Path) -> None:
                 # opens a new one, and its marker write is the first to fail.
                 for i in range(7):
                     client.put(NS, b"before%d" % i, value_for(i))
-                assert wait_for(lambda: client.stats()["writeback_queue"] == 0, 5)
+                assert written_back(client)
                 sh("blockdev", "--setro", device)
                 # A put that fails, then one more while the tier backs off:
                 # it wakes every idle worker, and they all sleep through the
@@ -241,7 +232,7 @@ def test_device_switched_read_only_and_back(tmp_path: Path) -> None:
                 written = client.stats()["l2_writes"]
                 for i in range(4):
                     client.put(NS, b"after%d" % i, value_for(200 + i))
-                assert wait_for(lambda: client.stats()["l2_writes"] >= written + 4, 5), (
+                assert wait_until(lambda: client.stats()["l2_writes"] >= written + 4, 5), (
                     client.stats()
                 )
                 for i in range(4):

@@ -18,7 +18,7 @@ from kvd.client import Client, ResourceExhausted, Unavailable
 from kvd.io.backend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
 from tests.sockets import metric
-from tests.support import DaemonProcess, wait_until
+from tests.support import DaemonProcess, wait_until, written_back
 
 MiB = 1 << 20
 BACKENDS = ["threads", "uring"]
@@ -175,12 +175,6 @@ def test_second_daemon_on_the_same_ssd_path_is_refused(tmp_path: Path) -> None:
         daemon.stop()
 
 
-def wait_for_writeback(client: Client, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.stats()["writeback_queue"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def test_namespace_quotas(tmp_path: Path) -> None:
     daemon = start(
         tmp_path, "--namespace-l1-quota-bytes", "2MiB", "--namespace-l2-quota-bytes", "4MiB"
@@ -195,14 +189,14 @@ def test_namespace_quotas(tmp_path: Path) -> None:
                     # The namespace's L1 share is all waiting for write-back
                     # (a busy machine): refused, not dropped. Once it is
                     # written, the same put goes in.
-                    wait_for_writeback(client)
+                    assert written_back(client)
                     client.put("qa", b"k%d" % i, value)
             client.put("qb", b"other", value)
             stats = client.stats("qa")
             qa = next(n for n in stats["namespaces_detail"] if n["name"] == "qa")
             assert qa["bytes"] <= 2 << 20  # L1 share held to its quota
             assert client.get("qb", b"other") == value  # the other tenant kept its value
-            wait_for_writeback(client)
+            assert written_back(client)
             present = sum(client.exists("qa", [b"k%d" % i for i in range(40)]))
             assert 0 < present <= 11  # <= 7 records of 576 KiB on L2, 4 values in L1
             with pytest.raises(ResourceExhausted):
