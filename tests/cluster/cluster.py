@@ -3,6 +3,7 @@ and a member played by the test process (``FakeMember``)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import threading
@@ -132,6 +133,10 @@ class FakeMember:
     def close(self) -> None:
         self.stop.set()
         self.server.stop(0)
+        # A blocked accept() keeps the socket listening past close(); a
+        # shutdown ends it, and its thread with it.
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
 
     def _accept(self) -> None:
