@@ -497,19 +497,8 @@ Ring_submit_records(RingObject *self, PyObject *args)
     PyMem_Free(heads);
     Py_DECREF(seq);
 
-    int ret = 0;
-    if (io_uring_sq_ready(&self->ring) > 0) {
-        self->busy = 1;
-        Py_BEGIN_ALLOW_THREADS
-        ret = io_uring_submit(&self->ring);
-        Py_END_ALLOW_THREADS
-        self->busy = 0;
-    }
-    /* As in submit(): EAGAIN/EBUSY/EINTR leave SQEs for the next call. */
-    if (ret < 0 && ret != -EAGAIN && ret != -EBUSY && ret != -EINTR) {
-        errno = -ret;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    if (ring_submit_queued(self) < 0)
+        return NULL;
     return PyLong_FromLong(nrecs);
 
 fail:

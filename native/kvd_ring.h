@@ -123,6 +123,7 @@ int slot_export(kvd_slot *slot, PyObject *bufobj, int writable);
 int op_parse(RingObject *self, PyObject *op, int idx, kvd_op_head *head);
 void op_prep(RingObject *self, int idx, const kvd_op_head *head);
 int ring_check_usable(RingObject *self);
+int ring_submit_queued(RingObject *self);
 int ring_harvest(RingObject *self, int max);
 
 /* kvd_reads.c */

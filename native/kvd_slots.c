@@ -207,6 +207,30 @@ ring_check_usable(RingObject *self)
     return 0;
 }
 
+/* Hand the kernel the SQEs queued so far, without the GIL: issuing an
+ * O_DIRECT op pins its pages inline (microseconds for 4 MiB). EAGAIN,
+ * EBUSY and EINTR leave SQEs queued: they go out with the next submit or
+ * reap (see `unsubmitted`). Anything else means the ring itself is broken
+ * (-1, OSError set); the accepted ops stay owned by their slots. */
+int
+ring_submit_queued(RingObject *self)
+{
+    int ret = 0;
+    if (io_uring_sq_ready(&self->ring) > 0) {
+        self->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        ret = io_uring_submit(&self->ring);
+        Py_END_ALLOW_THREADS
+        self->busy = 0;
+    }
+    if (ret < 0 && ret != -EAGAIN && ret != -EBUSY && ret != -EINTR) {
+        errno = -ret;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
 /* Collect up to `max` completions into done_idx/done_res. GIL released. */
 int
 ring_harvest(RingObject *self, int max)

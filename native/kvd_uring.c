@@ -137,23 +137,8 @@ Ring_submit(RingObject *self, PyObject *ops)
     PyMem_Free(idxs);
     Py_DECREF(seq);
 
-    int ret = 0;
-    if (io_uring_sq_ready(&self->ring) > 0) {
-        /* Issuing an O_DIRECT op pins its pages inline (microseconds for
-         * 4 MiB), so the GIL goes while the kernel takes the batch. */
-        self->busy = 1;
-        Py_BEGIN_ALLOW_THREADS
-        ret = io_uring_submit(&self->ring);
-        Py_END_ALLOW_THREADS
-        self->busy = 0;
-    }
-    /* EAGAIN/EBUSY/EINTR leave SQEs queued: they go out with the next
-     * submit() or reap() (see `unsubmitted`). Anything else means the ring
-     * itself is broken; the accepted ops stay owned by their slots. */
-    if (ret < 0 && ret != -EAGAIN && ret != -EBUSY && ret != -EINTR) {
-        errno = -ret;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    if (ring_submit_queued(self) < 0)
+        return NULL;
     return PyLong_FromLong(take);
 }
 
