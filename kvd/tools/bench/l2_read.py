@@ -34,7 +34,10 @@ Besides GB/s, each case reports the process's CPU time (all threads, user
 and kernel) per read, which noise from other processes on the machine moves
 far less than throughput. fio (io_uring, O_DIRECT, random reads of the same
 block size at the same depth over the same device(s), across the span the
-records take) is the ceiling. Every byte of that span holds data before
+records take) is the ceiling: the mean of one run before and one after each
+depth's kvd cases (``Row.fio_runs``), since a VM disk's rate moved by a
+quarter within minutes here, and one run before them favoured whichever side
+met the faster minute. Every byte of that span holds data before
 either reads: the records' tail padding is never written, and a read of
 never-written blocks costs a device less (a VM disk's unwritten extents are
 not read at all, a loop device on tmpfs zero-fills holes instead of copying),
@@ -49,6 +52,7 @@ RAM-backed loop devices made for the run (kvd.tools.bench.ramdisk).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import mmap
 import os
@@ -107,6 +111,9 @@ class Row:
     kvd_gbps: float
     cpu_us_per_read: float
     fio_gbps: float | None
+    # The fio runs whose mean ``fio_gbps`` is (reads: one before and one after
+    # the depth's kvd cases, so a device whose rate drifts is met halfway).
+    fio_runs: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -425,10 +432,12 @@ def run(
         rows.append(Row(backends[0], "put-durable", n, block_bytes, DURABLE_WRITERS,
                         durable.gbps, durable.cpu_us_per_read, fio_synced_gbps))  # fmt: skip
         for depth in depths:
-            fio = fio_randread(
-                ":".join(target.paths), block_bytes=block_bytes, queue_depth=depth,
-                seconds=seconds, file_bytes=span_bytes,
+            fio_reads = functools.partial(
+                fio_randread, ":".join(target.paths), block_bytes=block_bytes,
+                queue_depth=depth, seconds=seconds, file_bytes=span_bytes,
             )  # fmt: skip
+            first = len(rows)
+            before = fio_reads()
             for read_path in read_paths:
                 for backend in backends:
                     progress(f"l2 read: {backend} {read_path} {block_bytes >> 10} KiB qd {depth}")
@@ -441,7 +450,12 @@ def run(
                         batched = read_path == "batch"
                         case = asyncio.run(_read_tier(target, backend, depth, seconds, batched))
                     rows.append(Row(backend, read_path, n, block_bytes, depth, case.gbps,
-                                    case.cpu_us_per_read, fio))  # fmt: skip
+                                    case.cpu_us_per_read, None))  # fmt: skip
+            after = fio_reads()
+            runs = tuple(gbps for gbps in (before, after) if gbps is not None)
+            for row in rows[first:]:
+                row.fio_runs = runs
+                row.fio_gbps = sum(runs) / len(runs) if runs else None
     _wipe(target)  # the data files; devices keep the last fill
     return rows
 

@@ -41,6 +41,9 @@ def _check_rows(rows: list[l2_read.Row], devices: int) -> None:
         depth = depths.get(row.path, 4)
         assert row.devices == devices and row.block_bytes == 64 << 10 and row.depth == depth
         assert row.kvd_gbps > 0 and row.cpu_us_per_read > 0
+        if row.path not in ("put", "put-durable") and row.fio_gbps is not None:
+            # fio read before and after the depth's cases; the ceiling is their mean
+            assert len(row.fio_runs) == 2 and row.fio_gbps == sum(row.fio_runs) / 2
     table = l2_read.markdown(rows)
     assert "CPU µs/op" in table and table.count("\n") == len(rows) + 1
 
