@@ -43,6 +43,7 @@ from kvd.client.pool_path import PoolPath
 from kvd.client.regions import Call, ClientRegion, address_of, close_region, create_region
 from kvd.client.shm_socket import BatchAnswer, RegionOps, RegionResult
 from kvd.client.spans import ALIGN_BYTES, Spans
+from kvd.util.logs import Throttle
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.errors import (
     CODE_NUMBERS,
@@ -56,6 +57,9 @@ from kvd.wire.errors import (
 )
 
 log = logging.getLogger("kvd.client")
+
+# A shm path whose daemon is gone and none answers says so at most this often.
+UNANSWERED_LOG_S = 60.0
 
 # Staging for buffers outside any region: 64 MiB holds a batch of sixteen
 # 4 MiB chunks. It is allocated at creation (~10 ms for 64 MiB here), like
@@ -109,6 +113,7 @@ class ShmPath:
         self._rediscover = rediscover
         self._renew_lock = threading.Lock()
         self._renamed: dict[int, ClientRegion] = {}  # the last renew's regions, by old id
+        self._unanswered = Throttle(UNANSWERED_LOG_S)
         self._regions: list[ClientRegion] = []
         self._lock = threading.Lock()
         self._staging: ClientRegion | None = None
@@ -235,29 +240,32 @@ class ShmPath:
         region to the daemon that serves now, in place, so the buffers handed
         out stay valid: the regions by their old ids, or None while no daemon
         answers. The caller may try its call once more, in the new attachment."""
+        reason = {"socket": failed.path, "reason": f"{type(why).__name__}: {why}"}
         with self._renew_lock:
             if self._ops is not failed:
                 return self._renamed  # another thread renewed already
-            log.warning(
-                "shm path lost its daemon; attaching the regions again",
-                extra={"socket": failed.path, "reason": f"{type(why).__name__}: {why}"},
-            )
-            if self._rediscover is None:
-                return None
             try:
-                ops = self._rediscover()
+                ops = self._rediscover() if self._rediscover is not None else None
                 if ops is None:
-                    return None
+                    raise Unavailable("no daemon describes a shm socket")
                 with self._lock:
                     regions = list(self._regions)
                 renamed = {}
                 for region in regions:
                     renamed[region.region_id] = region
                     region.region_id, region.token = ops.attach(region.fd, region.size)
-            except (KvdError, OSError):
+            except (KvdError, OSError) as exc:
+                # Every call meets this while the daemon is down: a line a minute.
+                held = self._unanswered.allow(failed.path)
+                if held is not None:
+                    log.warning(
+                        "shm path lost its daemon, and none answers",
+                        extra={**reason, "error": str(exc), "held_back": held},
+                    )
                 return None
             self._ops, self._renamed = ops, renamed
             self.pools.attach(ops)
+        log.warning("shm path lost its daemon; its regions are attached again", extra=reason)
         failed.close()
         return renamed
 

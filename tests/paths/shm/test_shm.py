@@ -310,6 +310,26 @@ def test_client_reports_the_paths_it_uses(
         assert client.get(NS, b"k") == b"v" * 5000
 
 
+def test_a_gone_daemon_is_logged_once_a_minute_not_once_a_call(
+    daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every shm call meets a daemon that is gone; the client says so once
+    (a warning, then at most one a minute), not once per call."""
+    daemon = daemon_factory()
+    with Client(daemon.socket_target, timeout_s=2) as client:
+        room = client.buffer(1000)
+        client.put("ns", b"k", b"v" * 1000)
+        assert daemon.stop() == 0
+        for _ in range(5):
+            with pytest.raises(KvdError):
+                client.get_into("ns", b"k", room)
+    gone = [
+        r for r in caplog.records if r.name == "kvd.client" and "none answers" in r.getMessage()
+    ]
+    assert len(gone) == 1, [r.getMessage() for r in caplog.records]
+    assert getattr(gone[0], "reason", "") and getattr(gone[0], "held_back", None) == 0
+
+
 def test_a_restarted_daemon_gets_the_client_regions_again(
     daemon_factory: DaemonFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
