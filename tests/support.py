@@ -20,7 +20,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvd.client import Client
 from kvd.tools.bench.daemon import SpawnedDaemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,6 +90,11 @@ def free_ports(count: int) -> list[int]:
     raise RuntimeError(f"fewer than {count} free ports in {PORTS_LOW}..{high - 1}")
 
 
+# How long a test waits for the daemon's write-back to settle
+# (kvd.tools.bench.daemon.written_back).
+WRITE_BACK_WAIT_S = 30.0
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -98,19 +102,6 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
-
-
-def written_back(client: Client, timeout_s: float = 30.0) -> bool:
-    """Whether every value ``client``'s daemon took is on L2 within
-    ``timeout_s``: none waits for its write and none is being written (a
-    value leaves the queue when its write starts, and stays pinned until
-    the write ends)."""
-
-    def settled() -> bool:
-        stats = client.stats()
-        return not stats.get("writeback_queue", 0) and not stats.get("writeback_writing", 0)
-
-    return wait_until(settled, timeout_s)
 
 
 def first_answer(call: Callable[[], T], timeout_s: float = 10.0) -> T:

@@ -19,9 +19,10 @@ import pytest
 
 from kvd.client import Client
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
+from kvd.tools.bench.daemon import written_back
 from kvd.wire.errors import ResourceExhausted
 from tests.sockets import recv_exact
-from tests.support import DaemonFactory, DaemonProcess, written_back
+from tests.support import WRITE_BACK_WAIT_S, DaemonFactory, DaemonProcess
 
 pytestmark = pytest.mark.fault
 
@@ -71,7 +72,7 @@ def _cache(client: Client) -> list[bytes]:
     keys = [b"cached-%03d" % i for i in range(CACHED)]
     for key in keys:
         client.put(NS, key, _value(key, MiB))
-    assert written_back(client), "write-back did not settle"
+    assert written_back(client, WRITE_BACK_WAIT_S), "write-back did not settle"
     return keys
 
 

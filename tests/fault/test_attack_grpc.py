@@ -16,9 +16,10 @@ import grpc
 import pytest
 
 from kvd.client import Client
+from kvd.tools.bench.daemon import written_back
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
-from tests.support import DaemonFactory, DaemonProcess, wait_until, written_back
+from tests.support import WRITE_BACK_WAIT_S, DaemonFactory, DaemonProcess, wait_until
 
 pytestmark = pytest.mark.fault
 
@@ -40,7 +41,7 @@ def _cache(client: Client) -> list[bytes]:
     keys = [b"cached-%03d" % i for i in range(CACHED)]
     for key in keys:
         client.put(NS, key, _value(key, MiB))
-    assert written_back(client), "write-back did not settle"
+    assert written_back(client, WRITE_BACK_WAIT_S), "write-back did not settle"
     return keys
 
 

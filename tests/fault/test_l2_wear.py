@@ -35,9 +35,10 @@ from kvd.l1.pool import PAGE_BYTES, Pool
 from kvd.l2.tier import L2Tier
 from kvd.store.index import StoreLimits
 from kvd.store.store import Store
+from kvd.tools.bench.daemon import written_back
 from kvd.wire.checksum import checksum
 from tests.l2 import backend, open_devices
-from tests.support import DaemonProcess, wait_until, written_back
+from tests.support import WRITE_BACK_WAIT_S, DaemonProcess, wait_until
 
 pytestmark = pytest.mark.fault
 
@@ -211,7 +212,7 @@ def test_device_switched_read_only_and_back(tmp_path: Path) -> None:
                 # opens a new one, and its marker write is the first to fail.
                 for i in range(7):
                     client.put(NS, b"before%d" % i, value_for(i))
-                assert written_back(client)
+                assert written_back(client, WRITE_BACK_WAIT_S)
                 sh("blockdev", "--setro", device)
                 # A put that fails, then one more while the tier backs off:
                 # it wakes every idle worker, and they all sleep through the

@@ -17,8 +17,9 @@ import pytest
 from kvd.client import Client, ResourceExhausted, Unavailable
 from kvd.io.backend import native_available, open_backend
 from kvd.l2 import DeviceSet, L2Tier
+from kvd.tools.bench.daemon import written_back
 from tests.sockets import metric
-from tests.support import DaemonProcess, wait_until, written_back
+from tests.support import WRITE_BACK_WAIT_S, DaemonProcess, wait_until
 
 MiB = 1 << 20
 BACKENDS = ["threads", "uring"]
@@ -191,14 +192,14 @@ def test_namespace_quotas(tmp_path: Path) -> None:
                     # The namespace's L1 share is all waiting for write-back
                     # (a busy machine): refused, not dropped. Once it is
                     # written, the same put goes in.
-                    assert written_back(client)
+                    assert written_back(client, WRITE_BACK_WAIT_S)
                     client.put("qa", b"k%d" % i, value)
             client.put("qb", b"other", value)
             stats = client.stats("qa")
             qa = next(n for n in stats["namespaces_detail"] if n["name"] == "qa")
             assert qa["bytes"] <= 2 << 20  # L1 share held to its quota
             assert client.get("qb", b"other") == value  # the other tenant kept its value
-            assert written_back(client)
+            assert written_back(client, WRITE_BACK_WAIT_S)
             present = sum(client.exists("qa", [b"k%d" % i for i in range(40)]))
             assert 0 < present <= 11  # <= 7 records of 576 KiB on L2, 4 values in L1
             with pytest.raises(ResourceExhausted):

@@ -1,4 +1,5 @@
-"""A kvd daemon in a child process, for benchmarks and tests.
+"""A kvd daemon in a child process, for benchmarks and tests, and a wait for
+its write-back to settle (``written_back``).
 
 Started as ``python -m kvd serve`` on ephemeral ports (0); the ports it bound
 are read from its start-up log line, so runs never collide on a port. Stopped
@@ -14,11 +15,18 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from kvd.client import Client
 
 START_TIMEOUT_S = 30.0
+# How often ``written_back`` asks the daemon, and how long it waits at most.
+WRITTEN_BACK_POLL_S = 0.05
+WRITTEN_BACK_WAIT_S = 60.0
 # Log lines kept per daemon: enough for any test to read its start and stop.
 LOG_LINES_MAX = 10_000
 
@@ -142,3 +150,18 @@ class SpawnedDaemon:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+
+def written_back(client: Client, timeout_s: float = WRITTEN_BACK_WAIT_S) -> bool:
+    """Whether every value ``client``'s daemon took is on L2 within
+    ``timeout_s``: none waits for its write and none is being written (a
+    value leaves the queue when its write starts, and stays pinned until
+    the write ends). A daemon without L2 has no write-back: True at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        if not stats.get("writeback_queue") and not stats.get("writeback_writing"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(WRITTEN_BACK_POLL_S)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.client import Client
-from kvd.tools.bench.daemon import SpawnedDaemon
+from kvd.tools.bench.daemon import SpawnedDaemon, written_back
 from kvd.tools.bench.engine_proc import (
     EngineEnv,
     EngineFailed,
@@ -151,7 +151,7 @@ def _kvd(
             for ids in prompts.values():
                 _ttft(engine, ids)
         with Client(daemon.target, timeout_s=30) as client:
-            _wait_written_back(client)
+            written_back(client)
         progress("engine: kvd, a fresh engine restores")
         with VllmProcess(env, logs / "kvd-restore.log", kvd_url=url) as engine:
             _ttft(engine, warmup)
@@ -169,15 +169,6 @@ def _kvd(
                 progress(f"engine: {size} tokens: kvd L1 {rows[size].ttft_s['kvd_l1']:.3f} s")
     finally:
         daemon.stop()
-
-
-def _wait_written_back(client: Client, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = client.stats()
-        if int(stats.get("writeback_queue", 0)) + int(stats.get("writeback_writing", 0)) == 0:
-            return
-        time.sleep(0.2)
 
 
 def _offload(

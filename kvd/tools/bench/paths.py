@@ -35,6 +35,7 @@ import numpy as np
 
 from kvd.client import Client
 from kvd.tools.bench.backends import fio_randread
+from kvd.tools.bench.daemon import written_back
 from kvd.tools.bench.procs import Case, ClientProcesses, expect_size, kvd_client, value_bytes
 
 SIZES_BYTES = (64 << 10, 1 << 20, 4 << 20, 32 << 20)
@@ -251,7 +252,7 @@ def kvd_rows(
                 rows.append(Row(path, op, size, clients, got.gbps, note, got.cpu_us_per_value))
                 if op == "put":
                     # Its write-back would count as the next case's CPU.
-                    _wait_written_back(filler)
+                    written_back(filler)
             if clients == 1 and size <= CHAIN_MAX_BYTES:
                 chain = bench_keys("chain", CHAIN_VALUES)
                 for key in chain:
@@ -260,7 +261,7 @@ def kvd_rows(
                     "kvd", "get-chain", size, chain, "chain", ns, path, tcp_target, unix_target,
                     batch=CHAIN_VALUES,
                 )  # fmt: skip
-                _wait_written_back(filler)
+                written_back(filler)
                 got = procs.measure(case, CASE_SECONDS, 1, server_pid)
                 rows.append(Row(path, "get-chain", size, 1, got.gbps,
                                 f"{CHAIN_VALUES} values a call", got.cpu_us_per_value))  # fmt: skip
@@ -285,7 +286,7 @@ def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[R
     with Client(tcp_target, timeout_s=120, shm=False, bulk=True) as filler:
         for key in keys:
             filler.put(ns, key, value.data)
-        _wait_written_back(filler)
+        written_back(filler)
     cold = keys[: count * 2 // 3]
     with kvd_client(path, tcp_target, unix_target) as client:
         buffer = client.buffer(size)
@@ -301,17 +302,6 @@ def cold_rows(path: str, tcp_target: str, unix_target: str, size: int) -> list[R
         client.delete_namespace(ns)
         del buffer
     return [Row(path, "get-cold", size, 1, gbps, f"{done} L2 reads")]
-
-
-def _wait_written_back(client: Client, limit_s: float = 60.0) -> None:
-    """Wait until the daemon's write-back is idle, so cold reads do not share
-    the disk with earlier writes (the fio ceiling has it alone)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        stats = client.stats()  # a daemon without L2 has no write-back
-        if not stats.get("writeback_queue") and not stats.get("writeback_writing"):
-            return
-        time.sleep(0.05)
 
 
 # fio's file for the L2 ceiling: larger than any value, small enough to lay
@@ -385,7 +375,7 @@ def run(
     if cold is not None:
         # The puts above leave the main daemon writing back to the same disk.
         with Client(tcp_target, timeout_s=60, shm=False, bulk=False) as main:
-            _wait_written_back(main)
+            written_back(main)
         for path in ("shm", "bulk", "grpc"):
             for size in sizes:
                 progress(f"paths: {path} {size_label(size)} L2-cold")

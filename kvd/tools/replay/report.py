@@ -21,6 +21,7 @@ from typing import Any
 from kvd.client import Client
 from kvd.config.settings import L2_ADMISSIONS
 from kvd.store.eviction.policy import DEFAULT_POLICY, POLICIES
+from kvd.tools.bench.daemon import written_back
 from kvd.tools.replay import prefill, suite, workloads
 from kvd.tools.replay.run import (
     MODEL_BLOCK_BYTES,
@@ -295,13 +296,9 @@ def _drained_l2_figures(target: str) -> dict[str, int]:
     """The daemon's L2 counters once write-back has written what is queued
     (or ``WRITE_BACK_DRAIN_S`` has passed)."""
     with Client(target) as client:
-        deadline = time.monotonic() + WRITE_BACK_DRAIN_S
-        while True:
-            values = client.stats()
-            idle = not values.get("writeback_queue") and not values.get("writeback_writing")
-            if idle or time.monotonic() > deadline:
-                return {name: int(values.get(name, 0)) for name in L2_FIGURES}
-            time.sleep(0.1)
+        written_back(client, WRITE_BACK_DRAIN_S)
+        values = client.stats()
+    return {name: int(values.get(name, 0)) for name in L2_FIGURES}
 
 
 def _tiers(trace: Trace, policy: str, capacity: int, l2: L2Layout, admission: str,
