@@ -436,8 +436,8 @@ def run(
                 fio_randread, ":".join(target.paths), block_bytes=block_bytes,
                 queue_depth=depth, seconds=seconds, file_bytes=span_bytes,
             )  # fmt: skip
-            first = len(rows)
             before = fio_reads()
+            cases = []
             for read_path in read_paths:
                 for backend in backends:
                     progress(f"l2 read: {backend} {read_path} {block_bytes >> 10} KiB qd {depth}")
@@ -449,13 +449,12 @@ def run(
                     else:
                         batched = read_path == "batch"
                         case = asyncio.run(_read_tier(target, backend, depth, seconds, batched))
-                    rows.append(Row(backend, read_path, n, block_bytes, depth, case.gbps,
-                                    case.cpu_us_per_read, None))  # fmt: skip
-            after = fio_reads()
-            runs = tuple(gbps for gbps in (before, after) if gbps is not None)
-            for row in rows[first:]:
-                row.fio_runs = runs
-                row.fio_gbps = sum(runs) / len(runs) if runs else None
+                    cases.append((backend, read_path, case))
+            runs = tuple(gbps for gbps in (before, fio_reads()) if gbps is not None)
+            fio = sum(runs) / len(runs) if runs else None
+            rows += [Row(backend, read_path, n, block_bytes, depth, case.gbps,
+                         case.cpu_us_per_read, fio, runs)
+                     for backend, read_path, case in cases]  # fmt: skip
     _wipe(target)  # the data files; devices keep the last fill
     return rows
 
