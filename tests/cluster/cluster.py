@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import socket
 import threading
-import urllib.request
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
@@ -19,6 +18,7 @@ from kvd.cluster.rendezvous import Placement
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.grpc import SERVICE
+from tests.sockets import scrape
 from tests.support import DaemonProcess, free_ports
 
 
@@ -68,10 +68,8 @@ def pool_auth(root: Path) -> list[str]:
 
 def labelled(port: int, name: str, **labels: str) -> float:
     """The sum of the samples of ``name`` whose labels include ``labels``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     total = 0.0
-    for line in text.splitlines():
+    for line in scrape(port).splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total

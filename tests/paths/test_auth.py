@@ -30,6 +30,7 @@ from kvd.paths.grpc.auth import request_scope
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
 from tests.paths.support import TOKEN_A, TOKEN_ADMIN, TOKEN_LATER, token_file
+from tests.sockets import scrape
 from tests.support import DaemonProcess, wait_until
 
 NS_A = "team-a/llama"
@@ -285,10 +286,7 @@ def test_client_with_a_token_uses_every_path(secured: DaemonProcess) -> None:
 
 
 def test_refusals_are_counted_and_logged_by_reason(secured: DaemonProcess) -> None:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{secured.metrics_port}/metrics") as reply:
-        text = reply.read().decode()
+    text = scrape(secured.metrics_port)
     assert 'kvd_rejected_requests_total{reason="unauthenticated"}' in text
     assert 'kvd_rejected_requests_total{reason="permission_denied"}' in text
     refused = [line for line in secured.log if "request refused" in line]
