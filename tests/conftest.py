@@ -30,17 +30,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         item.stash[FAILED] = report.failed
 
 
-def print_warnings(daemons: list[DaemonProcess]) -> None:
-    """What each daemon logged above info: a failed test's report shows it
-    (a connection the daemon closed, a peer it gave up on, with the reason)."""
-    for daemon in daemons:
+@pytest.fixture(autouse=True)
+def daemon_warnings(request: pytest.FixtureRequest) -> Iterator[None]:
+    """What each daemon the test started logged above info, in a failed
+    test's report (a connection the daemon closed, a peer it gave up on, a
+    plan it refused, with the reason): every daemon, whichever fixture or
+    helper started it. Set up first, so it reports after their teardown."""
+    first = len(SpawnedDaemon.started)
+    yield
+    if not request.node.stash.get(FAILED, False):
+        return
+    for daemon in SpawnedDaemon.started[first:]:
         lines = [line for line in daemon.log if "level=info" not in line]
         print(f"--- {daemon.workdir}: {len(lines)} log lines above info ---")
         print("\n".join(lines[-LOG_LINES_SHOWN:]))
 
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DaemonFactory]:
+def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
     started: list[DaemonProcess] = []
 
     def start(
@@ -55,8 +62,6 @@ def daemon_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[D
     yield start
     for daemon in started:
         daemon.stop()
-    if request.node.stash.get(FAILED, False):
-        print_warnings(started)
 
 
 @pytest.fixture
