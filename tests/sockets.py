@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import urllib.request
 from collections.abc import Callable
 
@@ -61,6 +62,18 @@ def samples(metrics_port: int, *prefixes: str) -> list[str]:
     """The lines of the daemon's /metrics that start with one of ``prefixes``:
     what to look at when a count is off."""
     return [line for line in scrape(metrics_port).splitlines() if line.startswith(prefixes)]
+
+
+def sockets_on(*ports: int) -> list[str]:
+    """Every TCP socket on this machine whose local or peer port is one of
+    ``ports``, with its process (``ss -tanp``): who listens there and who is
+    connected, when a count says someone else was."""
+    try:
+        listed = subprocess.run(["ss", "-tanpH"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"ss: {exc}"]
+    ends = tuple(f":{port} " for port in ports)
+    return [line for line in listed.stdout.splitlines() if any(end in line for end in ends)]
 
 
 async def most_between_turns(count: Callable[[], float], work: Callable[[], None]) -> float:
