@@ -55,6 +55,7 @@ from kvd.paths.metrics import (
     NamespaceCollector,
     NamespaceRow,
     SnapshotCollector,
+    values_in_memory,
 )
 from kvd.paths.ops.calls import ServiceLimits
 from kvd.paths.socket_dirs import claim_socket_path, secure_directory
@@ -159,6 +160,12 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        ignored = values_in_memory()
+        if ignored:
+            log.warning(
+                "PROMETHEUS_MULTIPROC_DIR ignored: kvd keeps its own metrics in memory",
+                extra={"dir": ignored},
+            )
         self.metrics = Metrics()
         self.pool = Pool(config.dram_bytes, shared=config.shm_pool_reads)
         limits = StoreLimits.from_config(config)

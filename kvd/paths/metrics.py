@@ -11,12 +11,14 @@ server's thread and only reads integers, which is safe under the GIL.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import values as client_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -34,6 +36,15 @@ REFUSAL_REASONS = {
     # A region op past its client's deadline: a late copy is not stored.
     "DEADLINE_EXCEEDED": "deadline_exceeded",
 }
+
+# With one of these set, prometheus_client keeps every value in a file named
+# after the process id under that directory (for servers of many worker
+# processes that export together). kvd is one process exporting its own
+# registry, and a file of an earlier process whose id the kernel hands out
+# again would start its counts where that process's stopped: a test run's
+# daemons inherited the variable from a library that set it in the test
+# process, and counted bytes they never moved.
+MULTIPROCESS_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
 
 # Ops that read values, as the hit, miss and fetch metrics label them.
 READ_OPS = ("get", "batch_get", "lookup", "bulk_get", "shm_get")
@@ -80,6 +91,18 @@ class Children(Generic[M]):
         if child is None:
             child = self._children[values] = self.metric.labels(*values)
         return child
+
+
+def values_in_memory() -> str:
+    """Keep this process's metric values in memory, whatever its environment
+    says (MULTIPROCESS_VARIABLES, dropped from it); the directory it named,
+    or "". For the daemon's process only: an engine's may export its workers
+    together that way."""
+    named = ""
+    for variable in MULTIPROCESS_VARIABLES:
+        named = os.environ.pop(variable, "") or named
+    client_values.ValueClass = client_values.MutexValue
+    return named
 
 
 class Metrics:

@@ -203,6 +203,28 @@ def test_json_logs(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
     assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
 
 
+def test_values_stay_in_memory_whatever_the_environment(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """A PROMETHEUS_MULTIPROC_DIR in the daemon's environment is ignored, and
+    said so. With it prometheus_client kept each value in a file named after
+    the process id, and a daemon the kernel gave an earlier one's id counted
+    on from that one's totals (a library set it in a test run's process, and
+    every daemon started after inherited it)."""
+    files = tmp_path / "multiproc"
+    files.mkdir()
+    daemon = daemon_factory(env={"PROMETHEUS_MULTIPROC_DIR": str(files)})
+    value_bytes = b"m" * VALUE_BYTES
+    with Client(daemon.target, shm=False) as client:
+        client.put("ns", b"k", value_bytes)
+        assert client.get("ns", b"k") == value_bytes
+    samples = scrape(daemon)
+    assert value(samples, "kvd_bytes_total", op="bulk_put", direction="in") == VALUE_BYTES
+    assert value(samples, "kvd_bytes_total", op="bulk_get", direction="out") == VALUE_BYTES
+    assert list(files.iterdir()) == []
+    assert any("PROMETHEUS_MULTIPROC_DIR ignored" in line for line in daemon.log)
+
+
 def test_throttle_lets_one_line_per_key_per_interval() -> None:
     now = [0.0]
     throttle = Throttle(1.0, clock=lambda: now[0])
