@@ -4,6 +4,7 @@ a failed test's report shows what its daemons logged above info."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.when == "call":
         item.stash[FAILED] = report.failed
+
+
+@pytest.fixture(autouse=True)
+def environment_kept() -> Iterator[None]:
+    """Each test leaves this process's environment as it found it. A library
+    a test loads may set variables (LMCache's metrics set
+    PROMETHEUS_MULTIPROC_DIR), and every daemon started after inherits them."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(autouse=True)

@@ -129,9 +129,12 @@ def test_client_uses_bulk_over_tcp(daemon_factory: DaemonFactory, tmp_path: Path
     they never left: no longer), and counts from its client's first call.
     CI runs counted 100,000, ~3 MiB, 1,376,256 (get), 11,796,480 (put,
     180 x 64 KiB, with auth on), 32,833,536 (put) and 3,203,072 (get) bytes
-    more than this test moved, with no request refused: from where is not
-    known. A count that is off shows every request and byte count and every
-    socket on the daemon's ports, with its process."""
+    more than this test moved, with no request refused: an earlier daemon's
+    totals, kept in a file named by its pid under the PROMETHEUS_MULTIPROC_DIR
+    that LMCache had set in the test process, and counted on by a daemon
+    that got the same pid (now the daemon ignores it, and tests restore the
+    environment). A count that is off shows every request and byte count and
+    every socket on the daemon's ports, with its process."""
     token = secrets.token_hex(16)
     table = tmp_path / "tokens.toml"
     digest = hashlib.sha256(token.encode()).hexdigest()
