@@ -85,7 +85,8 @@ def test_a_store_outside_a_pool_has_no_guests() -> None:
 
 async def test_guests_are_not_written_to_l2_unless_durable(tmp_path: Path) -> None:
     devices = open_devices([str(tmp_path / "ssd.dat")], segments=3, segment_bytes=MiB)
-    tier = L2Tier(devices, open_backend("threads", depth=8))
+    io = open_backend("threads", depth=8)
+    tier = L2Tier(devices, io)
     await tier.recover()
     store = Store(Pool(16 * PAGE_BYTES), store_limits(), l2=tier)
     store.guest_of = lambda ns, key: key.startswith(b"g")
@@ -101,6 +102,8 @@ async def test_guests_are_not_written_to_l2_unless_durable(tmp_path: Path) -> No
         assert tier.lookup("ns", b"g2") is not None  # durable: written here too
     finally:
         tier.close()
+        io.close()
+        devices.close()
 
 
 def _recording_store() -> tuple[Store, Recorded]:
