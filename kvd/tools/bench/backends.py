@@ -168,6 +168,28 @@ def fio_write_synced(
                 [f"--fdatasync={queue_depth}"])  # fmt: skip
 
 
+def fio_replay(log: str, *, queue_depth: int = 32, seconds: float = 5.0) -> float | None:
+    """fio replaying ``log`` (an iolog, version 2: each read's file, offset
+    and length) as fast as it can, io_uring, O_DIRECT, ``queue_depth`` in
+    flight, for at most ``seconds``: reads per second, or None without fio."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return None
+    cmd = [
+        fio,
+        "--name=kvd-l2-replay",
+        f"--read_iolog={log}",
+        "--replay_no_stall=1",
+        "--ioengine=io_uring",
+        "--direct=1",
+        f"--iodepth={queue_depth}",
+        f"--runtime={max(1, round(seconds))}",
+        "--output-format=json",
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=FIO_TIMEOUT_S)
+    return float(json.loads(out.stdout)["jobs"][0]["read"]["iops"])
+
+
 def _fio(
     path: str, rw: str, block_bytes: int, queue_depth: int, seconds: float, file_bytes: int,
     extra: Sequence[str] = (),

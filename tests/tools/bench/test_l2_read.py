@@ -44,6 +44,10 @@ def _check_rows(rows: list[l2_read.Row], devices: int) -> None:
         if row.path not in ("put", "put-durable") and row.fio_gbps is not None:
             # fio read before and after the depth's cases; the ceiling is their mean
             assert len(row.fio_runs) == 2 and row.fio_gbps == sum(row.fio_runs) / 2
+        if row.path not in ("put", "put-durable") and shutil.which("fio"):
+            # and replayed the tier's own reads, before and after too
+            assert len(row.replay_runs) == 2 and row.replay_gbps == sum(row.replay_runs) / 2
+            assert row.replay_gbps > 0
     table = l2_read.markdown(rows)
     assert "CPU µs/op" in table and table.count("\n") == len(rows) + 1
 
@@ -104,6 +108,34 @@ def test_lay_out_leaves_no_unwritten_block_for_fio(tmp_path: Path) -> None:
     assert count == DATA_BYTES // (64 << 10)
     case = asyncio.run(l2_read._read_tier(target, "threads", 4, 0.2, batched=True))
     assert case.gbps > 0
+    l2_read._wipe(target)
+
+
+def test_the_replay_log_reads_each_record_as_the_tier_does(tmp_path: Path) -> None:
+    """fio's replay log holds random records of the run's values (not the
+    durable puts'), each read as the tier reads it: its header block and
+    payload, 68 KiB for a 64 KiB value, on the paths the stripes put it."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for where in dirs:
+        where.mkdir()
+    target = l2_read.Target.of([str(d) for d in dirs], [], data_bytes=DATA_BYTES)
+    l2_read._lay_out(target)
+    asyncio.run(l2_read._fill(target, "threads", 64 << 10))
+    asyncio.run(l2_read._durable(target, "threads", 16 << 10))
+    log = tmp_path / "reads.iolog"
+    asyncio.run(l2_read._write_replay_log(target, log))
+    lines = log.read_text().splitlines()
+    assert lines[0] == "fio version 2 iolog"
+    for path in target.paths:
+        assert f"{path} add" in lines and f"{path} open" in lines and lines.count(f"{path} close")
+    reads = [(path, int(offset), int(length)) for path, _, offset, length in
+             (line.split() for line in lines if " read " in line)]  # fmt: skip
+    # A record that crosses a 256 KiB stripe is two reads, one on each path.
+    assert l2_read.REPLAY_READS < len(reads) < 2 * l2_read.REPLAY_READS
+    # 68 KiB a record: the 64 KiB values', never the 16 KiB durable puts' (20 KiB)
+    assert sum(length for *_, length in reads) == l2_read.REPLAY_READS * (68 << 10)
+    assert {path for path, *_ in reads} == set(target.paths)
+    assert all(offset % 4096 == 0 and length % 4096 == 0 for _, offset, length in reads)
     l2_read._wipe(target)
 
 
