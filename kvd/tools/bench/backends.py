@@ -135,9 +135,11 @@ def fio_randread(
     queue_depth: int = 32,
     seconds: float = 5.0,
     file_bytes: int = GiB,
+    extra: Sequence[str] = (),
 ) -> float | None:
-    """fio --ioengine=io_uring --direct=1 --rw=randread on `path`: GB/s, or None without fio."""
-    return _fio(path, "randread", block_bytes, queue_depth, seconds, file_bytes)
+    """fio --ioengine=io_uring --direct=1 --rw=randread on `path`: GB/s, or None
+    without fio. ``extra``: more of fio's options (its buffers' memory, say)."""
+    return _fio(path, "randread", block_bytes, queue_depth, seconds, file_bytes, extra)
 
 
 def fio_write(
@@ -147,10 +149,11 @@ def fio_write(
     queue_depth: int = 4,
     seconds: float = 5.0,
     file_bytes: int = GiB,
+    extra: Sequence[str] = (),
 ) -> float | None:
     """fio --ioengine=io_uring --direct=1 --rw=write (sequential, as write-back
     appends) on `path`, whose contents it overwrites: GB/s, or None without fio."""
-    return _fio(path, "write", block_bytes, queue_depth, seconds, file_bytes)
+    return _fio(path, "write", block_bytes, queue_depth, seconds, file_bytes, extra)
 
 
 def fio_write_synced(
@@ -160,15 +163,18 @@ def fio_write_synced(
     queue_depth: int = 16,
     seconds: float = 5.0,
     file_bytes: int = GiB,
+    extra: Sequence[str] = (),
 ) -> float | None:
     """``fio_write`` with an fdatasync after every ``queue_depth`` writes
     (``--fdatasync``): writes made durable in groups of the writers'
     number, as durable puts in flight together share one. GB/s, or None."""
     return _fio(path, "write", block_bytes, queue_depth, seconds, file_bytes,
-                [f"--fdatasync={queue_depth}"])  # fmt: skip
+                [f"--fdatasync={queue_depth}", *extra])  # fmt: skip
 
 
-def fio_replay(log: str, *, queue_depth: int = 32, seconds: float = 5.0) -> float | None:
+def fio_replay(
+    log: str, *, queue_depth: int = 32, seconds: float = 5.0, extra: Sequence[str] = ()
+) -> float | None:
     """fio replaying ``log`` (an iolog, version 2: each read's file, offset
     and length) as fast as it can, io_uring, O_DIRECT, ``queue_depth`` in
     flight, for at most ``seconds``: reads per second, or None without fio."""
@@ -185,6 +191,7 @@ def fio_replay(log: str, *, queue_depth: int = 32, seconds: float = 5.0) -> floa
         f"--iodepth={queue_depth}",
         f"--runtime={max(1, round(seconds))}",
         "--output-format=json",
+        *extra,
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=FIO_TIMEOUT_S)
     return float(json.loads(out.stdout)["jobs"][0]["read"]["iops"])

@@ -44,6 +44,10 @@ not read at all, a loop device on tmpfs zero-fills holes instead of copying),
 so over a fresh span half of fio's 64 KiB reads landed mostly in padding
 and its ceiling stood 1.3-1.9x above what the device reads of data.
 
+fio's buffers sit on huge pages, as kvd's L1 does, where the bench can
+reserve them (root; kvd.tools.bench.hugetlb; ``Row.fio_huge_pages``): on
+this VM's disk fio reading into 4 KiB pages did half as much.
+
 A second ceiling, ``replay``, is fio replaying reads exactly as the tier
 makes them (an iolog of random records of the run's values: each record's
 header and payload in one read, 68 KiB for a 64 KiB value, cut per device
@@ -85,6 +89,7 @@ from kvd.store.index import StoreLimits
 from kvd.store.store import Store
 from kvd.store.writeback import WORKERS
 from kvd.tools.bench.backends import fio_randread, fio_replay, fio_write, fio_write_synced
+from kvd.tools.bench.hugetlb import HugeBuffers, fio_huge_buffers
 from kvd.wire.checksum import checksum
 
 MiB = 1 << 20
@@ -131,6 +136,8 @@ class Row:
     # fio replaying the tier's own reads (module doc), as ``fio_gbps``.
     replay_gbps: float | None = None
     replay_runs: tuple[float, ...] = ()
+    # fio's buffers on huge pages, as kvd's L1 (kvd.tools.bench.hugetlb).
+    fio_huge_pages: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -451,50 +458,66 @@ def run(
     for read_path in read_paths:
         if read_path not in READ_PATHS:
             raise ValueError(f"read path must be one of {READ_PATHS}, got {read_path!r}")
-    backends = ["uring", "threads"] if native_available()[0] else ["threads"]
-    rows = []
     for path in target.paths:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    n = len(target.paths)
-    for block_bytes in blocks_bytes:
-        count = target.data_bytes // block_bytes
-        # fio reads the span the records take (a 64 KiB value's record is
-        # 128 KiB), not just the data's size: a VM disk cached by its host
-        # answers a smaller span faster.
-        span_bytes = count * align_up(BLOCK_BYTES + block_bytes, RECORD_ALIGN_BYTES)
-        fio_write_gbps = fio_write(
-            ":".join(target.paths), block_bytes=block_bytes, queue_depth=WORKERS,
-            seconds=seconds, file_bytes=span_bytes,
-        )  # fmt: skip
-        fio_synced_gbps = fio_write_synced(
-            ":".join(target.paths), block_bytes=block_bytes, queue_depth=DURABLE_WRITERS,
-            seconds=seconds, file_bytes=span_bytes,
-        )  # fmt: skip
-        _lay_out(target)  # also forgets earlier runs: no segment marker stays valid
-        mib, kib = target.data_bytes >> 20, block_bytes >> 10
-        progress(f"l2 read: {backends[0]} put: filling {mib} MiB of {kib} KiB blocks")
-        count, fill = asyncio.run(_fill(target, backends[0], block_bytes))
-        rows.append(Row(backends[0], "put", n, block_bytes, WORKERS, fill.gbps,
-                        fill.cpu_us_per_read, fio_write_gbps))  # fmt: skip
-        progress(f"l2 read: {backends[0]} put-durable: {DURABLE_WRITERS} writers, {kib} KiB")
-        durable = asyncio.run(_durable(target, backends[0], block_bytes))
-        rows.append(Row(backends[0], "put-durable", n, block_bytes, DURABLE_WRITERS,
-                        durable.gbps, durable.cpu_us_per_read, fio_synced_gbps))  # fmt: skip
-        replay_log = Path(tempfile.mkdtemp(prefix="kvd-l2-replay-")) / "reads.iolog"
+    rows = []
+    # fio's buffers: its deepest case's reads or writes, a header longer (replays).
+    deepest = max(*depths, WORKERS, DURABLE_WRITERS)
+    with fio_huge_buffers(deepest * (max(blocks_bytes) + 64 * 1024)) as buffers:
+        if buffers.why_not:
+            progress(f"l2 read: fio's buffers on 4 KiB pages ({buffers.why_not})")
+        for block_bytes in blocks_bytes:
+            rows += _block_rows(target, block_bytes, depths, read_paths, seconds, progress,
+                                buffers)  # fmt: skip
+    _wipe(target)  # the data files; devices keep the last fill
+    return rows
+
+
+def _block_rows(
+    target: Target, block_bytes: int, depths: Sequence[int], read_paths: Sequence[str],
+    seconds: float, progress: Callable[[str], None], buffers: HugeBuffers,
+) -> list[Row]:  # fmt: skip
+    """Every case of one block size: the fill, the durable puts, and the
+    reads at each depth, each beside fio on the same paths."""
+    backends = ["uring", "threads"] if native_available()[0] else ["threads"]
+    n, paths, huge = len(target.paths), ":".join(target.paths), buffers.path is not None
+    fio_args = buffers.fio_args()
+    count = target.data_bytes // block_bytes
+    # fio reads the span the records take (a 64 KiB value's record is
+    # 128 KiB), not just the data's size: a VM disk cached by its host
+    # answers a smaller span faster.
+    span_bytes = count * align_up(BLOCK_BYTES + block_bytes, RECORD_ALIGN_BYTES)
+    fio_write_gbps = fio_write(paths, block_bytes=block_bytes, queue_depth=WORKERS,
+                               seconds=seconds, file_bytes=span_bytes, extra=fio_args)  # fmt: skip
+    fio_synced_gbps = fio_write_synced(
+        paths, block_bytes=block_bytes, queue_depth=DURABLE_WRITERS, seconds=seconds,
+        file_bytes=span_bytes, extra=fio_args,
+    )  # fmt: skip
+    _lay_out(target)  # also forgets earlier runs: no segment marker stays valid
+    mib, kib = target.data_bytes >> 20, block_bytes >> 10
+    progress(f"l2 read: {backends[0]} put: filling {mib} MiB of {kib} KiB blocks")
+    count, fill = asyncio.run(_fill(target, backends[0], block_bytes))
+    rows = [Row(backends[0], "put", n, block_bytes, WORKERS, fill.gbps, fill.cpu_us_per_read,
+                fio_write_gbps, fio_huge_pages=huge)]  # fmt: skip
+    progress(f"l2 read: {backends[0]} put-durable: {DURABLE_WRITERS} writers, {kib} KiB")
+    durable = asyncio.run(_durable(target, backends[0], block_bytes))
+    rows.append(Row(backends[0], "put-durable", n, block_bytes, DURABLE_WRITERS, durable.gbps,
+                    durable.cpu_us_per_read, fio_synced_gbps, fio_huge_pages=huge))  # fmt: skip
+    replay_log = Path(tempfile.mkdtemp(prefix="kvd-l2-replay-")) / "reads.iolog"
+    try:
         asyncio.run(_write_replay_log(target, replay_log))
         for depth in depths:
             fio_reads = functools.partial(
-                fio_randread, ":".join(target.paths), block_bytes=block_bytes,
-                queue_depth=depth, seconds=seconds, file_bytes=span_bytes,
+                fio_randread, paths, block_bytes=block_bytes, queue_depth=depth,
+                seconds=seconds, file_bytes=span_bytes, extra=fio_args,
             )  # fmt: skip
-            replays = functools.partial(
-                fio_replay, str(replay_log), queue_depth=depth, seconds=seconds
-            )
+            replays = functools.partial(fio_replay, str(replay_log), queue_depth=depth,
+                                        seconds=seconds, extra=fio_args)  # fmt: skip
             before, replay_before = fio_reads(), replays()
             cases = []
             for read_path in read_paths:
                 for backend in backends:
-                    progress(f"l2 read: {backend} {read_path} {block_bytes >> 10} KiB qd {depth}")
+                    progress(f"l2 read: {backend} {read_path} {kib} KiB qd {depth}")
                     if read_path in ("store", "store-batch"):
                         case = asyncio.run(
                             _read_store(target, backend, block_bytes, count, depth, seconds,
@@ -513,10 +536,10 @@ def run(
             )
             replay = sum(replay_runs) / len(replay_runs) if replay_runs else None
             rows += [Row(backend, read_path, n, block_bytes, depth, case.gbps,
-                         case.cpu_us_per_read, fio, runs, replay, replay_runs)
+                         case.cpu_us_per_read, fio, runs, replay, replay_runs, huge)
                      for backend, read_path, case in cases]  # fmt: skip
+    finally:
         shutil.rmtree(replay_log.parent, ignore_errors=True)
-    _wipe(target)  # the data files; devices keep the last fill
     return rows
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from kvd.client import Client
 from kvd.tools.bench.backends import fio_randread
 from kvd.tools.bench.daemon import written_back
+from kvd.tools.bench.hugetlb import fio_huge_buffers
 from kvd.tools.bench.procs import Case, ClientProcesses, expect_size, kvd_client, value_bytes
 
 SIZES_BYTES = (64 << 10, 1 << 20, 4 << 20, 32 << 20)
@@ -314,22 +315,27 @@ FIO_DEPTHS = (1, 32)
 def fio_rows(directory: str, sizes: tuple[int, ...], progress: Progress) -> list[Row]:
     """The ceiling of the L2-cold rows: fio io_uring O_DIRECT random reads of
     each size in ``directory`` (the cold daemon's file system), at queue depth
-    1 (one read at a time, as one client's gets) and 32 (what the device gives)."""
+    1 (one read at a time, as one client's gets) and 32 (what the device gives),
+    into huge pages as the daemon's L1 where they can be had (kvd.tools.bench.hugetlb)."""
     path = os.path.join(directory, "fio-ceiling")
     rows: list[Row] = []
     try:
-        for size in sizes:
-            progress(f"paths: fio {size_label(size)}")
-            for depth in FIO_DEPTHS:
-                gbps = fio_randread(
-                    path,
-                    block_bytes=size,
-                    queue_depth=depth,
-                    seconds=FIO_SECONDS,
-                    file_bytes=max(FIO_FILE_BYTES, 2 * size),
-                )
-                note = "" if gbps is not None else "skipped: fio not installed"
-                rows.append(Row("fio", f"read QD{depth}", size, 1, gbps, note))
+        with fio_huge_buffers(max(FIO_DEPTHS) * max(sizes)) as buffers:
+            for size in sizes:
+                progress(f"paths: fio {size_label(size)}")
+                for depth in FIO_DEPTHS:
+                    gbps = fio_randread(
+                        path,
+                        block_bytes=size,
+                        queue_depth=depth,
+                        seconds=FIO_SECONDS,
+                        file_bytes=max(FIO_FILE_BYTES, 2 * size),
+                        extra=buffers.fio_args(),
+                    )
+                    note = "" if gbps is not None else "skipped: fio not installed"
+                    if gbps is not None and buffers.why_not:
+                        note = f"buffers on 4 KiB pages: {buffers.why_not}"
+                    rows.append(Row("fio", f"read QD{depth}", size, 1, gbps, note))
     finally:
         if os.path.exists(path):
             os.unlink(path)

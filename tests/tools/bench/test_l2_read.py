@@ -55,9 +55,14 @@ def _check_rows(rows: list[l2_read.Row], devices: int) -> None:
 @pytest.mark.slow
 def test_bench_on_a_directory(tmp_path: Path) -> None:
     target = l2_read.Target.of([str(tmp_path)], [], data_bytes=DATA_BYTES)
-    rows = l2_read.run(target, lambda _: None, blocks_bytes=[64 << 10], depths=[4], seconds=0.2)
+    said: list[str] = []
+    rows = l2_read.run(target, said.append, blocks_bytes=[64 << 10], depths=[4], seconds=0.2)
     _check_rows(rows, 1)
     assert not (tmp_path / l2_read.DATA_FILE).exists()
+    # fio read into huge pages, as kvd's L1, or the run said why not (not root, none free)
+    on_small_pages = [line for line in said if "fio's buffers on 4 KiB pages" in line]
+    assert {row.fio_huge_pages for row in rows} == {not on_small_pages}
+    assert os.geteuid() == 0 or on_small_pages
 
 
 @pytest.mark.slow
