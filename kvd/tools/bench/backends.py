@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvd.io.backend import open_backend
 
@@ -178,50 +179,37 @@ def fio_replay(
     """fio replaying ``log`` (an iolog, version 2: each read's file, offset
     and length) as fast as it can, io_uring, O_DIRECT, ``queue_depth`` in
     flight, for at most ``seconds``: reads per second, or None without fio."""
-    fio = shutil.which("fio")
-    if fio is None:
-        return None
-    cmd = [
-        fio,
-        "--name=kvd-l2-replay",
-        f"--read_iolog={log}",
-        "--replay_no_stall=1",
-        "--ioengine=io_uring",
-        "--direct=1",
-        f"--iodepth={queue_depth}",
-        f"--runtime={max(1, round(seconds))}",
-        "--output-format=json",
-        *extra,
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=FIO_TIMEOUT_S)
-    return float(json.loads(out.stdout)["jobs"][0]["read"]["iops"])
+    job = _fio_job("kvd-l2-replay", queue_depth, seconds,
+                   [f"--read_iolog={log}", "--replay_no_stall=1", *extra])  # fmt: skip
+    return None if job is None else float(job["read"]["iops"])
 
 
 def _fio(
     path: str, rw: str, block_bytes: int, queue_depth: int, seconds: float, file_bytes: int,
     extra: Sequence[str] = (),
 ) -> float | None:  # fmt: skip
+    options = [f"--filename={path}", f"--rw={rw}", f"--bs={block_bytes}",
+               f"--size={file_bytes}", "--time_based", *extra]  # fmt: skip
+    job = _fio_job("kvd-l2", queue_depth, seconds, options)
+    if job is None:
+        return None
+    return float(job["read" if rw.endswith("read") else "write"]["bw_bytes"]) / 1e9
+
+
+def _fio_job(
+    name: str, queue_depth: int, seconds: float, options: Sequence[str]
+) -> dict[str, Any] | None:
+    """One fio job (io_uring, O_DIRECT, ``queue_depth`` in flight, at most
+    ``seconds``) with ``options``: its JSON report, or None without fio."""
     fio = shutil.which("fio")
     if fio is None:
         return None
-    cmd = [
-        fio,
-        "--name=kvd-l2",
-        f"--filename={path}",
-        "--ioengine=io_uring",
-        "--direct=1",
-        f"--rw={rw}",
-        f"--bs={block_bytes}",
-        f"--iodepth={queue_depth}",
-        f"--size={file_bytes}",
-        "--time_based",
-        f"--runtime={max(1, round(seconds))}",
-        "--output-format=json",
-        *extra,
-    ]
+    cmd = [fio, f"--name={name}", "--ioengine=io_uring", "--direct=1",
+           f"--iodepth={queue_depth}", f"--runtime={max(1, round(seconds))}",
+           "--output-format=json", *options]  # fmt: skip
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=FIO_TIMEOUT_S)
-    job = json.loads(out.stdout)["jobs"][0]
-    return float(job["read" if rw.endswith("read") else "write"]["bw_bytes"]) / 1e9
+    job: dict[str, Any] = json.loads(out.stdout)["jobs"][0]
+    return job
 
 
 def main(argv: Sequence[str] | None = None) -> None:
