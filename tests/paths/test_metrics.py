@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kvd.paths.metrics import NamespaceCollector
 from kvd.util.logs import Throttle
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
+from tests import sockets
 from tests.support import REPO, DaemonFactory, DaemonProcess
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvd-dashboard.json"
@@ -29,11 +29,8 @@ VALUE_BYTES = 128 << 10  # over the bulk threshold: the bulk path is counted too
 
 def scrape(daemon: DaemonProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample as (name, sorted labels) -> value."""
-    url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
     samples = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(sockets.scrape(daemon.metrics_port)):
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
