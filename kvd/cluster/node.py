@@ -60,6 +60,15 @@ POOL_COUNTERS = {
         "Lookup and Exists calls that asked other members",
     ),
     "remote_lookup_hits": ("kvd_cluster_remote_lookup_hits", "Chain keys found on other members"),
+    "hinted_lookups": (
+        "kvd_cluster_hinted_lookups",
+        "Lookups answered from the owners' recent answers without asking them "
+        "(pool_lookup_hint_ms)",
+    ),
+    "shares_learned": (
+        "kvd_cluster_shares_learned",
+        "Other members' chain lookups this member's eviction policy learned its share of",
+    ),
     "remote_gets": ("kvd_cluster_remote_gets", "Gets sent to the key's owner"),
     "remote_get_batches": (
         "kvd_cluster_remote_get_batches",
@@ -198,7 +207,8 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
     peers = Peers(token, config.max_message_bytes)
     reads = PeerReads(store, peers, BulkPeers(token), config.pool_peer_transport,
                       _start_nixl(config, store, membership.advertise))  # fmt: skip
-    router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000)
+    router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000,
+                        config.pool_lookup_hint_ms / 1000)  # fmt: skip
     router.start()
     etcd: EtcdMembers | None = None
     dns: DnsMembers | None = None

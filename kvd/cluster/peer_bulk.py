@@ -50,12 +50,14 @@ from kvd.wire.bulk import (
     OP_NIXL_RELEASE,
     OP_PEER_EXISTS,
     OP_PEER_PLAN,
+    OP_PEER_TELL,
     PLAN_BYTES_MAX,
     RESPONSE,
     RESPONSE_MAGIC,
     VERSION,
     encode_exists,
     encode_request,
+    encode_tell,
     exists_meta,
 )
 from kvd.wire.checksum import Hasher
@@ -172,6 +174,17 @@ class BulkConnection:
         await self._recv_into(memoryview(answer), None, 0, length)
         self.reusable = True
         return [held != 0 for held in answer]
+
+    async def tell(self, namespace: str, shares: list[tuple[int, bytes, ChainShare]]) -> None:
+        """Lookups' chain shares (key width, keys concatenated, where they lie)
+        for the member's policy, in one PEER_TELL; nothing is answered."""
+        self.reusable = False
+        payload = encode_tell(shares)
+        request = encode_request(
+            OP_PEER_TELL, next(self._ids), namespace.encode(), flags=FLAG_HOP, length=len(payload)
+        )
+        await self._send(request + payload)
+        self.reusable = True
 
     async def plan(self) -> tuple[str, bytes] | None:
         """The member's eviction policy's name and plan; None while it has none."""

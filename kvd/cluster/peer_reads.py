@@ -213,6 +213,27 @@ class PeerReads:
             lambda connection: connection.exists(namespace, width, key_bytes, chain),
         )  # fmt: skip
 
+    async def tell(
+        self, member: str, namespace: str, shares: list[tuple[list[bytes], ChainShare]],
+        timeout_s: float,
+    ) -> bool:  # fmt: skip
+        """Send lookups' chain shares to the member's bulk port in one
+        PEER_TELL (no answer) within ``timeout_s``; False where it is to be
+        told otherwise (one Exists each): as ``exists`` returns None, or a
+        member that does not take the op. A failure is a ``PeerError``."""
+        joined = []
+        for keys, chain in shares:
+            one = join_keys(keys)
+            if one is None:
+                return False
+            joined.append((*one, chain))
+
+        async def call(connection: BulkConnection) -> bool:
+            await connection.tell(namespace, joined)
+            return True
+
+        return bool(await self._peer_op(member, "tell", timeout_s, call))
+
     async def plan(self, member: str, timeout_s: float) -> tuple[str, bytes] | None:
         """The member's eviction policy's name and plan, asked on its bulk
         port within ``timeout_s``; None where it has none or offers none (no

@@ -7,17 +7,21 @@ put handed on to its owner.
   would hold that one), each owner of a key there gets one Exists of its
   share of the chain (its keys, their positions, the chain's length:
   ``ChainShare``), all owners at once; the answer's prefix runs on through
-  the keys found. Remote keys count as ``l2_hits`` (held, not in local
-  memory) and are not leased; keys held here past the local prefix (owned,
-  or copies) are leased with it. Every other owner of a key of the chain gets
-  its share in the background (at most ``TELLS_MAX`` at once). An owner's
-  eviction policy learns from its share as if the lookup had been made
-  there, and this daemon's policy learns only of the keys it owns, so the
-  members together learn what one daemon serving every engine would. A
-  member that owns no key of the chain is not asked: the next share it
-  gets from this daemon says how many such lookups it missed
-  (``ChainShare.untold``), so every member's policy clock moves with
-  every lookup of the pool; and every member keeps blocks by one plan
+  the keys found. An owner's answers are kept for ``pool_lookup_hint_ms``
+  (``kvd.cluster.hints``): a lookup whose keys there all have one is
+  answered from them, and the owners are told instead of asked. A chain's
+  layout is remembered (``kvd.cluster.layouts``). Remote keys count as
+  ``l2_hits`` (held, not in local memory) and are not leased; keys held
+  here past the local prefix (owned, or copies) are leased with it. Every
+  other owner of a key of the chain is told its share in the background
+  (``kvd.cluster.tells``: several at a time in one PEER_TELL, which is not
+  answered). An owner's eviction policy learns from its share as if the
+  lookup had been made there, and this daemon's policy learns only of the
+  keys it owns, so the members together learn what one daemon serving
+  every engine would. A member that owns no key of the chain is not asked:
+  the next share it gets from this daemon says how many such lookups it
+  missed (``ChainShare.untold``), so every member's policy clock moves
+  with every lookup of the pool; and every member keeps blocks by one plan
   (``kvd.cluster.plans``).
 - **Get**: a local miss asks the key's owner (``Store.on_miss``); the value
   is read into local L1 pages over the owner's bulk TCP port (or gRPC:
@@ -50,10 +54,13 @@ from dataclasses import dataclass, fields
 from itertools import compress
 
 from kvd.cluster import scope
+from kvd.cluster.hints import Hints
+from kvd.cluster.layouts import Layouts
 from kvd.cluster.membership import Membership
 from kvd.cluster.peer_reads import HIT, MISS, PeerReads
 from kvd.cluster.peers import PeerError, Peers
 from kvd.cluster.plans import PoolPlans
+from kvd.cluster.tells import Tells
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
 from kvd.wire.errors import KvdError
@@ -78,9 +85,6 @@ PEER_DOWN_S = 1.0
 FETCH_PARALLEL_MAX = 32
 # Peer errors logged per member before the rest are only counted.
 ERRORS_LOGGED_MAX = 10
-# Background lookups told to owners at once (for their policies' learning);
-# past it a lookup is not told, and counted.
-TELLS_MAX = 64
 # Owners remembered (kvd.cluster.rendezvous is ~0.35 us a key and member);
 # all are forgotten when the members change or past this many (~10 MB).
 OWNERS_CACHED_MAX = 65_536
@@ -107,6 +111,8 @@ class PoolCounters:
 
     remote_lookups: int = 0  # lookups and exists that asked at least one peer
     remote_lookup_hits: int = 0  # chain keys found on a peer
+    hinted_lookups: int = 0  # lookups the owners' recent answers settled (none asked)
+    shares_learned: int = 0  # other members' lookups this member learned its share of
     remote_gets: int = 0
     remote_get_batches: int = 0  # batches whose missing values were read together
     remote_hits: int = 0
@@ -117,7 +123,7 @@ class PoolCounters:
     forwards: int = 0
     forward_errors: int = 0
     forwards_dropped: int = 0
-    tells_dropped: int = 0  # lookups an owner was not told of (TELLS_MAX in flight)
+    tells_dropped: int = 0  # lookups an owner was not told of (kvd.cluster.tells)
     plans_adopted: int = 0  # the plan holder's eviction plans this member keeps blocks by
     plans_refused: int = 0  # plans of another policy or member size (it plans for itself)
 
@@ -132,13 +138,17 @@ class PoolRouter:
         peers: Peers,
         reads: PeerReads,
         peer_timeout_s: float,
+        lookup_hint_s: float = 0.0,
     ) -> None:
+        """``lookup_hint_s``: how long owners' answers answer lookups (``Hints``); 0: never."""
         self.store = store
         self.membership = membership
         self.peers = peers
         self.reads = reads
         self.peer_timeout_s = peer_timeout_s
         self.counters = PoolCounters()
+        self.hints = Hints(lookup_hint_s)
+        self.layouts = Layouts(self._owners_of)
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
         self._forward_queue: asyncio.Queue[tuple[str, bytes, str, Reader | None]] = asyncio.Queue(
             FORWARD_QUEUE_MAX
@@ -148,7 +158,8 @@ class PoolRouter:
         self._held: dict[tuple[str, bytes], Reader] = {}  # fetched, not yet opened
         self._held_bytes = 0
         self._held_max = int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION)
-        self._tells: set[asyncio.Task[list[bool]]] = set()
+        self.tells = Tells(reads, self._exists, self._peer_failed, peer_timeout_s,
+                           store.limits.max_lookup_keys)  # fmt: skip
         self._owners: dict[str, dict[bytes, str]] = {}  # by namespace, then key
         self._owners_count = 0
         self._owners_placement: object = None  # the placement _owners is of
@@ -178,7 +189,7 @@ class PoolRouter:
         self.store.on_miss = None
         self.store.on_put = None
         self.store.guest_of = None
-        tasks = [*self._workers, *self._fetching.values(), *self._tells]
+        tasks = [*self._workers, *self._fetching.values(), *self.tells.tasks()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -195,6 +206,7 @@ class PoolRouter:
     def stats(self) -> dict[str, int]:
         self.counters.plans_adopted = self.plans.adopted
         self.counters.plans_refused = self.plans.refused
+        self.counters.tells_dropped = self.tells.dropped
         values = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
         values["members"] = len(self.membership.members)
         values["membership_stale"] = int(self.membership.stale)
@@ -204,6 +216,8 @@ class PoolRouter:
         return values
 
     def _members_changed(self, members: tuple[str, ...]) -> None:
+        self.hints.clear()  # owners change with the members
+        self.tells.retain(members)
         self._untold = {m: n for m, n in self._untold.items() if m in members}
         self.reads.retain(members)
         task = asyncio.get_running_loop().create_task(self.peers.retain(members))
@@ -280,14 +294,9 @@ class PoolRouter:
         if len(members) == 1 or scope.current().hop:
             return self.store.lookup(namespace, keys, lease_ms)
         me = self.membership.advertise
-        owners = self._owners_of(namespace, keys)
-        mine = [owner == me for owner in owners]
+        layout = self.layouts.of(namespace, keys, me, self.membership.placement)
+        owners, mine, shares = layout.owners, layout.mine, layout.shares  # read only
         local = self.store.lookup(namespace, keys, lease_ms, mine)
-        # Each other owner's positions in the chain, owners in the chain's order.
-        shares: dict[str, list[int]] = {owner: [] for owner in dict.fromkeys(owners)}
-        for position, owner in enumerate(owners):
-            shares[owner].append(position)
-        shares.pop(me, None)
         self._count_untold(members, me, shares)
         self.plans.seen()
         if local.prefix_len == len(keys):
@@ -305,6 +314,12 @@ class PoolRouter:
         here = list(compress(keys[start : start + end], tail))  # held here past the local prefix
         missing = map(operator.not_, tail[:end])
         asks = dict.fromkeys(compress(owners[start : start + end], missing))
+        hinted = self._hinted(namespace, keys[start : start + end], tail) if asks else None
+        if hinted is not None:
+            # The owners' recent answers settle the chain: none is waited for.
+            found[start : start + hinted] = [True] * hinted
+            asks = {}
+            self.counters.hinted_lookups += 1
         lease_id = local.lease_id
         if here and lease_ms:
             # Leased with the prefix, as one daemon leases every hit it
@@ -336,10 +351,7 @@ class PoolRouter:
         found = self.store.exists(namespace, keys)
         if scope.current().hop:
             if chain is not None:
-                self.store.shares.learn_chain(
-                    namespace, keys, chain.length, chain.positions, chain.untold
-                )
-                self.plans.seen(1 + chain.untold)
+                self.learn(namespace, keys, chain)
             return found
         shares: dict[str, list[int]] = {}
         if len(self.membership.members) > 1:
@@ -349,6 +361,20 @@ class PoolRouter:
                     shares.setdefault(owner, []).append(i)
         await self._ask_owners(namespace, keys, shares, list(shares), found, chain=False)
         return found
+
+    def learn(self, namespace: str, keys: list[bytes], chain: ChainShare) -> None:
+        """Another member's lookup of a chain, this member's share of it: its
+        policy learns (``ChainShares.learn_chain``) and its clock moves."""
+        self.store.shares.learn_chain(namespace, keys, chain.length, chain.positions, chain.untold)
+        self.plans.seen(1 + chain.untold)
+        self.counters.shares_learned += 1
+
+    def _hinted(self, namespace: str, keys: list[bytes], here: list[bool]) -> int | None:
+        """``Hints.settle``, unless a member is down (its keys are misses: asked)."""
+        now = time.monotonic()
+        if not self.hints.enabled or any(t > now for t in self._down_until.values()):
+            return None
+        return self.hints.settle(namespace, keys, here)
 
     async def _ask_owners(
         self, namespace: str, keys: list[bytes], shares: dict[str, list[int]],
@@ -397,14 +423,10 @@ class PoolRouter:
         for owner in owners:
             if self._is_down(owner):
                 continue
-            if len(self._tells) >= TELLS_MAX:
-                self.counters.tells_dropped += 1
-                continue
-            task = asyncio.get_running_loop().create_task(
-                self._share(owner, namespace, keys, shares[owner], self.peer_timeout_s)
-            )
-            self._tells.add(task)
-            task.add_done_callback(self._tells.discard)
+            positions = shares[owner]
+            chain = ChainShare(len(keys), positions, self._untold.get(owner, 0))
+            if self.tells.tell(owner, namespace, list(map(keys.__getitem__, positions)), chain):
+                self._untold.pop(owner, None)
 
     async def _exists(
         self, member: str, namespace: str, keys: list[bytes], budget_s: float,
@@ -413,13 +435,14 @@ class PoolRouter:
         deadline = time.monotonic() + budget_s
         try:
             found = await self.reads.exists(member, namespace, keys, budget_s, chain)
-            if found is not None:
-                return found
-            left_s = deadline - time.monotonic()
-            return await self.peers.exists(member, namespace, keys, left_s, chain=chain)
+            if found is None:
+                left_s = deadline - time.monotonic()
+                found = await self.peers.exists(member, namespace, keys, left_s, chain=chain)
         except PeerError as error:
             self._peer_failed(error, member)
             return [False] * len(keys)
+        self.hints.note(namespace, keys, found)
+        return found
 
     # ---- get -------------------------------------------------------------------
     async def fetch_remote(self, namespace: str, key: bytes) -> Reader | None:
@@ -499,6 +522,7 @@ class PoolRouter:
             return False
         if outcome == MISS:
             self.counters.remote_misses += 1
+            self.hints.note(namespace, [key], [False])  # a lookup's hint may have said held
         elif outcome == HIT:
             self.counters.remote_hits += 1
             self._hold(namespace, key)  # no await since it landed: still here
@@ -539,6 +563,7 @@ class PoolRouter:
         owner = self._remote_owner(entry.ns.name, entry.key)
         if owner is None:
             return
+        self.hints.forget(entry.ns.name, entry.key)  # its owner may have said "not held"
         reader = None
         if self._forward_pinned + entry.size <= self._forward_pin_max:
             # A guest goes first: pinned, it waits for its forward.

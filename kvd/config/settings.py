@@ -356,6 +356,15 @@ class Config:
         min=1,
         max=60_000,
     )
+    pool_lookup_hint_ms: int = _setting(
+        0,
+        help="how long an owner's answer about a key (held or not) answers lookups here "
+        "without asking it again (up to twice this); a key its owner evicted since is "
+        "claimed and then a miss at the get (a load error the engine recomputes), never a "
+        "wrong block; 0: every lookup asks the owners",
+        min=0,
+        max=60_000,
+    )
     pool_peer_transport: str = _setting(
         "auto",
         help="how values are read from their owner: nixl (one-sided reads into L1 pages), "

@@ -40,9 +40,15 @@ OP_PEER_EXISTS = 10
 # blocks by (kvd.cluster.plans). Answer: meta the policy's name, payload the
 # plan (at most PLAN_BYTES_MAX); NOT_FOUND while it has none.
 OP_PEER_PLAN = 11
-PEER_OPS = frozenset({OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS, OP_PEER_PLAN})
+# ns; payload TELL_COUNT, then per share TELL_SHARE and a PEER_EXISTS payload
+# of a chain's share: lookups of chains another member made, for this
+# member's eviction policy to learn from in order. Never answered.
+OP_PEER_TELL = 12
+PEER_OPS = frozenset(
+    {OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS, OP_PEER_PLAN, OP_PEER_TELL}
+)
 # DescribePathsResponse.bulk_ops of a daemon: the peer ops beyond the NIXL ones.
-BULK_OPS = ("exists", "plan")
+BULK_OPS = ("exists", "plan", "tell")
 TCP_OPS = OPS | PEER_OPS
 # NIXL_PIN answer payload: value size, lease id, segment count; then per
 # segment its address and length in the owner's registered pool arena.
@@ -57,6 +63,11 @@ NIXL_META_BYTES_MAX = 1 << 20
 EXISTS_REF = struct.Struct("<III")
 EXISTS_POSITION = struct.Struct("<I")
 EXISTS_UNTOLD = struct.Struct("<I")
+# PEER_TELL payload: the share count; per share the lookups untold before it
+# (ChainShare.untold) and the length of its PEER_EXISTS payload, then that.
+TELL_COUNT = struct.Struct("<I")
+TELL_SHARE = struct.Struct("<II")
+TELL_SHARES_MAX = 64  # shares in one PEER_TELL
 # density's plan is 300 bytes; a plan is read into memory whole.
 PLAN_BYTES_MAX = 1 << 16
 # Region ops: only on the shm socket (kvd.paths.shm.channel), never on the TCP port.
@@ -217,3 +228,46 @@ def decode_exists(payload: bytes, meta: bytes = b"") -> tuple[list[bytes], Chain
         return keys, None
     positions = list(struct.unpack_from(f"<{count}I", payload, keys_end))
     return keys, ChainShare(length, positions, untold)
+
+
+def tell_payload_bytes_max(max_keys: int) -> int:
+    """The most bytes a PEER_TELL payload of ``max_keys`` keys in all takes."""
+    share_bytes = TELL_SHARE.size + EXISTS_REF.size
+    return TELL_COUNT.size + TELL_SHARES_MAX * share_bytes + exists_payload_bytes_max(max_keys)
+
+
+def encode_tell(shares: list[tuple[int, bytes, ChainShare]]) -> bytes:
+    """A PEER_TELL payload: per share its key width, its keys concatenated
+    (``kvd.wire.shm.join_keys``) and where they lie in their chain."""
+    parts = [TELL_COUNT.pack(len(shares))]
+    for width, keys, chain in shares:
+        body = encode_exists(width, keys, chain)
+        parts += [TELL_SHARE.pack(chain.untold, len(body)), body]
+    return b"".join(parts)
+
+
+def decode_tell(payload: bytes) -> list[tuple[list[bytes], ChainShare]]:
+    """The chain shares of a PEER_TELL payload, in order; ValueError where
+    its parts do not add up or a share is no chain's."""
+    if len(payload) < TELL_COUNT.size:
+        raise ValueError(f"a tell payload of {len(payload)} bytes")
+    (count,) = TELL_COUNT.unpack_from(payload)
+    if not 0 < count <= TELL_SHARES_MAX:
+        raise ValueError(f"a tell of {count} shares, not 1..{TELL_SHARES_MAX}")
+    shares = []
+    at = TELL_COUNT.size
+    for _ in range(count):
+        if len(payload) < at + TELL_SHARE.size:
+            raise ValueError("a tell payload cut short")
+        untold, size = TELL_SHARE.unpack_from(payload, at)
+        at += TELL_SHARE.size
+        if len(payload) < at + size:
+            raise ValueError("a tell payload cut short")
+        keys, chain = decode_exists(payload[at : at + size], EXISTS_UNTOLD.pack(untold))
+        if chain is None:
+            raise ValueError("a tell's share is no chain's")
+        shares.append((keys, chain))
+        at += size
+    if at != len(payload):
+        raise ValueError(f"{len(payload) - at} bytes after a tell's shares")
+    return shares

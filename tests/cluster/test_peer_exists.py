@@ -1,9 +1,11 @@
 """A member's Exists on the owner's bulk port (PEER_EXISTS, kvd.cluster.peer_bulk,
 kvd.paths.bulk.peer_ops): a real daemon answers the frame as it answers the
 gRPC Exists, to the pool token only, and refuses a malformed one without
-losing the connection; a real daemon looking a chain up asks an owner that
-offers the op on its bulk port (an owner here that has no gRPC Exists at
-all), and one that does not over gRPC."""
+losing the connection; it learns from the lookups of a PEER_TELL, answers
+nothing, and closes the connection of a tell it cannot take; a real daemon
+looking a chain up asks an owner that offers the op on its bulk port (an
+owner here that has no gRPC Exists at all), and one that does not over
+gRPC."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from tests.cluster.cluster import (
     recv_all,
     start_static_pool,
 )
-from tests.support import DaemonProcess
+from tests.sockets import metric
+from tests.support import DaemonProcess, wait_until
 
 NS = "team-a/model"
 
@@ -107,7 +110,48 @@ def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
             paths = describe(
                 pb.DescribePathsRequest(), metadata=[("authorization", f"Bearer {POOL_TOKEN}")]
             )
-            assert list(paths.bulk_ops) == ["exists", "plan"]
+            assert list(paths.bulk_ops) == ["exists", "plan", "tell"]
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def _tell(sock: socket.socket, shares: list[tuple[list[bytes], ChainShare]], ns: str = NS) -> None:
+    payload = bulk.encode_tell([(len(keys[0]), b"".join(keys), chain) for keys, chain in shares])
+    request = bulk.encode_request(
+        bulk.OP_PEER_TELL, 99, ns.encode(), flags=bulk.FLAG_HOP, length=len(payload)
+    )
+    sock.sendall(request + payload)
+
+
+def test_tells_are_learned_and_never_answered(tmp_path: Path) -> None:
+    daemons = start_static_pool(tmp_path, 2, *pool_auth(tmp_path), peer_timeout_ms=2000)
+    owner = daemons[0]
+    try:
+        keys = [b"told-%04d" % i for i in range(4)]
+        payload = bulk.encode_exists(9, b"".join(keys), None)
+        learned = metric(owner.metrics_port, "kvd_cluster_shares_learned_total")
+        with _connect(owner.bulk_port, POOL_TOKEN) as sock:
+            _tell(
+                sock, [(keys, ChainShare(10, [0, 3, 5, 9])), (keys[:2], ChainShare(2, [0, 1], 3))]
+            )
+            # No answer for the tell: the next answer on the connection is the Exists'.
+            assert _exists(sock, 1, payload) == (bulk.CODE_OK, b"\x00" * 4)
+        assert wait_until(
+            lambda: metric(owner.metrics_port, "kvd_cluster_shares_learned_total") == learned + 2
+        )
+        # What cannot be taken closes the connection: there is no answer to refuse it with.
+        with _connect(owner.bulk_port, POOL_TOKEN) as sock:
+            _tell(sock, [(keys, ChainShare(10, [3, 0, 5, 9]))])  # positions out of order
+            assert sock.recv(1) == b""
+        with _connect(owner.bulk_port, POOL_TOKEN) as sock:
+            request = bulk.encode_request(bulk.OP_PEER_TELL, 2, NS.encode(), length=7)
+            sock.sendall(request + bulk.TELL_COUNT.pack(1) + b"\x00" * 3)  # cut short
+            assert sock.recv(1) == b""
+        with _connect(owner.bulk_port, ENGINE_TOKEN) as sock:  # not a member
+            _tell(sock, [(keys, ChainShare(10, [0, 3, 5, 9]))])
+            assert sock.recv(1) == b""
+        assert metric(owner.metrics_port, "kvd_cluster_shares_learned_total") == learned + 2
     finally:
         for daemon in daemons:
             daemon.discard()
@@ -224,3 +268,27 @@ def test_a_member_hears_of_the_lookups_it_owned_no_key_of(
         daemon.discard()
         a.close()
         b.close()
+
+
+def test_an_owner_without_tell_is_told_with_an_exists(tmp_path: Path) -> None:
+    """A lookup that needs no owner's answer (it ends at a key this daemon
+    owns and lacks) tells the owners of its other keys: an owner that
+    offers no PEER_TELL gets an Exists of its share, untold lookups included."""
+    port, owner_port = free_ports(2)
+    owner = FakeOwner(owner_port, offer_exists=True)  # bulk_ops: "exists" only
+    peer = f"127.0.0.1:{owner_port}"
+    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members",
+                                      f"static:127.0.0.1:{port},{peer}",
+                                      "--pool-peer-timeout-ms", "2000"], ssd="")  # fmt: skip
+    try:
+        placement = Placement([daemon.target, peer])
+        theirs = keys_owned(placement, peer, 2)
+        mine = keys_owned(placement, daemon.target, 2)
+        with Client(daemon.target, timeout_s=5) as client:
+            assert client.lookup("ns", [mine[0]]) == 0  # none of the owner's keys: untold
+            assert client.lookup("ns", [mine[1], *theirs]) == 0
+        assert wait_until(lambda: len(owner.asked) == 1)
+        assert owner.asked == [("bulk", theirs, ChainShare(3, [1, 2], untold=1))]
+    finally:
+        daemon.discard()
+        owner.close()

@@ -14,7 +14,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
-from tests.cluster.cluster import labelled, start_static_pool
+from tests.cluster.cluster import start_static_pool
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -133,13 +133,11 @@ def test_every_owner_hears_of_a_lookup(pool: list[DaemonProcess]) -> None:
     assert wait_until(lambda: a.lookup("told", keys) == len(keys))
     owners = {1, 2} & {i for i in range(3) if _owned_by(pool, "told", keys, i)}
     assert owners
-    before = {i: labelled(pool[i].metrics_port, "kvd_requests_total", op="exists") for i in owners}
+    before = {i: metric(pool[i].metrics_port, "kvd_cluster_shares_learned_total") for i in owners}
     assert a.lookup("told", keys) == len(keys)
     for i in owners:
         assert wait_until(
-            lambda i=i: (
-                labelled(pool[i].metrics_port, "kvd_requests_total", op="exists") > before[i]
-            )
+            lambda i=i: metric(pool[i].metrics_port, "kvd_cluster_shares_learned_total") > before[i]
         )
 
 

@@ -21,6 +21,12 @@ member of the pool (docs/bulk-protocol.md, "Pool peer ops").
   development VM a gRPC call cost an owner about half of its CPU per lookup.
   Its meta may say how many of the member's lookups held none of this
   daemon's keys since it last told it of one (``ChainShare.untold``).
+- ``PEER_TELL`` (namespace; chain shares): lookups another member made,
+  which it did not need this daemon's answer for (kvd.cluster.router),
+  several in one frame; this daemon's policy learns of each in order, as
+  from a PEER_EXISTS's share (op ``tell``), and nothing is answered. A frame
+  that does not add up, or one on a connection without the pool token,
+  closes the connection: there is no answer to refuse it with.
 - ``PEER_PLAN``: this daemon's eviction plan (the policy's name in the
   answer's meta, the plan as payload; NOT_FOUND while it has none), which
   the other members keep their blocks by (kvd.cluster.plans).
@@ -53,9 +59,12 @@ from kvd.wire.bulk import (
     OP_NIXL_RELEASE,
     OP_PEER_EXISTS,
     OP_PEER_PLAN,
+    OP_PEER_TELL,
     PLAN_BYTES_MAX,
+    ProtocolError,
     Request,
     decode_exists,
+    decode_tell,
     encode_response,
     split_tail,
 )
@@ -102,6 +111,9 @@ class PeerOps:
 
     async def handle(self, request: Request, tail: bytes, payload: bytes = b"") -> None:
         rid = request.request_id
+        if request.op == OP_PEER_TELL:
+            self._tell(request, tail, payload)
+            return
         if not self.pool_peer:
             # An engine's token may read its own namespaces, but an agent's
             # metadata lets its holder READ the whole registered arena.
@@ -185,6 +197,22 @@ class PeerOps:
                                    message=str(exc))  # fmt: skip
         answer = bytes(found)
         return encode_response(OP_PEER_EXISTS, request.request_id, length=len(answer)) + answer
+
+    def _tell(self, request: Request, tail: bytes, payload: bytes) -> None:
+        """A PEER_TELL: each share's lookup, for the eviction policy; no answer."""
+        if not self.pool_peer:
+            raise ProtocolError("pool peer ops take the pool token")
+        ns, _, _, _ = split_tail(request, tail)
+        with Tally(self.values.metrics, "tell"):
+            try:
+                self._authorize(ns)
+                shares = decode_tell(payload)
+                pool = self.values.pool
+                if pool is not None:  # a daemon outside a pool has no share to learn
+                    for keys, chain in shares:
+                        pool.learn(ns, keys, chain)
+            except (ValueError, KvdError) as exc:
+                raise ProtocolError(f"a tell refused: {exc}") from None
 
     def _plan(self, request: Request) -> bytes:
         """A PEER_PLAN's answer: the policy's name and its plan."""

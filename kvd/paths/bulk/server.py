@@ -84,6 +84,7 @@ from kvd.wire.bulk import (
     OP_GET,
     OP_HELLO,
     OP_PEER_EXISTS,
+    OP_PEER_TELL,
     OP_PUT,
     OP_REGION_GET,
     OP_REGION_PUT,
@@ -104,6 +105,7 @@ from kvd.wire.bulk import (
     error_code,
     exists_payload_bytes_max,
     split_tail,
+    tell_payload_bytes_max,
 )
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import DataLoss, KvdError, error_number
@@ -294,14 +296,18 @@ class _Connection:
         return request, bytes(tail)
 
     async def _peer_payload(self, request: Request) -> bytes:
-        """A peer op's payload: a PEER_EXISTS's keys (bounded by
-        max_lookup_keys: past it the connection closes before they are
+        """A peer op's payload: a PEER_EXISTS's or PEER_TELL's keys (bounded
+        by max_lookup_keys: past it the connection closes before they are
         read); the other peer ops have none."""
-        if request.op != OP_PEER_EXISTS or not request.length:
+        if request.op not in (OP_PEER_EXISTS, OP_PEER_TELL) or not request.length:
             return b""
-        limit = exists_payload_bytes_max(self.values.store.limits.max_lookup_keys)
+        max_keys = self.values.store.limits.max_lookup_keys
+        if request.op == OP_PEER_EXISTS:
+            what, limit = "an exists", exists_payload_bytes_max(max_keys)
+        else:
+            what, limit = "a tell", tell_payload_bytes_max(max_keys)
         if request.length > limit:
-            raise ProtocolError(f"an exists payload of {request.length} bytes, over {limit}")
+            raise ProtocolError(f"{what} payload of {request.length} bytes, over {limit}")
         payload = bytearray(request.length)
         async with asyncio.timeout(self.server.limits.frame_timeout_s):
             await recv_into_exact(self.loop, self.sock, memoryview(payload), None)

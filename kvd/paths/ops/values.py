@@ -51,6 +51,8 @@ class PoolQueries(Protocol):
 
     async def fetch_many(self, namespace: str, keys: list[bytes]) -> None: ...
 
+    def learn(self, namespace: str, keys: list[bytes], chain: ChainShare) -> None: ...
+
 
 class ValueOps:
     """The value ops of one daemon and what they share: the store, the

@@ -1,0 +1,169 @@
+"""Lookups answered from the owners' recent answers (``pool_lookup_hint_ms``,
+kvd.cluster.hints): a chain looked up again is answered without waiting for
+its owners, who are still told of it; a hint gone stale costs a miss at the
+get, never wrong bytes or an error, and the miss corrects it; by default
+(the setting at 0) every lookup asks."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvd.client import Client
+from kvd.cluster import hints as hints_module
+from kvd.cluster.hints import Hints
+from kvd.cluster.rendezvous import Placement
+from tests.cluster.cluster import start_static_pool
+from tests.sockets import metric, sample
+from tests.support import DaemonProcess, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+CLIENT_TIMEOUT_S = 5.0
+HINT_MS = 5_000  # long enough that no hint ages out within a test
+
+
+def value_of(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest() * 64
+
+
+def chain(namespace: str, count: int) -> list[bytes]:
+    return [f"{namespace}-block-{i:04d}".encode() for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    root = tmp_path_factory.mktemp("hints")
+    daemons = start_static_pool(root, 3, "--pool-lookup-hint-ms", str(HINT_MS))
+    yield daemons
+    for daemon in daemons:
+        daemon.discard()
+
+
+def stored_everywhere(pool: list[DaemonProcess], namespace: str, keys: list[bytes]) -> Client:
+    """Put ``keys`` through member 0 and wait until each reached its owner
+    (before any lookup through another member, whose answers would be kept)."""
+    a = Client(pool[0].target, timeout_s=CLIENT_TIMEOUT_S)
+    owners = Placement([d.target for d in pool]).owners(namespace, keys)
+    forwards = metric(pool[0].metrics_port, "kvd_cluster_forwards_total")
+    for key in keys:
+        a.put(namespace, key, value_of(key))
+    handed_on = sum(owner != pool[0].target for owner in owners)
+    assert wait_until(
+        lambda: metric(pool[0].metrics_port, "kvd_cluster_forwards_total") >= forwards + handed_on
+    )
+    return a
+
+
+def owned_by(pool: list[DaemonProcess], namespace: str, keys: list[bytes], i: int) -> list[int]:
+    owners = Placement([d.target for d in pool]).owners(namespace, keys)
+    return [p for p, owner in enumerate(owners) if owner == pool[i].target]
+
+
+def test_a_chain_looked_up_again_is_answered_without_asking(pool: list[DaemonProcess]) -> None:
+    keys = chain("again", 60)
+    stored_everywhere(pool, "again", keys).close()
+    port = pool[1].metrics_port
+    with Client(pool[1].target, timeout_s=CLIENT_TIMEOUT_S) as b:
+        asked, hinted = (
+            sample(port, f"kvd_cluster_{n}_total") for n in ("remote_lookups", "hinted_lookups")
+        )
+        assert b.lookup("again", keys) == len(keys)  # asks the owners
+        assert sample(port, "kvd_cluster_remote_lookups_total") == asked + 1
+        told = metric(pool[2].metrics_port, "kvd_cluster_shares_learned_total")
+        for _ in range(3):
+            assert b.lookup("again", keys) == len(keys)
+        assert sample(port, "kvd_cluster_remote_lookups_total") == asked + 1  # none asked since
+        assert sample(port, "kvd_cluster_hinted_lookups_total") == hinted + 3
+        # The owners still hear of every lookup, for their eviction policies.
+        assert owned_by(pool, "again", keys, 2)
+        assert wait_until(
+            lambda: metric(pool[2].metrics_port, "kvd_cluster_shares_learned_total") >= told + 3
+        )
+        assert [b.get("again", key) for key in keys] == [value_of(key) for key in keys]
+
+
+def test_a_stale_hint_costs_a_miss_and_the_miss_corrects_it(pool: list[DaemonProcess]) -> None:
+    keys = chain("stale", 60)
+    a = stored_everywhere(pool, "stale", keys)
+    with a, Client(pool[1].target, timeout_s=CLIENT_TIMEOUT_S) as b:
+        assert b.lookup("stale", keys) == len(keys)
+        # The owner loses a key after it answered (a delete at the owner, as
+        # an eviction would): member 1's hint still says held.
+        gone = owned_by(pool, "stale", keys, 2)[0]
+        with Client(pool[2].target, timeout_s=CLIENT_TIMEOUT_S) as c:
+            assert c.delete("stale", [keys[gone]]) == 1
+        a.delete("stale", [keys[gone]])  # member 0's copy, if it still had one
+        hinted = sample(pool[1].metrics_port, "kvd_cluster_hinted_lookups_total")
+        assert b.lookup("stale", keys) == len(keys)  # claimed from the hint
+        assert sample(pool[1].metrics_port, "kvd_cluster_hinted_lookups_total") == hinted + 1
+        # The get of it is a miss, never an error or other bytes; the rest read.
+        assert b.get("stale", keys[gone]) is None
+        others = [k for p, k in enumerate(keys) if p != gone]
+        assert [b.get("stale", key) for key in others] == [value_of(key) for key in others]
+        # The miss corrected the hint: the chain now ends at the lost key.
+        assert b.lookup("stale", keys) == gone
+
+
+def test_without_hints_every_lookup_asks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    daemons = start_static_pool(tmp_path_factory.mktemp("nohints"), 2)  # the default: off
+    try:
+        keys = chain("asked", 40)
+        stored_everywhere(daemons, "asked", keys).close()
+        port = daemons[1].metrics_port
+        with Client(daemons[1].target, timeout_s=CLIENT_TIMEOUT_S) as b:
+            asked = sample(port, "kvd_cluster_remote_lookups_total")
+            for _ in range(3):
+                assert b.lookup("asked", keys) == len(keys)
+            assert sample(port, "kvd_cluster_remote_lookups_total") == asked + 3
+            assert sample(port, "kvd_cluster_hinted_lookups_total") == 0
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+# ---- Hints itself ----------------------------------------------------------------
+
+
+def test_hints_settle_a_chain_only_when_every_key_before_its_end_has_an_answer() -> None:
+    hints = Hints(60.0)
+    keys = [b"k0", b"k1", b"k2", b"k3"]
+    here = [True, False, False, False]
+    assert hints.settle("ns", keys, here) is None  # nothing known of k1
+    hints.note("ns", [b"k1", b"k2"], [True, False])
+    assert hints.settle("ns", keys, here) == 2  # k0 here, k1 held, k2 not: the end
+    assert hints.settle("other", keys, here) is None  # namespaces apart
+    hints.note("ns", [b"k2", b"k3"], [True, True])
+    assert hints.settle("ns", keys, here) == 4
+    hints.forget("ns", b"k3")
+    assert hints.settle("ns", keys, here) is None
+    hints.note("ns", [b"k3"], [True])
+    hints.clear()
+    assert hints.of("ns", keys) == [None] * 4 and len(hints) == 0
+    assert not Hints(0.0).enabled
+
+
+def test_hints_last_between_their_ttl_and_twice_it() -> None:
+    ttl = 0.2
+    hints = Hints(ttl)
+    hints.note("ns", [b"a"], [True])
+    time.sleep(ttl * 1.2)
+    hints.note("ns", [b"b"], [False])  # the first generation turns: a is kept
+    assert hints.of("ns", [b"a", b"b"]) == [True, False]
+    time.sleep(ttl * 1.2)  # a's generation began over twice ttl ago
+    assert hints.of("ns", [b"a", b"b"]) == [None, False]
+    time.sleep(ttl * 2.2)
+    assert hints.of("ns", [b"a", b"b"]) == [None, None]
+
+
+def test_hints_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hints_module, "HINTS_MAX", 100)
+    hints = Hints(60.0)
+    for i in range(50):
+        hints.note("ns", [b"%d-%d" % (i, j) for j in range(10)], [True] * 10)
+        assert len(hints) <= 2 * 100
+    assert hints.of("ns", [b"49-0"]) == [True]  # the newest are kept
+    assert hints.of("ns", [b"0-0"]) == [None]
