@@ -10,7 +10,9 @@ The targets:
   of it (pool / single in 0.98..1.02; the difference in points is shown too);
 - keys moved on a join <= 1.2 x 1/N (N: the members after the join);
 - lookup of a 1,000-key chain spread over 4 members: p99 <= 2x a single
-  daemon's;
+  daemon's, with ``pool_lookup_hint_ms`` (a chain looked up again is
+  answered from its owners' recent answers) and without it (every lookup
+  asks the owners, the default);
 - an owner cut off, stopped or killed: the engine's calls through its own
   daemon have p99 <= their deadline + 10 ms, 0 wrong bytes, 0 errors.
 """
@@ -67,16 +69,23 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         "met": ratio <= MOVED_MAX,
     })  # fmt: skip
     lookup = result["lookup"]
-    ratio = lookup["pool"]["p99_ms"] / lookup["single"]["p99_ms"]
-    rows.append({
-        "target": f"lookup p99, {lookup['keys']}-key chain over {lookup['owners']} members",
-        "measured": f"{lookup['pool']['p99_ms']:.2f} ms (p50 {lookup['pool']['p50_ms']:.2f})",
-        "reference": f"single daemon {lookup['single']['p99_ms']:.2f} ms "
-        f"(p50 {lookup['single']['p50_ms']:.2f})",
-        "ratio": ratio,
-        "goal": f"<= {LOOKUP_P99_MAX}",
-        "met": ratio <= LOOKUP_P99_MAX,
-    })  # fmt: skip
+    cases = [("pool", ""), ("pool_asked", ", asking the owners every time (the default)")]
+    if "pool_asked" in lookup:  # else a result from before the hints: every lookup asked
+        cases[0] = ("pool", ", pool_lookup_hint_ms on, the chain looked up again")
+    for case, how in cases:
+        if case not in lookup:
+            continue
+        spread, ratio = lookup[case], lookup[case]["p99_ms"] / lookup["single"]["p99_ms"]
+        chain = f"{lookup['keys']}-key chain over {lookup['owners']} members"
+        rows.append({
+            "target": f"lookup p99, {chain}{how}",
+            "measured": f"{spread['p99_ms']:.2f} ms (p50 {spread['p50_ms']:.2f})",
+            "reference": f"single daemon {lookup['single']['p99_ms']:.2f} ms "
+            f"(p50 {lookup['single']['p50_ms']:.2f})",
+            "ratio": ratio,
+            "goal": f"<= {LOOKUP_P99_MAX}",
+            "met": ratio <= LOOKUP_P99_MAX,
+        })  # fmt: skip
     for fault in result["faults"]["rows"]:
         bound_ms = fault["deadline_ms"] + 10
         ratio = fault["p99_ms"] / bound_ms

@@ -62,8 +62,11 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert 0 <= simulated["pool_apart"] <= 1
     assert "members not in step" in raw.with_suffix(".md").read_text()
     assert result["lookup"]["owners"] == pool.MEMBERS
+    # The lookups with hints were answered from them; the default asks every time.
+    assert result["lookup"]["hinted_lookups"] > 0
+    assert {"pool", "pool_asked", "single"} <= set(result["lookup"])
     assert result["keys_moved"]["moved_to_the_new_member"] == result["keys_moved"]["moved"]
     faults = result["faults"]["rows"]
     assert [f["fault"] for f in faults][-2:] == ["SIGSTOP", "SIGKILL, restarted"]
     assert all(f["wrong_bytes"] == 0 and f["errors"] == 0 and f["misses"] > 0 for f in faults)
-    assert len(result["targets"]) == 2 * len(gets) + 3 + len(faults)
+    assert len(result["targets"]) == 2 * len(gets) + 4 + len(faults)  # two lookup rows
