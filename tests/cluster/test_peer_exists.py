@@ -165,6 +165,7 @@ class FakeOwner(FakeMember):
 
     def __init__(self, grpc_port: int, offer_exists: bool) -> None:
         self.asked: list[tuple[str, list[bytes], ChainShare | None]] = []
+        self.target = f"127.0.0.1:{grpc_port}"
 
         def exists(request: pb.ExistsRequest, context: Any) -> pb.ExistsResponse:
             chain = None
@@ -202,15 +203,26 @@ class FakeOwner(FakeMember):
             sock.sendall(head + answer)
 
 
+def _beside_a_fake_owner(tmp_path: Path, offer_exists: bool) -> tuple[FakeOwner, DaemonProcess]:
+    """A daemon in a pool of two whose other member is a ``FakeOwner``."""
+    port, owner_port = free_ports(2)
+    owner = FakeOwner(owner_port, offer_exists)
+    members = f"static:127.0.0.1:{port},{owner.target}"
+    try:
+        args = ["--listen", f"127.0.0.1:{port}", "--pool-members", members,
+                "--pool-peer-timeout-ms", "2000"]  # fmt: skip
+        daemon = DaemonProcess(tmp_path, args, ssd="")
+    except BaseException:
+        owner.close()
+        raise
+    return owner, daemon
+
+
 def _lookup_through(
     tmp_path: Path, offer_exists: bool, lease_ms: int = 0
 ) -> list[tuple[str, list[bytes], Any]]:
-    port, owner_port = free_ports(2)
-    owner = FakeOwner(owner_port, offer_exists)
-    peer = f"127.0.0.1:{owner_port}"
-    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members",
-                                      f"static:127.0.0.1:{port},{peer}",
-                                      "--pool-peer-timeout-ms", "2000"], ssd="")  # fmt: skip
+    owner, daemon = _beside_a_fake_owner(tmp_path, offer_exists)
+    peer = owner.target
     try:
         placement = Placement([daemon.target, peer])
         theirs = keys_owned(placement, peer, 3)
@@ -274,12 +286,8 @@ def test_an_owner_without_tell_is_told_with_an_exists(tmp_path: Path) -> None:
     """A lookup that needs no owner's answer (it ends at a key this daemon
     owns and lacks) tells the owners of its other keys: an owner that
     offers no PEER_TELL gets an Exists of its share, untold lookups included."""
-    port, owner_port = free_ports(2)
-    owner = FakeOwner(owner_port, offer_exists=True)  # bulk_ops: "exists" only
-    peer = f"127.0.0.1:{owner_port}"
-    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members",
-                                      f"static:127.0.0.1:{port},{peer}",
-                                      "--pool-peer-timeout-ms", "2000"], ssd="")  # fmt: skip
+    owner, daemon = _beside_a_fake_owner(tmp_path, offer_exists=True)  # bulk_ops: "exists"
+    peer = owner.target
     try:
         placement = Placement([daemon.target, peer])
         theirs = keys_owned(placement, peer, 2)
