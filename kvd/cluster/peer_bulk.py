@@ -272,7 +272,12 @@ class BulkConnection:
         self.reusable = True
 
     async def _send(self, data: bytes) -> None:
-        await self.loop.sock_sendall(self.sock, data)
+        try:
+            await self.loop.sock_sendall(self.sock, data)
+        except OSError as exc:  # reset or broken: the member's process went away
+            raise PeerError(
+                f"bulk connection failed sending: {exc.strerror or exc}", "short"
+            ) from None
 
     async def _answer(self, op: int, rid: int) -> tuple[int, bytes, str, tuple[int, int]]:
         """(code, meta, message, (length, checksum)) of the next answer."""
@@ -303,9 +308,16 @@ class BulkConnection:
         pos, size = 0, len(view)
         while pos < size:
             try:
-                n = self.sock.recv_into(view[pos:])
-            except BlockingIOError:
-                n = await self.loop.sock_recv_into(self.sock, view[pos:])
+                try:
+                    n = self.sock.recv_into(view[pos:])
+                except BlockingIOError:
+                    n = await self.loop.sock_recv_into(self.sock, view[pos:])
+            except OSError as exc:  # a reset: the member's process went away mid-call
+                raise PeerError(
+                    f"bulk connection failed after {before + pos} of {total} bytes: "
+                    f"{exc.strerror or exc}",
+                    "short",
+                ) from None
             if n == 0:
                 raise PeerError(
                     f"bulk connection ended after {before + pos} of {total} bytes", "short"
