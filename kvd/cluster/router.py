@@ -32,11 +32,11 @@ put handed on to its owner.
 - **Put**: lands here first and is answered from here (an engine's get after
   its own put stays on its node, and the put waits on no network); if
   another member owns the key the value is then handed to it in the
-  background, so a lookup from any node finds it (a bounded queue:
-  ``FORWARD_QUEUE_MAX``; past it the owner does not get the value, counted).
-  The copy here is a guest, pinned until it went to the owner (up to a
-  quarter of L1 pinned so; past that a forward reads it when its turn
-  comes, if it is still here).
+  background, so a lookup from any node finds it (``kvd.cluster.forwards``:
+  a bounded queue; past it the owner does not get the value, counted). The
+  copy here is a guest, pinned until it went to the owner (up to a quarter
+  of L1 pinned so; past that a forward reads it when its turn comes, if it
+  is still here).
 
 A dead, slow or partitioned peer is a miss within the caller's deadline
 (kvd.cluster.scope): a peer error, a timeout or a checksum mismatch is
@@ -54,6 +54,7 @@ from dataclasses import dataclass, fields
 from itertools import compress
 
 from kvd.cluster import scope
+from kvd.cluster.forwards import Forwards
 from kvd.cluster.hints import Hints
 from kvd.cluster.layouts import Layouts
 from kvd.cluster.membership import Membership
@@ -68,15 +69,6 @@ from kvd.wire.lookup import UNTOLD_LOOKUPS_MAX, ChainShare, LookupResult
 
 log = logging.getLogger("kvd.cluster")
 
-# Puts waiting to reach their owner; a burst past it is dropped (the put is
-# still here), since queuing without end would hold up to this many values'
-# worth of L1 pages pinned by readers later.
-FORWARD_QUEUE_MAX = 4096
-# Forwards in flight at once: each holds one value copy (<= max_value_bytes).
-FORWARD_WORKERS = 4
-# A forward is background work: it may take longer than a caller's lookup
-# (64 MiB over loopback gRPC takes ~70 ms), but not for ever.
-FORWARD_TIMEOUT_S = 10.0
 # A member whose call just failed is skipped (a miss at once) for this long,
 # then tried again: a batch of 100 gets owned by a stopped peer costs one
 # timeout, not 100 (each would spend pool_peer_timeout_ms).
@@ -88,8 +80,6 @@ ERRORS_LOGGED_MAX = 10
 # Owners remembered (kvd.cluster.rendezvous is ~0.35 us a key and member);
 # all are forgotten when the members change or past this many (~10 MB).
 OWNERS_CACHED_MAX = 65_536
-# Part of L1 that values waiting for their forward may keep pinned.
-FORWARD_PIN_FRACTION = 0.25
 # A value fetched from its owner is held in L1 (pinned) until a get opens
 # it, at most this long: between the fetch landing and the get's open the
 # loop runs other work (puts handed on by other members), and a fresh copy
@@ -150,11 +140,6 @@ class PoolRouter:
         self.hints = Hints(lookup_hint_s)
         self.layouts = Layouts(self._owners_of)
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
-        self._forward_queue: asyncio.Queue[tuple[str, bytes, str, Reader | None]] = asyncio.Queue(
-            FORWARD_QUEUE_MAX
-        )
-        self._forward_pinned = 0  # bytes of the values in the queue it pins
-        self._forward_pin_max = int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION)
         self._held: dict[tuple[str, bytes], Reader] = {}  # fetched, not yet opened
         self._held_bytes = 0
         self._held_max = int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION)
@@ -163,12 +148,12 @@ class PoolRouter:
         self._owners: dict[str, dict[bytes, str]] = {}  # by namespace, then key
         self._owners_count = 0
         self._owners_placement: object = None  # the placement _owners is of
-        self._workers: list[asyncio.Task[None]] = []
         self._errors_logged: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
         # Per member: this daemon's lookups since it last told the member of
         # one, of which it owned no key (ChainShare.untold).
         self._untold: dict[str, int] = {}
+        self.forwards = Forwards(store, peers, self._is_down, self._peer_failed)
         self.plans = PoolPlans(
             store.learning, membership, reads, timeout_s=peer_timeout_s,
             failed=self._peer_failed, is_down=self._is_down,
@@ -180,26 +165,20 @@ class PoolRouter:
         self.store.on_miss = self.fetch_remote
         self.store.on_put = self._put_done
         self.store.guest_of = self._is_guest
-        self._workers = [
-            asyncio.create_task(self._forward_loop(), name=f"kvd-pool-forward-{i}")
-            for i in range(FORWARD_WORKERS)
-        ]
+        self.forwards.start()
 
     async def close(self) -> None:
         self.store.on_miss = None
         self.store.on_put = None
         self.store.guest_of = None
-        tasks = [*self._workers, *self._fetching.values(), *self.tells.tasks()]
+        tasks = [*self.forwards.tasks(), *self._fetching.values(), *self.tells.tasks()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.plans.close()
         for namespace, key in list(self._held):
             self._unhold(namespace, key)
-        while not self._forward_queue.empty():
-            reader = self._forward_queue.get_nowait()[3]
-            if reader is not None:
-                self._release_forward(reader, pinned=True)
+        self.forwards.close()
         self.reads.close()
         await self.peers.close()
 
@@ -207,12 +186,15 @@ class PoolRouter:
         self.counters.plans_adopted = self.plans.adopted
         self.counters.plans_refused = self.plans.refused
         self.counters.tells_dropped = self.tells.dropped
+        forwards = self.forwards
+        self.counters.forwards, self.counters.forward_errors = forwards.sent, forwards.errors
+        self.counters.forwards_dropped = forwards.dropped
         values = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
         values["members"] = len(self.membership.members)
         values["membership_stale"] = int(self.membership.stale)
         values["membership_changes"] = self.membership.changes
         values["membership_refused"] = self.membership.refused
-        values["forward_queue"] = self._forward_queue.qsize()
+        values["forward_queue"] = self.forwards.waiting()
         return values
 
     def _members_changed(self, members: tuple[str, ...]) -> None:
@@ -564,46 +546,4 @@ class PoolRouter:
         if owner is None:
             return
         self.hints.forget(entry.ns.name, entry.key)  # its owner may have said "not held"
-        reader = None
-        if self._forward_pinned + entry.size <= self._forward_pin_max:
-            # A guest goes first: pinned, it waits for its forward.
-            reader = self.store.peek(entry.ns.name, entry.key)
-            self._forward_pinned += entry.size
-        try:
-            self._forward_queue.put_nowait((entry.ns.name, entry.key, owner, reader))
-        except asyncio.QueueFull:
-            self.counters.forwards_dropped += 1
-            if reader is not None:
-                self._release_forward(reader, pinned=True)
-
-    def _release_forward(self, reader: Reader, *, pinned: bool) -> None:
-        """Close a forward's reader; one pinned since the put gives its bytes back."""
-        if pinned:
-            self._forward_pinned -= reader.entry.size
-        reader.close()
-
-    async def _forward_loop(self) -> None:
-        while True:
-            namespace, key, owner, pinned = await self._forward_queue.get()
-            reader = pinned if pinned is not None else self.store.peek(namespace, key)
-            if reader is None:
-                continue  # evicted or deleted before its turn
-            if not reader.entry.linked or self._is_down(owner):
-                # Deleted while it waited (not an error), or the owner is down.
-                self.counters.forward_errors += reader.entry.linked
-                self._release_forward(reader, pinned=pinned is not None)
-                continue
-            try:
-                value = b"".join(reader.views)
-                sum_, meta, parent = reader.checksum, reader.meta, reader.entry.parent
-            finally:
-                self._release_forward(reader, pinned=pinned is not None)
-            try:
-                await self.peers.put(
-                    owner, namespace, key, value, meta, parent, sum_, FORWARD_TIMEOUT_S
-                )
-            except PeerError as error:
-                self.counters.forward_errors += 1
-                self._peer_failed(error, owner)
-                continue
-            self.counters.forwards += 1
+        self.forwards.put(entry, owner)

@@ -1,0 +1,125 @@
+"""Puts handed on to their owner (kvd.cluster.router): a put lands on the
+daemon the engine reached and is answered there; if another member owns the
+key, the value goes to it in the background, so a lookup from any node
+finds it.
+
+Bounded: at most ``FORWARD_QUEUE_MAX`` puts wait (past it the owner does not
+get the value, counted in ``dropped``) and ``FORWARD_WORKERS`` are in
+flight, each holding one copy of its value. A waiting value is pinned (a
+guest goes first otherwise) while the pinned bytes stay within
+``FORWARD_PIN_FRACTION`` of L1; past that a forward reads the value when its
+turn comes, if it is still here. A value deleted before its turn is not
+sent; one whose owner is down or fails counts in ``errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kvd.cluster.peers import PeerError, Peers
+from kvd.store.index import Entry, Reader
+from kvd.store.store import Store
+
+# Puts waiting to reach their owner; a burst past it is dropped (the put is
+# still here), since queuing without end would hold up to this many values'
+# worth of L1 pages pinned by readers later.
+FORWARD_QUEUE_MAX = 4096
+# Forwards in flight at once: each holds one value copy (<= max_value_bytes).
+FORWARD_WORKERS = 4
+# A forward is background work: it may take longer than a caller's lookup
+# (64 MiB over loopback gRPC takes ~70 ms), but not for ever.
+FORWARD_TIMEOUT_S = 10.0
+# Part of L1 that values waiting for their forward may keep pinned.
+FORWARD_PIN_FRACTION = 0.25
+
+
+class Forwards:
+    """The queue of puts to hand on, and its workers."""
+
+    def __init__(
+        self,
+        store: Store,
+        peers: Peers,
+        is_down: Callable[[str], bool],
+        failed: Callable[[PeerError, str], None],
+    ) -> None:
+        """``is_down(member)``: skip it now; ``failed``: a call to a member failed."""
+        self._store = store
+        self._peers = peers
+        self._is_down = is_down
+        self._failed = failed
+        self._queue: asyncio.Queue[tuple[str, bytes, str, Reader | None]] = asyncio.Queue(
+            FORWARD_QUEUE_MAX
+        )
+        self._pinned = 0  # bytes of the values in the queue it pins
+        self._pin_max = int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION)
+        self._workers: list[asyncio.Task[None]] = []
+        self.sent = 0
+        self.errors = 0
+        self.dropped = 0
+
+    def start(self) -> None:
+        self._workers = [
+            asyncio.create_task(self._loop(), name=f"kvd-pool-forward-{i}")
+            for i in range(FORWARD_WORKERS)
+        ]
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return self._workers
+
+    def close(self) -> None:
+        """Give back what the queued puts pin (after the workers stopped)."""
+        while not self._queue.empty():
+            reader = self._queue.get_nowait()[3]
+            if reader is not None:
+                self._release(reader, pinned=True)
+
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def put(self, entry: Entry, owner: str) -> None:
+        """Queue ``entry``'s value for ``owner``."""
+        reader = None
+        if self._pinned + entry.size <= self._pin_max:
+            # A guest goes first: pinned, it waits for its forward.
+            reader = self._store.peek(entry.ns.name, entry.key)
+            self._pinned += entry.size
+        try:
+            self._queue.put_nowait((entry.ns.name, entry.key, owner, reader))
+        except asyncio.QueueFull:
+            self.dropped += 1
+            if reader is not None:
+                self._release(reader, pinned=True)
+
+    def _release(self, reader: Reader, *, pinned: bool) -> None:
+        """Close a forward's reader; one pinned since the put gives its bytes back."""
+        if pinned:
+            self._pinned -= reader.entry.size
+        reader.close()
+
+    async def _loop(self) -> None:
+        while True:
+            namespace, key, owner, pinned = await self._queue.get()
+            reader = pinned if pinned is not None else self._store.peek(namespace, key)
+            if reader is None:
+                continue  # evicted or deleted before its turn
+            if not reader.entry.linked or self._is_down(owner):
+                # Deleted while it waited (not an error), or the owner is down.
+                self.errors += reader.entry.linked
+                self._release(reader, pinned=pinned is not None)
+                continue
+            try:
+                value = b"".join(reader.views)
+                sum_, meta, parent = reader.checksum, reader.meta, reader.entry.parent
+            finally:
+                self._release(reader, pinned=pinned is not None)
+            try:
+                await self._peers.put(
+                    owner, namespace, key, value, meta, parent, sum_, FORWARD_TIMEOUT_S
+                )
+            except PeerError as error:
+                self.errors += 1
+                self._failed(error, owner)
+                continue
+            self.sent += 1
