@@ -105,14 +105,12 @@ class Hints:
         """Turn the generations as they come of age; a hint is used until it
         is twice ``ttl_s`` old at most (its generation began before it)."""
         now = time.monotonic()
-        if now - self._previous_began >= 2 * self.ttl_s:
-            self._previous = {}
         if now - self._began >= self.ttl_s:
             self._turn(now)
-
-    def _turn(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self._previous, self._previous_began = self._current, self._began
-        self._current, self._count, self._began = {}, 0, now
         if now - self._previous_began >= 2 * self.ttl_s:
             self._previous = {}
+
+    def _turn(self, now: float | None = None) -> None:
+        self._previous, self._previous_began = self._current, self._began
+        self._current, self._count = {}, 0
+        self._began = time.monotonic() if now is None else now
