@@ -49,7 +49,7 @@ import asyncio
 import logging
 import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from itertools import compress
 
@@ -462,11 +462,15 @@ class PoolRouter:
         except TimeoutError:
             return False
 
-    async def fetch_many(self, namespace: str, keys: list[bytes]) -> None:
+    async def fetch_many(
+        self, namespace: str, keys: list[bytes], landed: Callable[[bytes], None] | None = None
+    ) -> None:
         """Fetch into L1, at once, the keys of a batch held nowhere here, so a
         batched get (gRPC BatchGet, a shared-memory region get or pool read)
         that then reads them in order waits one peer round trip, not one per
-        key (at most ``FETCH_PARALLEL_MAX`` reads in flight)."""
+        key (at most ``FETCH_PARALLEL_MAX`` reads in flight). ``landed`` is
+        called with each key as soon as its value is in L1 (held), while the
+        others are still on their way."""
         if scope.current().hop or len(self.membership.members) == 1:
             return
         try:
@@ -481,7 +485,9 @@ class PoolRouter:
 
         async def fetch(key: bytes) -> None:
             async with room:
-                await self._fetch(namespace, key)  # the batch's own read counts the hit
+                found = await self._fetch(namespace, key)  # the batch's read counts the hit
+            if found and landed is not None:
+                landed(key)
 
         await asyncio.gather(*(fetch(key) for key in missing))
         asyncio.get_running_loop().call_later(

@@ -14,6 +14,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
+from kvd.wire.errors import InvalidArgument
 from tests.cluster.cluster import start_static_pool
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
@@ -181,6 +182,38 @@ def test_a_shared_memory_batch_reads_the_owners_share_together(
     # Read again: all in b's L1 now, no peer asked.
     assert b.get_many_into(ns, keys, views) == [size] * len(keys)
     assert metric(port, "kvd_cluster_remote_get_batches_total") - batches == 1
+
+
+def test_values_from_their_owners_are_copied_into_each_room_as_they_land(
+    pool: list[DaemonProcess],
+) -> None:
+    """A shared-memory batch copies each value it fetched into its room as
+    soon as it lands: a key asked twice fills both rooms, each counted as a
+    hit once; a room too small for its value is refused alone, by item, and
+    the batch's other value still landed."""
+    ns = "landed"
+    keys = chain(ns, 24)
+    store_chain(client_of(pool[0]), ns, keys)
+    b = Client(f"unix://{pool[1].socket}", timeout_s=CLIENT_TIMEOUT_S, pool_reads=False)
+    _open.append(b)
+    assert wait_until(lambda: b.lookup(ns, keys) == len(keys))
+    remote = [key for key in keys if key not in _owned_by(pool, ns, keys, 1)]
+    assert len(remote) >= 4
+    size = len(value_of(keys[0]))
+    hits_name = 'kvd_hits_total{op="shm_get",tier="l1"}'
+    hits = metric(pool[1].metrics_port, hits_name)
+    asked = [remote[0], remote[1], remote[0]]
+    buffer = b.buffer(size * len(asked))
+    views = [buffer[i * size : (i + 1) * size] for i in range(len(asked))]
+    assert b.get_many_into(ns, asked, views) == [size] * len(asked)
+    assert [bytes(view) for view in views] == [value_of(key) for key in asked]
+    assert metric(pool[1].metrics_port, hits_name) - hits == len(asked)
+    room = b.buffer(2 * size - 1)
+    rooms = [room[:size], room[size:]]
+    with pytest.raises(InvalidArgument, match=r"item 1: buffer of .* too small"):
+        b.get_many_into(ns, [remote[2], remote[3]], rooms)
+    assert bytes(rooms[0]) == value_of(remote[2])
+    assert b.get(ns, remote[3]) == value_of(remote[3])
 
 
 def test_a_key_nobody_holds_is_a_miss(pool: list[DaemonProcess]) -> None:

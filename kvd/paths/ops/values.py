@@ -16,7 +16,7 @@ synchronous ones (``open_now``, the counters) never await.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,7 +49,9 @@ class PoolQueries(Protocol):
         self, namespace: str, keys: list[bytes], *, chain: ChainShare | None = None
     ) -> list[bool]: ...
 
-    async def fetch_many(self, namespace: str, keys: list[bytes]) -> None: ...
+    async def fetch_many(
+        self, namespace: str, keys: list[bytes], landed: Callable[[bytes], None] | None = None
+    ) -> None: ...
 
     def learn(self, namespace: str, keys: list[bytes], chain: ChainShare) -> None: ...
 
@@ -86,15 +88,17 @@ class ValueOps:
         self.metrics.fetched(op, TIER_NAMES[reader.tier], start)
         return reader
 
-    async def fetch_remote_many(self, ns: str, keys: Iterable[bytes]) -> None:
+    async def fetch_remote_many(
+        self, ns: str, keys: Iterable[bytes], landed: Callable[[bytes], None] | None = None
+    ) -> None:
         """In a pool, read the keys of a batch that other members own and
         this daemon lacks into L1 at once (``PoolQueries.fetch_many``), so
         the batch's own reads then find them here: one peer round trip for
-        the batch, not one per key. Nothing is counted here (the batch's
-        reads count their hits and misses); outside a pool ``keys`` is not
-        even iterated."""
+        the batch, not one per key; ``landed(key)`` as each one arrives.
+        Nothing is counted here (the batch's reads count their hits and
+        misses); outside a pool ``keys`` is not even iterated."""
         if self.pool is not None:
-            await self.pool.fetch_many(ns, list(keys))
+            await self.pool.fetch_many(ns, list(keys), landed)
 
     async def fetch_many(self, op: str, ns: str, keys: Sequence[bytes]) -> dict[int, Reader | None]:
         """``Store.fetch_many``: the values of a batch only on L2, read together,

@@ -6,10 +6,13 @@ reference measured in the same run.
   daemon offers (``pool_peer_transport``); beside each, the TCP ceiling between
   the same two nodes measured just before it (``kvd.tools.bench.pool_ceiling``:
   on this loaded 2-core VM a ceiling moves by 2x within minutes). Each value is read
-  once (a second read is local: A keeps it in L1, reported beside). Then as
-  many other values in calls of ``REMOTE_BATCH`` (``get_many_into``, as an
-  engine loads a prefix of large blocks: A fetches a call's values from B in
-  parallel), against the same ceiling. Then a
+  once (a second read is local: A keeps it in L1, reported beside). Then
+  ``REMOTE_BATCH_CALLS`` calls of ``REMOTE_BATCH`` other values each
+  (``get_many_into``, as an engine loads a prefix of large blocks: A fetches a call's values from B in
+  parallel, each copied into its room as it lands), against the same
+  ceiling, after ``REMOTE_WARM_CALLS`` untimed calls that open the
+  connections a call reads over and let TCP grow their windows (as the
+  first single get does for its one; their times are reported). Then a
   chain of 64 values of 64 KiB that B owns, read through A one value at a
   time and in one batch (``get_many_into``: A asks B for all it lacks at
   once), fresh values each round.
@@ -71,6 +74,14 @@ CHAIN_VALUE_BYTES = 64 * 1024
 CHAIN_ROUNDS = 3
 CHAIN_NS = "bench-remote-chain"
 REMOTE_BATCH = 8  # values per get_many_into of the batched remote gets
+# Untimed calls of REMOTE_BATCH before the timed ones: members keep their
+# connections, but the bench's are new. On the development VM the first call
+# of 8 x 4 MiB took ~22 ms (7 connections opened), the next two 14-19 ms
+# while TCP grew the new connections' windows, the calls after 11-15 ms.
+REMOTE_WARM_CALLS = 2
+# Timed calls of REMOTE_BATCH: one call's rate moved by up to 2x from call
+# to call on the development VM.
+REMOTE_BATCH_CALLS = 16
 CALL_TIMEOUT_S = 60.0
 LOOKUP_WARMUP = 5
 # pool_lookup_hint_ms of the lookups measured with hints (off by default).
@@ -235,8 +246,11 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
     between the same two nodes; then the remote chain (``remote_chain``)."""
     extra = ["--pool-peer-transport", transport] if transport else []
     chain_bytes = 2 * CHAIN_ROUNDS * CHAIN_VALUES * CHAIN_VALUE_BYTES
+    batched = REMOTE_BATCH_CALLS * REMOTE_BATCH
+    warm_values = REMOTE_WARM_CALLS * REMOTE_BATCH
+    gets = 1 + options.values + batched + warm_values
     # B holds the values of the single and the batched gets, A a copy of each.
-    dram = f"{options.values * options.value_bytes * 4 + chain_bytes * 2 + 64 * MiB}"
+    dram = f"{gets * options.value_bytes + chain_bytes * 2 + 64 * MiB}"
     max_value = str(max(options.value_bytes, MiB))
     with Pool(root / f"get-{transport or 'default'}", 2, extra, netns=options.netns,
               peer_timeout_ms=PEER_TIMEOUT_MS,
@@ -247,8 +261,9 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
         used = _transport_used(a.running.log)
         progress(f"pool: remote get, transport {transport or 'default'} (daemon says {used})")
         ns = "bench-remote"
-        keys = _keys_owned(pool.placement(), b.address, ns, "v", 2 * options.values + 1)
-        single_keys, batch_keys = keys[1 : options.values + 1], keys[options.values + 1 :]
+        keys = _keys_owned(pool.placement(), b.address, ns, "v", gets)
+        after = 1 + options.values + batched  # the warm-up calls' keys come after the timed ones
+        single_keys, batch_keys = keys[1 : options.values + 1], keys[options.values + 1 : after]
         with Client(b.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S) as put:
             for i, key in enumerate(keys):
                 put.put(ns, key, block_value(i, options.value_bytes))
@@ -259,9 +274,13 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             local, moved_local, wrong_local, _ = _timed_gets(
                 engine, ns, single_keys, 1, options.value_bytes
             )
+            views = _views(engine, REMOTE_BATCH, options.value_bytes)
+            warm_s = [  # a call's connections up, their TCP windows grown
+                _timed_batches(engine, ns, keys[at : at + REMOTE_BATCH], at, views)[0]
+                for at in range(after, after + warm_values, REMOTE_BATCH)
+            ]
             batched_s, moved_batched, wrong_batched, misses_batched = _timed_batches(
-                engine, ns, batch_keys, options.values + 1,
-                _views(engine, REMOTE_BATCH, options.value_bytes),
+                engine, ns, batch_keys, options.values + 1, views
             )  # fmt: skip
             progress(f"pool: remote chain, transport {transport or 'default'}")
             chain_keys = _keys_owned(
@@ -280,7 +299,9 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             "get_p99_ms": float(np.percentile(remote, 99)) * 1e3,
             "local_bytes_per_s": moved_local / sum(local),
             "batch_values": REMOTE_BATCH,
+            "batch_calls": REMOTE_BATCH_CALLS,
             "batch_bytes_per_s": moved_batched / batched_s,
+            "batch_warmup_s": warm_s,
             "tcp_ceiling": ceiling,
             "wrong_bytes": wrong + wrong_local + wrong_batched + chain["wrong_bytes"],
             "misses": misses + misses_batched,
