@@ -218,8 +218,9 @@ def _pool(args: argparse.Namespace) -> int:
 
     options = pool.Options(
         values=args.values, value_bytes=parse_size(args.value_bytes), chain_keys=args.chain_keys,
-        lookups=args.lookups, requests=args.requests, capacity_fraction=args.capacity_fraction,
-        netns=not args.loopback, transports=tuple(args.transports),
+        lookups=args.lookups, lookup_pace_ms=args.lookup_pace_ms, requests=args.requests,
+        capacity_fraction=args.capacity_fraction, netns=not args.loopback,
+        transports=tuple(args.transports),
     )  # fmt: skip
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvd-bench-pool-") as tmp:
@@ -360,6 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool_cmd.add_argument("--value-bytes", default="4MiB", help="size of each")
     pool_cmd.add_argument("--chain-keys", type=int, default=1000, help="keys of the chain")
     pool_cmd.add_argument("--lookups", type=int, default=200, help="timed lookups of it")
+    pool_cmd.add_argument(
+        "--lookup-pace-ms", type=float, default=0.0,
+        help="time between timed lookups, as an engine's scheduler steps (0: back to back)",
+    )  # fmt: skip
     pool_cmd.add_argument("--trace", default=str(CONVERSATION_TRACE), help="trace to replay")
     pool_cmd.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
     pool_cmd.add_argument(

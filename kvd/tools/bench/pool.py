@@ -7,12 +7,13 @@ reference measured in the same run.
   the same two nodes measured just before it (``kvd.tools.bench.pool_ceiling``:
   on this loaded 2-core VM a ceiling moves by 2x within minutes). Each value is read
   once (a second read is local: A keeps it in L1, reported beside). Then
-  ``REMOTE_BATCH_CALLS`` calls of ``REMOTE_BATCH`` other values each
-  (``get_many_into``, as an engine loads a prefix of large blocks: A fetches a call's values from B in
-  parallel, each copied into its room as it lands), against the same
-  ceiling, after ``REMOTE_WARM_CALLS`` untimed calls that open the
-  connections a call reads over and let TCP grow their windows (as the
-  first single get does for its one; their times are reported). Then a
+  ``REMOTE_BATCHED_PER_VALUE`` times as many other values in calls of
+  ``REMOTE_BATCH`` (``get_many_into``, as an engine loads a prefix of
+  large blocks: A fetches a call's values from B in parallel, each copied
+  into its room as it lands), against the same ceiling, after
+  ``REMOTE_WARM_CALLS`` untimed calls that open the connections a call
+  reads over and let TCP grow their windows (as the first single get does
+  for its one; their times are reported). Then a
   chain of 64 values of 64 KiB that B owns, read through A one value at a
   time and in one batch (``get_many_into``: A asks B for all it lacks at
   once), fresh values each round.
@@ -79,9 +80,10 @@ REMOTE_BATCH = 8  # values per get_many_into of the batched remote gets
 # of 8 x 4 MiB took ~22 ms (7 connections opened), the next two 14-19 ms
 # while TCP grew the new connections' windows, the calls after 11-15 ms.
 REMOTE_WARM_CALLS = 2
-# Timed calls of REMOTE_BATCH: one call's rate moved by up to 2x from call
+# Values read in the timed calls of REMOTE_BATCH, per value read one at a
+# time (128 at the default 32): one call's rate moved by up to 2x from call
 # to call on the development VM.
-REMOTE_BATCH_CALLS = 16
+REMOTE_BATCHED_PER_VALUE = 4
 CALL_TIMEOUT_S = 60.0
 LOOKUP_WARMUP = 5
 # pool_lookup_hint_ms of the lookups measured with hints (off by default).
@@ -99,6 +101,7 @@ class Options:
     value_bytes: int = 4 * MiB
     chain_keys: int = 1000
     lookups: int = 200
+    lookup_pace_ms: float = 0.0  # between timed lookups; 0: back to back
     requests: int = 0  # 0: the whole trace
     capacity_fraction: float = 0.05  # kvd bench replay's default
     block_bytes: int = 64 * 1024
@@ -246,7 +249,7 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
     between the same two nodes; then the remote chain (``remote_chain``)."""
     extra = ["--pool-peer-transport", transport] if transport else []
     chain_bytes = 2 * CHAIN_ROUNDS * CHAIN_VALUES * CHAIN_VALUE_BYTES
-    batched = REMOTE_BATCH_CALLS * REMOTE_BATCH
+    batched = max(REMOTE_BATCH, REMOTE_BATCHED_PER_VALUE * options.values)
     warm_values = REMOTE_WARM_CALLS * REMOTE_BATCH
     gets = 1 + options.values + batched + warm_values
     # B holds the values of the single and the batched gets, A a copy of each.
@@ -299,7 +302,7 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             "get_p99_ms": float(np.percentile(remote, 99)) * 1e3,
             "local_bytes_per_s": moved_local / sum(local),
             "batch_values": REMOTE_BATCH,
-            "batch_calls": REMOTE_BATCH_CALLS,
+            "batch_calls": -(-batched // REMOTE_BATCH),
             "batch_bytes_per_s": moved_batched / batched_s,
             "batch_warmup_s": warm_s,
             "tcp_ceiling": ceiling,
@@ -309,13 +312,15 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
         }
 
 
-def _lookup_times(client: Client, ns: str, keys: list[bytes], count: int) -> list[float]:
-    """``count`` timed lookups of the chain, after ``LOOKUP_WARMUP`` untimed
-    ones (as ``kvd bench lookup``): connections and caches warm on both
-    sides. Before the daemon ran its own full garbage collections
-    (kvd.util.collector), the second lookup of a 1,000-key chain took 18-24
-    ms on one daemon as on a pool, a full collection, and of 200 lookups
-    such a start was the p99."""
+def _lookup_times(
+    client: Client, ns: str, keys: list[bytes], count: int, pace_s: float = 0.0
+) -> list[float]:
+    """``count`` timed lookups of the chain, ``pace_s`` apart (0: back to
+    back), after ``LOOKUP_WARMUP`` untimed ones (as ``kvd bench lookup``):
+    connections and caches warm on both sides. Before the daemon ran its own
+    full garbage collections (kvd.util.collector), the second lookup of a
+    1,000-key chain took 18-24 ms on one daemon as on a pool, a full
+    collection, and of 200 lookups such a start was the p99."""
     for _ in range(LOOKUP_WARMUP):
         client.lookup(ns, keys)
     seconds = []
@@ -325,6 +330,8 @@ def _lookup_times(client: Client, ns: str, keys: list[bytes], count: int) -> lis
         seconds.append(time.perf_counter() - started)
         if found != len(keys):
             raise RuntimeError(f"lookup found {found} of {len(keys)} keys")
+        if pace_s:
+            time.sleep(pace_s)
     return seconds
 
 
@@ -349,8 +356,10 @@ def chain_lookup(root: Path, options: Options, progress: Progress) -> dict[str, 
     again is answered from its owners' recent answers (the timed lookups
     repeat one chain, as an engine's scheduler asks about a waiting request
     at every step), and as it runs by default, where every lookup waits for
-    the owners (as a chain's first lookup does either way)."""
-    n = options.chain_keys
+    the owners (as a chain's first lookup does either way). The timed
+    lookups come back to back, or ``lookup_pace_ms`` apart, as an engine's
+    scheduler asks once a step."""
+    n, pace_s = options.chain_keys, options.lookup_pace_ms / 1e3
     ns = "bench-chain"
     keys = [f"chain-{i:05d}".encode() for i in range(n)]
     items = [(key, key * 16) for key in keys]
@@ -374,7 +383,7 @@ def chain_lookup(root: Path, options: Options, progress: Progress) -> dict[str, 
                 c.put_many(ns, items, chained=True)
             with Client(pool.members[1].socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
                 _wait_found(c, ns, keys)
-                spread[case] = _lookup_times(c, ns, keys, options.lookups)
+                spread[case] = _lookup_times(c, ns, keys, options.lookups, pace_s)
                 peer_errors += pool.members[1].metric("kvd_cluster_peer_errors_total")
                 hinted += pool.members[1].metric("kvd_cluster_hinted_lookups_total")
             where = pool.where
@@ -388,7 +397,7 @@ def chain_lookup(root: Path, options: Options, progress: Progress) -> dict[str, 
     try:
         with Client(daemon.socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
             c.put_many(ns, items, chained=True)
-            alone = _lookup_times(c, ns, keys, options.lookups)
+            alone = _lookup_times(c, ns, keys, options.lookups, pace_s)
     finally:
         daemon.stop()
     return {
@@ -400,6 +409,7 @@ def chain_lookup(root: Path, options: Options, progress: Progress) -> dict[str, 
         "pool": _percentiles_ms(spread["hinted"]),
         "pool_asked": _percentiles_ms(spread["asked"]),
         "hinted_lookups": hinted,
+        "pace_ms": options.lookup_pace_ms,
         "single": _percentiles_ms(alone),
     }
 

@@ -73,9 +73,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     if "pool_asked" in lookup:
         cases = [("pool", ", pool_lookup_hint_ms on, the chain looked up again"),
                  ("pool_asked", ", asking the owners every time (the default)")]  # fmt: skip
+    pace = f", lookups {lookup['pace_ms']:g} ms apart" if lookup.get("pace_ms") else ""
     for case, how in cases:
         spread, ratio = lookup[case], lookup[case]["p99_ms"] / lookup["single"]["p99_ms"]
-        chain = f"{lookup['keys']}-key chain over {lookup['owners']} members"
+        chain = f"{lookup['keys']}-key chain over {lookup['owners']} members{pace}"
         rows.append({
             "target": f"lookup p99, {chain}{how}",
             "measured": f"{spread['p99_ms']:.2f} ms (p50 {spread['p50_ms']:.2f})",

@@ -32,7 +32,7 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     transport = pool.peer_transports()[-1]
     argv = [
         "--out", str(out), "pool", "--values", "2", "--value-bytes", "1MiB",
-        "--chain-keys", "40", "--lookups", "5", "--requests", "40",
+        "--chain-keys", "40", "--lookups", "5", "--lookup-pace-ms", "1", "--requests", "40",
         "--trace", str(tiny_trace(tmp_path / "trace.jsonl", 40)), "--capacity-fraction", "0.5",
     ]  # fmt: skip
     assert main([*argv, "--transports", transport] if transport else argv) == 0
@@ -65,6 +65,8 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     # The lookups with hints were answered from them; the default asks every time.
     assert result["lookup"]["hinted_lookups"] > 0
     assert {"pool", "pool_asked", "single"} <= set(result["lookup"])
+    assert result["lookup"]["pace_ms"] == 1  # as a scheduler steps
+    assert "members, lookups 1 ms apart" in raw.with_suffix(".md").read_text()
     assert result["keys_moved"]["moved_to_the_new_member"] == result["keys_moved"]["moved"]
     faults = result["faults"]["rows"]
     assert [f["fault"] for f in faults][-2:] == ["SIGSTOP", "SIGKILL, restarted"]
