@@ -315,12 +315,14 @@ class RegionOps:
         jobs: list[CopyJob] = []
         landed: list[CopyJob] = []  # copied as their values came from their owners
         peeked: set[int] = set()  # their items, and those found too big as they landed
+        copy_landed, end_landing = self._copy_landed(
+            region, batch, results, readers, landed, peeked
+        )
         registry.enter(region)
         try:
             await self.values.fetch_remote_many(
-                batch.namespace, (i.key for i in batch.items),
-                self._copy_landed(region, batch, results, readers, landed, peeked),
-            )  # fmt: skip
+                batch.namespace, (i.key for i in batch.items), copy_landed
+            )
             batched = await self._fetch_batched(region, batch.namespace, batch.items)
             readers += [r for r in batched.values() if r is not None]
             start, in_l1 = time.perf_counter(), 0
@@ -364,6 +366,7 @@ class RegionOps:
                 await self._copy(jobs, to_pages=False)
                 self._check_copies(jobs, results)
         finally:
+            end_landing()  # a fetch that lands after the batch ended (it failed) is not copied
             for reader in readers:
                 reader.close()
             for job in jobs + landed:
@@ -374,7 +377,7 @@ class RegionOps:
     def _copy_landed(
         self, region: Region, batch: RegionBatch, results: list[ItemResult | None],
         readers: list[Reader], landed: list[CopyJob], peeked: set[int],
-    ) -> Callable[[bytes], None]:  # fmt: skip
+    ) -> tuple[Callable[[bytes], None], Callable[[], None]]:  # fmt: skip
         """What a batch get does with each value that arrives from its owner
         while the batch's others are still on their way: copy it into its
         room at once, on the loop, when a copy of its size would run there
@@ -384,14 +387,19 @@ class RegionOps:
         as if it had been opened there: the policy sees what it saw before.
         Copied only once the last value had landed, a batch of 8 values of
         4 MiB spent another 2.2-2.4 ms copying (development VM); copied as
-        they land, those copies run while the others arrive."""
+        they land, those copies run while the others arrive.
+
+        Returns the copy (called with each key that landed) and the batch's
+        end, past which nothing is copied: a batch that fails while other
+        fetches of it are still under way (the fetches go on) has left its
+        region, unpinned its readers and answered."""
         places: dict[bytes, list[int]] = {}
         for i, item in enumerate(batch.items):
             places.setdefault(item.key, []).append(i)
         ns = batch.namespace
 
         def copy(key: bytes) -> None:
-            for i in places.get(key, ()):
+            for i in places.get(key, ()):  # none once ended
                 size = self.store.l1_size(ns, key)
                 others = self.inflight.requests - 1  # the batch is one
                 if results[i] is not None or size is None or is_late(batch.deadline_ns):
@@ -412,7 +420,7 @@ class RegionOps:
                 run_jobs(jobs, False, self.copy_many)
                 landed.extend(jobs)
 
-        return copy
+        return copy, places.clear
 
     def get_now(
         self,

@@ -8,19 +8,15 @@ nothing; nothing stays pinned or counted in flight."""
 
 from __future__ import annotations
 
-import fcntl
-import mmap
 import os
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
-from kvd.client.regions import SEALS
 from kvd.config.settings import Config
-from kvd.l1.pool import PAGE_BYTES, Pool
+from kvd.l1.pool import PAGE_BYTES
 from kvd.paths.bulk.server import (
     OP_HELLO,
     OP_REGION_GET,
@@ -29,58 +25,24 @@ from kvd.paths.bulk.server import (
     BulkLimits,
     encode_request,
 )
-from kvd.paths.metrics import Metrics
-from kvd.paths.ops.calls import ServiceLimits
 from kvd.paths.ops.items import ItemResult, RegionBatch, RegionItem
-from kvd.paths.ops.region_ops import IDLE_INLINE_COPY_BYTES, RegionOps
-from kvd.paths.ops.values import ValueOps
+from kvd.paths.ops.region_ops import IDLE_INLINE_COPY_BYTES
 from kvd.paths.shm.channel import ShmChannel
-from kvd.paths.shm.regions import Caller, Region, RegionLimits, RegionRegistry
-from kvd.store.index import TIER_L1, StoreLimits
-from kvd.store.store import Store
+from kvd.store.index import TIER_L1
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import CODE_NUMBERS as CODES
 from kvd.wire.errors import KvdError
 from kvd.wire.shm import PIPELINE_FRAMES, REGION_REF
+from tests.paths.shm.support import CALLER, REGION_BYTES, Rig, region_rig
 from tests.sockets import most_between_turns, recv_exact
 
 NS = "now"
-REGION_BYTES = 16 << 20
-CALLER = Caller(os.geteuid(), os.getpid())
-
-
-@dataclass
-class Rig:
-    ops: RegionOps
-    region: Region
-    map: mmap.mmap
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    store = Store(Pool((40 << 20) // PAGE_BYTES * PAGE_BYTES), StoreLimits.from_config(Config()))
-    limits = replace(
-        ServiceLimits.from_config(Config()),
-        max_message_bytes=4 << 20,
-        max_inflight_bytes=64 << 20,
-        max_batch_items=64,
-    )
-    ops = RegionOps(ValueOps(store, limits, Metrics()))
-    registry = RegionRegistry(RegionLimits.from_config(Config()))
-    ops.enable_fast_paths(registry, 0)
-    fd = os.memfd_create("r", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, REGION_BYTES)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    fcntl.flock(lock_fd, fcntl.LOCK_SH)
-    mapping = mmap.mmap(fd, REGION_BYTES)
-    try:
-        yield Rig(ops, registry.attach(os.dup(fd), REGION_BYTES, CALLER), mapping)
-    finally:
-        ops.close_fast_paths()
-        mapping.close()
-        os.close(fd)
-        os.close(lock_fd)
+def rig() -> Iterator[Rig]:
+    with region_rig() as made:
+        yield made
 
 
 async def _put(rig: Rig, key: bytes, value: bytes) -> None:
