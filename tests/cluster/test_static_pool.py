@@ -263,6 +263,15 @@ def test_stopped_owner_costs_misses_within_the_deadline(pool: list[DaemonProcess
         # deadline); a's keys still read, over both transports.
         assert check_reads_miss_or_match(b, "stopped", on_c) == on_c
         assert check_reads_miss_or_match(b_grpc, "stopped", on_c) == on_c
+        # One shared-memory batch of both: a's values land and are copied,
+        # c's are misses.
+        b_shm = Client(f"unix://{pool[1].socket}", timeout_s=CLIENT_TIMEOUT_S, pool_reads=False)
+        _open.append(b_shm)
+        mixed, size = on_a[:3] + on_c[:3], len(value_of(keys[0]))
+        room = b_shm.buffer(size * len(mixed))
+        views = [room[i * size : (i + 1) * size] for i in range(len(mixed))]
+        assert b_shm.get_many_into("stopped", mixed, views) == [size] * 3 + [None] * 3
+        assert [bytes(view) for view in views[:3]] == [value_of(key) for key in on_a[:3]]
         assert check_reads_miss_or_match(b, "stopped", on_a) == []
         assert b.lookup("stopped", keys) <= keys.index(on_c[0])  # the chain ends at c's keys
         assert metric(pool[1].metrics_port, "kvd_cluster_peer_errors_total") > 0
