@@ -379,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.suite == "pool":
+        if args.lookup_pace_ms < 0:
+            parser.error(f"--lookup-pace-ms must be 0 or more, got {args.lookup_pace_ms:g}")
         return _pool(args)
     if args.suite == "engine":
         return _engine(args)

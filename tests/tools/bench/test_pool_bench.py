@@ -72,3 +72,10 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert [f["fault"] for f in faults][-2:] == ["SIGSTOP", "SIGKILL, restarted"]
     assert all(f["wrong_bytes"] == 0 and f["errors"] == 0 and f["misses"] > 0 for f in faults)
     assert len(result["targets"]) == 2 * len(gets) + 4 + len(faults)  # two lookup rows
+
+
+def test_a_negative_lookup_pace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["pool", "--lookup-pace-ms", "-1"])
+    assert refused.value.code == 2
+    assert "--lookup-pace-ms must be 0 or more, got -1" in capsys.readouterr().err
