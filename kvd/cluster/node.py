@@ -76,6 +76,10 @@ POOL_COUNTERS = {
     ),
     "remote_hits": ("kvd_cluster_remote_hits", "Values fetched from their owner into L1"),
     "remote_misses": ("kvd_cluster_remote_misses", "Gets the owner answered as not found"),
+    "remote_not_kept": (
+        "kvd_cluster_remote_not_kept",
+        "Values their owner sent that this daemon could not keep in L1 (pinned full): each a miss",
+    ),
     "peer_errors": ("kvd_cluster_peer_errors", "Peer calls failed or timed out (each a miss)"),
     "peer_skips": (
         "kvd_cluster_peer_skips",

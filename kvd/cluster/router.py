@@ -58,7 +58,7 @@ from kvd.cluster.forwards import Forwards
 from kvd.cluster.hints import Hints
 from kvd.cluster.layouts import Layouts
 from kvd.cluster.membership import Membership
-from kvd.cluster.peer_reads import HIT, MISS, PeerReads
+from kvd.cluster.peer_reads import HIT, MISS, NOT_KEPT, PeerReads
 from kvd.cluster.peers import PeerError, Peers
 from kvd.cluster.plans import PoolPlans
 from kvd.cluster.tells import Tells
@@ -107,6 +107,7 @@ class PoolCounters:
     remote_get_batches: int = 0  # batches whose missing values were read together
     remote_hits: int = 0
     remote_misses: int = 0
+    remote_not_kept: int = 0
     peer_errors: int = 0  # failed or timed-out peer calls (each a miss)
     peer_skips: int = 0  # calls not made: the member failed within PEER_DOWN_S
     checksum_mismatches: int = 0  # peer values whose bytes failed their checksum
@@ -511,6 +512,8 @@ class PoolRouter:
         if outcome == MISS:
             self.counters.remote_misses += 1
             self.hints.note(namespace, [key], [False])  # a lookup's hint may have said held
+        elif outcome == NOT_KEPT:
+            self.counters.remote_not_kept += 1
         elif outcome == HIT:
             self.counters.remote_hits += 1
             self._hold(namespace, key)  # no await since it landed: still here

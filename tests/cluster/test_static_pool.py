@@ -8,6 +8,7 @@ import hashlib
 import os
 import signal
 from collections.abc import Iterator
+from itertools import compress
 from pathlib import Path
 
 import pytest
@@ -296,6 +297,35 @@ def test_killed_owner_costs_misses_and_the_rest_serve(pool: list[DaemonProcess])
     store_chain(a, "after", fresh)
     live = [k for k in fresh if k not in _owned_by(pool, "after", fresh, 2)]
     assert wait_until(lambda: all(b.get("after", k) == value_of(k) for k in live))
+
+
+def test_a_value_its_member_cannot_keep_is_a_counted_miss(tmp_path: Path) -> None:
+    """A member whose L1 is pinned full by a lease cannot keep a value it
+    reads from the owner: the get is a miss, counted apart from the owner's."""
+    daemons = start_static_pool(tmp_path, 2, "--dram-bytes", "2MiB", "--max-value-bytes", "64KiB")
+    try:
+        here, there = daemons
+        owners = placement(daemons).owners("full", [b"k-%04d" % i for i in range(400)])
+        mine = [b"k-%04d" % i for i, o in enumerate(owners) if o == here.target]
+        theirs = next(b"k-%04d" % i for i, o in enumerate(owners) if o == there.target)
+        value = bytes(60_000)  # a 64 KiB page each
+        with Client(there.target, timeout_s=CLIENT_TIMEOUT_S) as owner:
+            owner.put("full", theirs, value)
+        with Client(here.target, timeout_s=CLIENT_TIMEOUT_S) as client:
+            for key in mine[:40]:  # more than its 32 pages hold
+                client.put("full", key, value)
+            kept = list(compress(mine[:40], client.exists("full", mine[:40])))
+            found = client.lookup_ex("full", kept, lease_ms=30_000)  # every page pinned
+            assert found.prefix_len == len(kept)
+            assert client.get("full", theirs) is None
+            client.release("full", found.lease_id)
+            assert client.get("full", theirs) == value  # room again: read and kept
+        port = here.metrics_port
+        assert metric(port, "kvd_cluster_remote_not_kept_total") == 1
+        assert metric(port, "kvd_cluster_remote_misses_total") == 0
+    finally:
+        for daemon in daemons:
+            daemon.discard()
 
 
 def test_list_not_naming_the_daemon_serves_alone(tmp_path: Path) -> None:
