@@ -400,11 +400,11 @@ class RegionOps:
 
         def copy(key: bytes) -> None:
             for i in places.get(key, ()):  # none once ended
+                if results[i] is not None or is_late(batch.deadline_ns):
+                    continue
                 size = self.store.l1_size(ns, key)
                 others = self.inflight.requests - 1  # the batch is one
-                if results[i] is not None or size is None or is_late(batch.deadline_ns):
-                    continue
-                if not self._copies_on_loop(size, others):
+                if size is None or not self._copies_on_loop(size, others):
                     continue
                 item, start = batch.items[i], time.perf_counter()
                 if not region.holds(item.offset, item.length):
