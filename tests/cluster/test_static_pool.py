@@ -62,6 +62,19 @@ def client_of(daemon: DaemonProcess, **options: bool) -> Client:
     return client
 
 
+def shm_client_of(daemon: DaemonProcess, pool_reads: bool = False) -> Client:
+    """A client of the daemon's Unix socket: shared memory, L1 read in place with ``pool_reads``."""
+    client = Client(f"unix://{daemon.socket}", timeout_s=CLIENT_TIMEOUT_S, pool_reads=pool_reads)
+    _open.append(client)
+    return client
+
+
+def rooms(client: Client, size: int, count: int) -> list[memoryview]:
+    """``count`` rooms of ``size`` bytes, one after the other in one region (one batch)."""
+    region = client.buffer(size * count)
+    return [region[i * size : (i + 1) * size] for i in range(count)]
+
+
 def clients(pool: list[DaemonProcess]) -> list[Client]:
     return [client_of(daemon) for daemon in pool]
 
@@ -165,8 +178,7 @@ def test_a_shared_memory_batch_reads_the_owners_share_together(
     a = client_of(pool[0])
     keys = chain(ns, 40)
     store_chain(a, ns, keys)
-    b = Client(f"unix://{pool[1].socket}", timeout_s=CLIENT_TIMEOUT_S, pool_reads=pool_reads)
-    _open.append(b)
+    b = shm_client_of(pool[1], pool_reads)
     assert wait_until(lambda: b.lookup(ns, keys) == len(keys))
     assert ("shm-pool" in b.paths) == pool_reads and "shm" in b.paths
     lacking = len(keys) - len(_owned_by(pool, ns, keys, 1))
@@ -174,8 +186,7 @@ def test_a_shared_memory_batch_reads_the_owners_share_together(
     hits = metric(port, "kvd_cluster_remote_hits_total")
     batches = metric(port, "kvd_cluster_remote_get_batches_total")
     size = len(value_of(keys[0]))
-    buffer = b.buffer(size * len(keys))
-    views = [buffer[i * size : (i + 1) * size] for i in range(len(keys))]
+    views = rooms(b, size, len(keys))
     assert b.get_many_into(ns, keys, views) == [size] * len(keys)
     assert [bytes(view) for view in views] == [value_of(key) for key in keys]
     assert metric(port, "kvd_cluster_remote_hits_total") - hits == lacking
@@ -195,8 +206,7 @@ def test_values_from_their_owners_are_copied_into_each_room_as_they_land(
     ns = "landed"
     keys = chain(ns, 24)
     store_chain(client_of(pool[0]), ns, keys)
-    b = Client(f"unix://{pool[1].socket}", timeout_s=CLIENT_TIMEOUT_S, pool_reads=False)
-    _open.append(b)
+    b = shm_client_of(pool[1])
     assert wait_until(lambda: b.lookup(ns, keys) == len(keys))
     remote = [key for key in keys if key not in _owned_by(pool, ns, keys, 1)]
     assert len(remote) >= 4
@@ -206,17 +216,16 @@ def test_values_from_their_owners_are_copied_into_each_room_as_they_land(
     found = f'kvd_namespace_hits_total{{namespace="{ns}"}}'  # the store's, as the policy saw
     hits = metric(port, served), metric(port, found)
     asked = [remote[0], remote[1], remote[0]]
-    buffer = b.buffer(size * len(asked))
-    views = [buffer[i * size : (i + 1) * size] for i in range(len(asked))]
+    views = rooms(b, size, len(asked))
     assert b.get_many_into(ns, asked, views) == [size] * len(asked)
     assert [bytes(view) for view in views] == [value_of(key) for key in asked]
     assert metric(port, served) - hits[0] == len(asked)
     assert metric(port, found) - hits[1] == len(asked)
     room = b.buffer(2 * size - 1)
-    rooms = [room[:size], room[size:]]
+    tight = [room[:size], room[size:]]  # the second a byte short
     with pytest.raises(InvalidArgument, match=r"item 1: buffer of .* too small"):
-        b.get_many_into(ns, [remote[2], remote[3]], rooms)
-    assert bytes(rooms[0]) == value_of(remote[2])
+        b.get_many_into(ns, [remote[2], remote[3]], tight)
+    assert bytes(tight[0]) == value_of(remote[2])
     # Both were found (a hit each, as one daemon counts a get it has no room
     # for); one was handed out.
     assert metric(port, served) - hits[0] == len(asked) + 1
@@ -266,11 +275,9 @@ def test_stopped_owner_costs_misses_within_the_deadline(pool: list[DaemonProcess
         assert check_reads_miss_or_match(b_grpc, "stopped", on_c) == on_c
         # One shared-memory batch of both: a's values land and are copied,
         # c's are misses.
-        b_shm = Client(f"unix://{pool[1].socket}", timeout_s=CLIENT_TIMEOUT_S, pool_reads=False)
-        _open.append(b_shm)
+        b_shm = shm_client_of(pool[1])
         mixed, size = on_a[:3] + on_c[:3], len(value_of(keys[0]))
-        room = b_shm.buffer(size * len(mixed))
-        views = [room[i * size : (i + 1) * size] for i in range(len(mixed))]
+        views = rooms(b_shm, size, len(mixed))
         assert b_shm.get_many_into("stopped", mixed, views) == [size] * 3 + [None] * 3
         assert [bytes(view) for view in views[:3]] == [value_of(key) for key in on_a[:3]]
         assert check_reads_miss_or_match(b, "stopped", on_a) == []
@@ -305,9 +312,8 @@ def test_a_value_its_member_cannot_keep_is_a_counted_miss(tmp_path: Path) -> Non
     daemons = start_static_pool(tmp_path, 2, "--dram-bytes", "2MiB", "--max-value-bytes", "64KiB")
     try:
         here, there = daemons
-        owners = placement(daemons).owners("full", [b"k-%04d" % i for i in range(400)])
-        mine = [b"k-%04d" % i for i, o in enumerate(owners) if o == here.target]
-        theirs = next(b"k-%04d" % i for i, o in enumerate(owners) if o == there.target)
+        keys = [b"k-%04d" % i for i in range(400)]
+        mine, theirs = _owned_by(daemons, "full", keys, 0), _owned_by(daemons, "full", keys, 1)[0]
         value = bytes(60_000)  # a 64 KiB page each
         with Client(there.target, timeout_s=CLIENT_TIMEOUT_S) as owner:
             owner.put("full", theirs, value)
