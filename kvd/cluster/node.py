@@ -78,7 +78,8 @@ POOL_COUNTERS = {
     "remote_misses": ("kvd_cluster_remote_misses", "Gets the owner answered as not found"),
     "remote_not_kept": (
         "kvd_cluster_remote_not_kept",
-        "Values their owner sent that this daemon could not keep in L1 (pinned full): each a miss",
+        "Values their owner sent that this daemon could not keep in L1 for their get "
+        "(pinned full, or evicted first): each a miss",
     ),
     "peer_errors": ("kvd_cluster_peer_errors", "Peer calls failed or timed out (each a miss)"),
     "peer_skips": (

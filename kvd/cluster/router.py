@@ -142,6 +142,7 @@ class PoolRouter:
         self.layouts = Layouts(self._owners_of)
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
         self._held: dict[tuple[str, bytes], Reader] = {}  # fetched, not yet opened
+        self._awaited: dict[tuple[str, bytes], int] = {}  # gets waiting on their fetch, by key
         self._held_bytes = 0
         self._held_max = int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION)
         self.tells = Tells(reads, self._exists, self._peer_failed, peer_timeout_s,
@@ -430,13 +431,25 @@ class PoolRouter:
     # ---- get -------------------------------------------------------------------
     async def fetch_remote(self, namespace: str, key: bytes) -> Reader | None:
         """The store's miss hook: the value from its owner, now in local L1, or None."""
-        if await self._fetch(namespace, key):
-            reader = self.store.open(namespace, key)
-            # Others waiting on the same fetch were woken with this caller:
-            # they open it before the hold ends.
-            asyncio.get_running_loop().call_soon(self._unhold, namespace, key)
-            return reader
-        return None
+        awaited = self._awaited
+        waiting = (namespace, key)
+        awaited[waiting] = awaited.get(waiting, 0) + 1  # held as it lands, past the share
+        try:
+            found = await self._fetch(namespace, key)
+        finally:
+            if awaited[waiting] == 1:
+                del awaited[waiting]
+            else:
+                awaited[waiting] -= 1
+        if not found:
+            return None
+        reader = self.store.open(namespace, key)
+        # Others waiting on the same fetch were woken with this caller:
+        # they open it before the hold ends.
+        asyncio.get_running_loop().call_soon(self._unhold, namespace, key)
+        if reader is None:
+            self.counters.remote_not_kept += 1  # not held and evicted before this get
+        return reader
 
     async def _fetch(self, namespace: str, key: bytes) -> bool:
         """Bring a value from its owner into local L1; False when it could not."""
@@ -520,13 +533,17 @@ class PoolRouter:
         return outcome == HIT
 
     def _hold(self, namespace: str, key: bytes) -> None:
-        """Pin a value just fetched until a get opens it (FETCHED_HOLD_S)."""
+        """Pin a value just fetched until a get opens it (FETCHED_HOLD_S).
+        Past the held share of L1 only a value a get waits on is held (at
+        most one value per such get): a batch's other values may then be
+        evicted before its reads, which read them again (``fetch_remote``)."""
         if (namespace, key) in self._held:
             return
         reader = self.store.hold(namespace, key)
         if reader is None:
             return
-        if self._held_bytes + reader.size > self._held_max:
+        over = self._held_bytes + reader.size > self._held_max
+        if over and (namespace, key) not in self._awaited:
             reader.close()
             return
         self._held[(namespace, key)] = reader

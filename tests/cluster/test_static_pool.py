@@ -5,8 +5,10 @@ or dies (SIGKILL) costs misses, never errors or wrong bytes."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from itertools import compress
 from pathlib import Path
@@ -25,6 +27,10 @@ pytestmark = pytest.mark.timeout(120)
 # Each client call may take this long; a peer call gives up after 200 ms, so
 # a call that returns at all returned well inside it.
 CLIENT_TIMEOUT_S = 5.0
+# Two batch gets at once of this many 60,000-byte values each, so many times.
+BATCH_KEYS = 16
+OWN_KEYS = 40
+BATCH_ROUNDS = 40
 
 
 def value_of(key: bytes) -> bytes:
@@ -374,6 +380,61 @@ def test_the_callers_deadline_bounds_peer_calls(tmp_path: Path) -> None:
             assert hurried.lookup("deadline", keys) == keys.index(on_b[0])
         finally:
             os.kill(b.proc.pid, signal.SIGCONT)
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def test_batches_of_remote_values_past_the_held_share_read_every_value(tmp_path: Path) -> None:
+    """Two engines' batch gets through one member, at once, of values
+    another member owns: more than the share of L1 that holds fetched
+    values, and together more than the room its own values leave, so a
+    value that lands past the share can be evicted by the other batch's
+    before its read. Such a value is read again, held for the get that
+    waits on it: every get finds its value, none is a miss nor a value not
+    kept."""
+    daemons = start_static_pool(tmp_path, 2, "--dram-bytes", "4MiB", "--max-value-bytes", "64KiB")
+    try:
+        here, there = daemons
+        keys = [b"k-%04d" % i for i in range(400)]
+        mine = _owned_by(daemons, "held", keys, 0)[:OWN_KEYS]
+        theirs = _owned_by(daemons, "held", keys, 1)[: 3 * BATCH_KEYS]
+        values = {key: hashlib.sha256(key).digest() * 1875 for key in keys}  # 60,000 bytes each
+        with Client(there.target, timeout_s=CLIENT_TIMEOUT_S) as owner:
+            owner.put_many("held", [(key, values[key]) for key in theirs])
+        with Client(here.target, timeout_s=CLIENT_TIMEOUT_S) as client:
+            client.put_many("held", [(key, values[key]) for key in mine])
+        batches = [theirs[i : i + BATCH_KEYS] for i in range(0, len(theirs), BATCH_KEYS)]
+        wrong: list[bytes] = []
+
+        def engine(batch: list[bytes]) -> None:
+            with Client(here.target, timeout_s=CLIENT_TIMEOUT_S) as client:
+                for _ in range(BATCH_ROUNDS):
+                    got = client.get_many("held", batch)
+                    wrong.extend(k for k, v in zip(batch, got, strict=True) if v != values[k])
+
+        done = threading.Event()
+
+        def churn() -> None:  # fresh values this member owns: they evict copies first
+            fresh = _owned_by(daemons, "churn", [b"c-%06d" % i for i in range(20_000)], 0)
+            with Client(here.target, timeout_s=CLIENT_TIMEOUT_S) as client:
+                for key in itertools.cycle(fresh):
+                    if done.is_set():
+                        return
+                    client.put("churn", key, values[mine[0]])
+
+        engines = [threading.Thread(target=engine, args=(batch,)) for batch in batches]
+        churner = threading.Thread(target=churn)
+        for thread in [*engines, churner]:
+            thread.start()
+        for thread in engines:
+            thread.join()
+        done.set()
+        churner.join()
+        port = here.metrics_port
+        assert wrong == []
+        assert metric(port, "kvd_cluster_remote_not_kept_total") == 0
+        assert metric(port, "kvd_cluster_remote_misses_total") == 0
     finally:
         for daemon in daemons:
             daemon.discard()
