@@ -17,11 +17,16 @@ old (or holds ``HINTS_MAX`` keys) it becomes the previous one, which is
 dropped once it began twice ``ttl_s`` ago. Expiry costs nothing per key,
 and the memory is bounded.
 
-What a hint can cost, never a wrong block nor an error:
+A key is hinted held only where its owner said it keeps the key for as
+long as the hint may be used (``kvd.cluster.promises``: an owner with the
+same setting pins it in L1); a key held but not so kept gets no hint "held"
+and its owner is asked again. What a hint can cost, never a wrong block
+nor an error:
 
-* a key its owner evicted since it answered is claimed held: the engine's
-  get of it misses, and the engine recomputes the block (kvd's vLLM
-  connector reports it in ``get_block_ids_with_load_errors``);
+* a key its owner lost anyway (deleted, or a member whose setting is
+  shorter or off: it keeps nothing) is claimed held: the engine's get of it
+  misses, and the engine recomputes the block (kvd's vLLM connector
+  reports it in ``get_block_ids_with_load_errors``);
 * a key stored since its owner answered "not held" is a miss it need not
   have been.
 
@@ -34,6 +39,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+
+from kvd.wire.bulk import EXISTS_KEPT, EXISTS_NOT_HELD
 
 # Keys in one generation; past it the generation turns early. At most twice
 # this many are kept (~25 MB at 1 << 17 keys of 32 bytes).
@@ -63,6 +70,21 @@ class Hints:
         self._count += len(keys)
         if self._count >= HINTS_MAX:
             self._turn()
+
+    def note_answers(self, namespace: str, keys: Sequence[bytes], answers: bytes) -> None:
+        """An owner's PEER_EXISTS answer for ``keys``: a key it keeps for
+        hints (``EXISTS_KEPT``) is noted held, one it does not hold not
+        held; one it holds but does not keep (``EXISTS_HELD``, or a byte of
+        a later kind) gets no new hint (its owner is asked again)."""
+        if not self.enabled:
+            return
+        if answers.count(EXISTS_NOT_HELD) + answers.count(EXISTS_KEPT) == len(answers):
+            self.note(namespace, keys, list(map(bool, answers)))
+            return
+        kinds = (EXISTS_NOT_HELD, EXISTS_KEPT)
+        noted = [(k, a) for k, a in zip(keys, answers, strict=True) if a in kinds]
+        if noted:
+            self.note(namespace, [k for k, _ in noted], [a == EXISTS_KEPT for _, a in noted])
 
     def of(self, namespace: str, keys: Sequence[bytes]) -> list[bool | None]:
         """Each key's hint: held, not held, or None (none, or too old)."""

@@ -47,6 +47,10 @@ POOL_GAUGES = {
         "1 while the membership source (etcd) is unreachable and the last members are kept",
     ),
     "forward_queue": ("kvd_cluster_forward_queue", "Puts waiting to be handed to their owner"),
+    "hint_pinned_bytes": (
+        "kvd_cluster_hint_pinned_bytes",
+        "L1 bytes this owner pins for other members' lookup hints (pool_lookup_hint_ms)",
+    ),
 }
 POOL_COUNTERS = {
     "membership_changes": ("kvd_cluster_membership_changes", "Member lists accepted"),
@@ -64,6 +68,15 @@ POOL_COUNTERS = {
         "kvd_cluster_hinted_lookups",
         "Lookups answered from the owners' recent answers without asking them "
         "(pool_lookup_hint_ms)",
+    ),
+    "hints_kept": (
+        "kvd_cluster_hints_kept",
+        "Keys this owner answered held and keeps for the asking member's lookup hints",
+    ),
+    "hints_not_kept": (
+        "kvd_cluster_hints_not_kept",
+        "Keys this owner answered held but could not keep for hints (only on L2, or its "
+        "share of L1 for them full): asked again",
     ),
     "shares_learned": (
         "kvd_cluster_shares_learned",

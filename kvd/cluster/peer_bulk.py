@@ -152,9 +152,11 @@ class BulkConnection:
 
     async def exists(
         self, namespace: str, width: int, keys: bytes, chain: ChainShare | None
-    ) -> list[bool]:
+    ) -> bytes:
         """Which of ``keys`` (of ``width`` bytes, concatenated) the member
-        holds; with ``chain``, they are its share of a chain being looked up."""
+        holds, a byte each (``EXISTS_NOT_HELD``, ``EXISTS_HELD`` or
+        ``EXISTS_KEPT``); with ``chain``, they are its share of a chain being
+        looked up."""
         self.reusable = False
         rid = next(self._ids)
         payload = encode_exists(width, keys, chain)
@@ -173,7 +175,7 @@ class BulkConnection:
         answer = bytearray(length)
         await self._recv_into(memoryview(answer), None, 0, length)
         self.reusable = True
-        return [held != 0 for held in answer]
+        return bytes(answer)
 
     async def tell(self, namespace: str, shares: list[tuple[int, bytes, ChainShare]]) -> None:
         """Lookups' chain shares (key width, keys concatenated, where they lie)

@@ -198,9 +198,10 @@ class PeerReads:
     async def exists(
         self, member: str, namespace: str, keys: list[bytes], timeout_s: float,
         chain: ChainShare | None,
-    ) -> list[bool] | None:  # fmt: skip
+    ) -> bytes | None:  # fmt: skip
         """Which of ``keys`` the member holds, asked on its bulk port (one
-        PEER_EXISTS frame each way) within ``timeout_s``; None where it is to
+        PEER_EXISTS frame each way) within ``timeout_s``, a byte each
+        (``PeerConnection.exists``); None where it is to
         be asked over gRPC: the ``grpc`` transport, no bulk port this daemon
         reaches, a member that does not take the op (DescribePaths'
         ``bulk_ops``), keys of different widths. A failure is a ``PeerError``."""

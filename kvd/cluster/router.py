@@ -9,7 +9,8 @@ put handed on to its owner.
   ``ChainShare``), all owners at once; the answer's prefix runs on through
   the keys found. An owner's answers are kept for ``pool_lookup_hint_ms``
   (``kvd.cluster.hints``): a lookup whose keys there all have one is
-  answered from them, and the owners are told instead of asked. A chain's
+  answered from them, and the owners are told instead of asked; an owner
+  keeps the keys it answered held meanwhile (``kvd.cluster.promises``). A chain's
   layout is remembered (``kvd.cluster.layouts``). Remote keys count as
   ``l2_hits`` (held, not in local memory) and are not leased; keys held
   here past the local prefix (owned, or copies) are leased with it. Every
@@ -61,9 +62,11 @@ from kvd.cluster.membership import Membership
 from kvd.cluster.peer_reads import HIT, MISS, NOT_KEPT, PeerReads
 from kvd.cluster.peers import PeerError, Peers
 from kvd.cluster.plans import PoolPlans
+from kvd.cluster.promises import Promises
 from kvd.cluster.tells import Tells
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
+from kvd.wire.bulk import EXISTS_NOT_HELD
 from kvd.wire.errors import KvdError
 from kvd.wire.lookup import UNTOLD_LOOKUPS_MAX, ChainShare, LookupResult
 
@@ -93,6 +96,9 @@ FETCHED_HOLD_S = 0.5
 FETCHED_BATCH_HOLD_S = 0.05
 # Part of L1 held so at most; past it a fetched value is not held.
 FETCHED_HOLD_FRACTION = 0.125
+# Part of L1 an owner pins for the other members' lookup hints at most;
+# past it a key is answered held but not kept, and asked again.
+PROMISED_FRACTION = 0.125
 
 
 @dataclass
@@ -139,6 +145,12 @@ class PoolRouter:
         self.peer_timeout_s = peer_timeout_s
         self.counters = PoolCounters()
         self.hints = Hints(lookup_hint_s)
+        # A member's hint lasts up to twice the setting after its answer came,
+        # which took up to the peer timeout to arrive.
+        promise_s = 2 * lookup_hint_s + peer_timeout_s if lookup_hint_s > 0 else 0.0
+        self.promises = Promises(
+            store, promise_s, int(store.pool.capacity_bytes * PROMISED_FRACTION)
+        )
         self.layouts = Layouts(self._owners_of)
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
         self._held: dict[tuple[str, bytes], Reader] = {}  # fetched, not yet opened
@@ -180,6 +192,7 @@ class PoolRouter:
         await self.plans.close()
         for namespace, key in list(self._held):
             self._unhold(namespace, key)
+        self.promises.close()
         self.forwards.close()
         self.reads.close()
         await self.peers.close()
@@ -197,6 +210,9 @@ class PoolRouter:
         values["membership_changes"] = self.membership.changes
         values["membership_refused"] = self.membership.refused
         values["forward_queue"] = self.forwards.waiting()
+        values["hint_pinned_bytes"] = self.promises.pinned_bytes
+        values["hints_kept"] = self.promises.kept
+        values["hints_not_kept"] = self.promises.not_kept
         return values
 
     def _members_changed(self, members: tuple[str, ...]) -> None:
@@ -418,15 +434,22 @@ class PoolRouter:
     ) -> list[bool]:  # fmt: skip
         deadline = time.monotonic() + budget_s
         try:
-            found = await self.reads.exists(member, namespace, keys, budget_s, chain)
-            if found is None:
+            answer = await self.reads.exists(member, namespace, keys, budget_s, chain)
+            if answer is None:  # over gRPC: held or not, never kept
                 left_s = deadline - time.monotonic()
-                found = await self.peers.exists(member, namespace, keys, left_s, chain=chain)
+                answer = bytes(
+                    await self.peers.exists(member, namespace, keys, left_s, chain=chain)
+                )
         except PeerError as error:
             self._peer_failed(error, member)
             return [False] * len(keys)
-        self.hints.note(namespace, keys, found)
-        return found
+        self.hints.note_answers(namespace, keys, answer)
+        return [held != EXISTS_NOT_HELD for held in answer]
+
+    def answer_exists(self, namespace: str, keys: list[bytes], found: list[bool]) -> bytes:
+        """A member's PEER_EXISTS answered: the keys held here are kept for
+        its lookup hints where they can be (``Promises.answer``)."""
+        return self.promises.answer(namespace, keys, found)
 
     # ---- get -------------------------------------------------------------------
     async def fetch_remote(self, namespace: str, key: bytes) -> Reader | None:

@@ -359,9 +359,11 @@ class Config:
     pool_lookup_hint_ms: int = _setting(
         0,
         help="how long an owner's answer about a key (held or not) answers lookups here "
-        "without asking it again (up to twice this); a key its owner evicted since is "
-        "claimed and then a miss at the get (a load error the engine recomputes), never a "
-        "wrong block; 0: every lookup asks the owners",
+        "without asking it again (up to twice this); an owner with it keeps the keys it "
+        "answers held for that long (pinned, up to an eighth of its L1; past it they are "
+        "asked again), so give every member the same value; a key lost anyway (deleted) "
+        "is claimed and then a miss at the get (a load error the engine recomputes), never "
+        "a wrong block; 0: every lookup asks the owners",
         min=0,
         max=60_000,
     )

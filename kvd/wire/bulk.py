@@ -59,7 +59,10 @@ NIXL_META_BYTES_MAX = 1 << 20
 # PEER_EXISTS payload: key width, key count, chain length (0: the keys are no
 # chain's share); then the keys, each of the width, concatenated; then, with
 # a chain length, each key's position in the chain (u32, increasing). The
-# answer's payload: a byte per key, 1 where the member holds it.
+# answer's payload: a byte per key, 0 where the member does not hold it, 1
+# where it does, 2 where it does and keeps it for the asker's lookup hints
+# (kvd.cluster.promises); a member older than 2 answers 1.
+EXISTS_NOT_HELD, EXISTS_HELD, EXISTS_KEPT = 0, 1, 2
 EXISTS_REF = struct.Struct("<III")
 EXISTS_POSITION = struct.Struct("<I")
 EXISTS_UNTOLD = struct.Struct("<I")

@@ -16,6 +16,7 @@ from kvd.client import Client
 from kvd.cluster import hints as hints_module
 from kvd.cluster.hints import Hints
 from kvd.cluster.rendezvous import Placement
+from kvd.wire.bulk import EXISTS_HELD, EXISTS_KEPT, EXISTS_NOT_HELD
 from tests.cluster.cluster import start_static_pool
 from tests.sockets import metric, sample
 from tests.support import DaemonProcess, wait_until
@@ -125,6 +126,50 @@ def test_without_hints_every_lookup_asks(tmp_path_factory: pytest.TempPathFactor
             daemon.discard()
 
 
+def test_an_owner_keeps_what_it_answered_held_while_the_hint_lasts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """An owner pins the keys it answered held for the asking member's
+    hints (up to an eighth of its L1): puts that evict everything else
+    leave them, so the hinted lookup's gets read every block it claimed.
+    Past that share a key is answered held but not kept, and asked again."""
+    daemons = start_static_pool(
+        tmp_path_factory.mktemp("kept"), 2, "--pool-lookup-hint-ms", str(HINT_MS),
+        "--dram-bytes", "8MiB", "--max-value-bytes", "64KiB",
+    )  # fmt: skip
+    try:
+        owner, member = daemons
+        keys = chain("kept", 400)
+        theirs = [keys[p] for p in owned_by(daemons, "kept", keys, 0)]
+        kept, past = theirs[:10], theirs[10:40]
+        value = bytes(60_000)  # a 64 KiB page each: an eighth of L1 is 16
+        with Client(owner.target, timeout_s=CLIENT_TIMEOUT_S) as o:
+            o.put_many("kept", [(key, value) for key in kept])
+            port = member.metrics_port
+            with Client(member.target, timeout_s=CLIENT_TIMEOUT_S) as m:
+                assert m.lookup("kept", kept) == len(kept)  # asked: the owner keeps them
+                assert metric(owner.metrics_port, "kvd_cluster_hints_kept_total") == len(kept)
+                assert metric(owner.metrics_port, "kvd_cluster_hint_pinned_bytes") >= 10 * 60_000
+                # More than the owner's L1 of its own fresh values: they evict all else.
+                fresh = [keys[p] for p in owned_by(daemons, "churn", keys, 0)][:200]
+                o.put_many("churn", [(key, value) for key in fresh])
+                hinted = sample(port, "kvd_cluster_hinted_lookups_total")
+                assert m.lookup("kept", kept) == len(kept)
+                assert sample(port, "kvd_cluster_hinted_lookups_total") == hinted + 1
+                assert m.get_many("kept", kept) == [value] * len(kept)
+                assert metric(port, "kvd_cluster_remote_misses_total") == 0
+                # Past the owner's share: held, not kept, no hint; asked each time.
+                o.put_many("kept", [(key, value) for key in past])
+                asked = sample(port, "kvd_cluster_remote_lookups_total")
+                for _ in range(2):
+                    assert m.lookup("kept", past) == len(past)
+                assert sample(port, "kvd_cluster_remote_lookups_total") == asked + 2
+                assert metric(owner.metrics_port, "kvd_cluster_hints_not_kept_total") > 0
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
 # ---- Hints itself ----------------------------------------------------------------
 
 
@@ -144,6 +189,17 @@ def test_hints_settle_a_chain_only_when_every_key_before_its_end_has_an_answer()
     hints.clear()
     assert hints.of("ns", keys) == [None] * 4 and len(hints) == 0
     assert not Hints(0.0).enabled
+
+
+def test_only_keys_their_owner_keeps_are_hinted_held() -> None:
+    hints = Hints(60.0)
+    keys = [b"k0", b"k1", b"k2", b"k3"]
+    hints.note_answers("ns", keys, bytes([EXISTS_KEPT, EXISTS_NOT_HELD, EXISTS_KEPT, EXISTS_KEPT]))
+    assert hints.of("ns", keys) == [True, False, True, True]
+    # Held but not kept (or a kind of answer this daemon does not know): no new hint.
+    hints.note_answers("other", keys, bytes([EXISTS_KEPT, EXISTS_HELD, EXISTS_NOT_HELD, 7]))
+    assert hints.of("other", keys) == [True, None, False, None]
+    assert hints.settle("other", keys, [False] * 4) is None  # k1 is asked
 
 
 def test_hints_last_between_their_ttl_and_twice_it() -> None:

@@ -20,7 +20,9 @@ member of the pool (docs/bulk-protocol.md, "Pool peer ops").
   limits, learning and metrics of op ``exists``), one frame each way: on the
   development VM a gRPC call cost an owner about half of its CPU per lookup.
   Its meta may say how many of the member's lookups held none of this
-  daemon's keys since it last told it of one (``ChainShare.untold``).
+  daemon's keys since it last told it of one (``ChainShare.untold``). The
+  answer's byte for a key may say it is kept for the member's lookup hints
+  (``EXISTS_KEPT``, kvd.cluster.promises).
 - ``PEER_TELL`` (namespace; chain shares): lookups another member made,
   which it did not need this daemon's answer for (kvd.cluster.router),
   several in one frame; this daemon's policy learns of each in order, as
@@ -195,7 +197,8 @@ class PeerOps:
         except KvdError as exc:
             return encode_response(OP_PEER_EXISTS, request.request_id, error_number(exc),
                                    message=str(exc))  # fmt: skip
-        answer = bytes(found)
+        pool = self.values.pool  # keeps what it says it holds for the member's hints
+        answer = bytes(found) if pool is None else pool.answer_exists(ns, keys, found)
         return encode_response(OP_PEER_EXISTS, request.request_id, length=len(answer)) + answer
 
     def _tell(self, request: Request, tail: bytes, payload: bytes) -> None:

@@ -55,6 +55,8 @@ class PoolQueries(Protocol):
 
     def learn(self, namespace: str, keys: list[bytes], chain: ChainShare) -> None: ...
 
+    def answer_exists(self, namespace: str, keys: list[bytes], found: list[bool]) -> bytes: ...
+
 
 class ValueOps:
     """The value ops of one daemon and what they share: the store, the
