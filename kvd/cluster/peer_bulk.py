@@ -4,7 +4,8 @@ value reads between daemons of the pool: the peer side of
 
 A member's Exists (its share of a chain being looked up) is one
 PEER_EXISTS frame each way on the same connections, and so is the ask for
-a member's eviction plan (PEER_PLAN).
+a member's eviction plan (PEER_PLAN), and a put handed on to its owner
+(PUT with ``FLAG_HOP``, its bytes sent from this daemon's L1 pages).
 
 A read is one GET frame with ``FLAG_HOP`` (the owner answers from what it
 holds, never asking a third member); its answer's header says the size,
@@ -51,6 +52,7 @@ from kvd.wire.bulk import (
     OP_PEER_EXISTS,
     OP_PEER_PLAN,
     OP_PEER_TELL,
+    OP_PUT,
     PLAN_BYTES_MAX,
     RESPONSE,
     RESPONSE_MAGIC,
@@ -149,6 +151,28 @@ class BulkConnection:
         if size > max_value_bytes:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
         return BulkAnswer(size, meta, answer[1])
+
+    async def put(
+        self, namespace: str, key: bytes, views: list[memoryview], meta: bytes,
+        parent: bytes | None, checksum: int,
+    ) -> None:  # fmt: skip
+        """Store a value on the member it belongs to (a put handed on): one
+        PUT frame with ``FLAG_HOP`` (the member keeps it, never hands it on),
+        its bytes sent straight from ``views``; an equal value there is fine."""
+        self.reusable = False
+        rid = next(self._ids)
+        size = sum(map(len, views))
+        request = encode_request(
+            OP_PUT, rid, namespace.encode(), key, parent=parent or b"", meta=meta,
+            length=size, checksum=checksum, flags=FLAG_HOP,
+        )  # fmt: skip
+        await self._send(request)
+        for view in views:
+            await self._send(view)
+        code, _, message, _ = await self._answer(OP_PUT, rid)
+        self.reusable = True
+        if code not in (CODE_OK, CODE_NUMBERS["ALREADY_EXISTS"]):
+            raise _refused("PUT", code, message)
 
     async def exists(
         self, namespace: str, width: int, keys: bytes, chain: ChainShare | None
@@ -273,7 +297,7 @@ class BulkConnection:
             got += await self._recv_into(view, hasher, got, total)
         self.reusable = True
 
-    async def _send(self, data: bytes) -> None:
+    async def _send(self, data: bytes | memoryview) -> None:
         try:
             await self.loop.sock_sendall(self.sock, data)
         except OSError as exc:  # reset or broken: the member's process went away

@@ -21,7 +21,9 @@ Transports (``pool_peer_transport``, the name -> way table is ``TRANSPORTS``):
 A member's Exists (its share of a chain being looked up) goes the same
 way as its values: a PEER_EXISTS frame on its bulk port where it takes one
 (``exists``), else gRPC. A member's eviction plan is asked on its bulk port
-only (PEER_PLAN, where it takes ``plan``).
+only (PEER_PLAN, where it takes ``plan``). A put handed on to its owner
+(``kvd.cluster.forwards``) is a PUT on its bulk port where it takes one
+(``put``), sent from this daemon's L1 pages, else a gRPC BatchPut.
 
 A member whose DescribePaths names a bulk protocol version other than this
 daemon's is refused (a ``version`` peer error, logged by the router, and
@@ -46,7 +48,7 @@ from kvd.cluster.nixl_node import NixlError, NixlNode, segments
 from kvd.cluster.peer_bulk import BulkAnswer, BulkConnection, BulkPeers, BulkUnreachable
 from kvd.cluster.peers import PeerError, PeerPaths, Peers
 from kvd.config.addresses import parse_address
-from kvd.store.index import PutResult
+from kvd.store.index import PutResult, Reader
 from kvd.store.store import Store
 from kvd.wire.bulk import VERSION as BULK_VERSION
 from kvd.wire.checksum import Hasher, checksum, checksum_views
@@ -234,6 +236,21 @@ class PeerReads:
             return True
 
         return bool(await self._peer_op(member, "tell", timeout_s, call))
+
+    async def put(
+        self, member: str, namespace: str, key: bytes, reader: Reader, timeout_s: float
+    ) -> bool:
+        """Hand a put on to its owner on its bulk port (``BulkConnection.put``,
+        the bytes sent from ``reader``'s pages) within ``timeout_s``; False
+        where it is to go over gRPC: as ``exists`` returns None, or a member
+        that does not take the op. A failure is a ``PeerError``."""
+        parent = reader.entry.parent
+
+        async def call(connection: BulkConnection) -> bool:
+            await connection.put(namespace, key, reader.views, reader.meta, parent, reader.checksum)
+            return True
+
+        return bool(await self._peer_op(member, "put", timeout_s, call))
 
     async def plan(self, member: str, timeout_s: float) -> tuple[str, bytes] | None:
         """The member's eviction policy's name and plan, asked on its bulk

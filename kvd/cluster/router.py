@@ -167,7 +167,7 @@ class PoolRouter:
         # Per member: this daemon's lookups since it last told the member of
         # one, of which it owned no key (ChainShare.untold).
         self._untold: dict[str, int] = {}
-        self.forwards = Forwards(store, peers, self._is_down, self._peer_failed)
+        self.forwards = Forwards(store, peers, reads, self._is_down, self._peer_failed)
         self.plans = PoolPlans(
             store.learning, membership, reads, timeout_s=peer_timeout_s,
             failed=self._peer_failed, is_down=self._is_down,

@@ -47,8 +47,9 @@ OP_PEER_TELL = 12
 PEER_OPS = frozenset(
     {OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS, OP_PEER_PLAN, OP_PEER_TELL}
 )
-# DescribePathsResponse.bulk_ops of a daemon: the peer ops beyond the NIXL ones.
-BULK_OPS = ("exists", "plan", "tell")
+# DescribePathsResponse.bulk_ops of a daemon: the peer ops beyond the NIXL ones
+# ("put": a PUT with FLAG_HOP is stored here and never handed on).
+BULK_OPS = ("exists", "plan", "tell", "put")
 TCP_OPS = OPS | PEER_OPS
 # NIXL_PIN answer payload: value size, lease id, segment count; then per
 # segment its address and length in the owner's registered pool arena.

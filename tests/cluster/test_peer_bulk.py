@@ -66,6 +66,34 @@ def test_remote_gets_land_in_l1_with_their_bytes(tmp_path: Path, transport: str)
             daemon.discard()
 
 
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
+def test_puts_reach_their_owner_whole_with_their_chain(tmp_path: Path, transport: str) -> None:
+    """A put through a member that does not own the key is handed to its
+    owner: over ``bulk`` as a PUT on the owner's bulk port (its bytes sent
+    from the member's L1 pages), over ``grpc`` as a BatchPut. The owner
+    keeps every byte and hands nothing on."""
+    daemons = start_static_pool(tmp_path, 2, "--pool-peer-transport", transport)
+    owner, member = daemons
+    try:
+        placement = Placement([d.target for d in daemons])
+        keys = keys_owned(placement, owner.target, len(SIZES), b"-put")
+        values = {key: os.urandom(size) for key, size in zip(keys, SIZES, strict=True)}
+        with Client(member.target, timeout_s=10) as client:
+            client.put_many("ns", list(values.items()), chained=True)
+        port = member.metrics_port
+        assert wait_until(lambda: metric(port, "kvd_cluster_forwards_total") == len(SIZES))
+        assert metric(port, "kvd_cluster_forward_errors_total") == 0
+        received = labelled(owner.metrics_port, "kvd_bytes_total", op="bulk_put", direction="in")
+        assert received == (sum(SIZES) if transport == "bulk" else 0)
+        assert metric(owner.metrics_port, "kvd_cluster_forwards_total") == 0
+        with Client(owner.target, timeout_s=10) as client:
+            assert [client.get("ns", key) for key in keys] == list(values.values())
+            assert client.lookup("ns", keys) == len(keys)
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
 # ---- a bad owner -----------------------------------------------------------------------
 BAD_SIZE = 3 * PAGE + 100  # four pages, the last one partly
 

@@ -110,7 +110,7 @@ def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
             paths = describe(
                 pb.DescribePathsRequest(), metadata=[("authorization", f"Bearer {POOL_TOKEN}")]
             )
-            assert list(paths.bulk_ops) == ["exists", "plan", "tell"]
+            assert list(paths.bulk_ops) == ["exists", "plan", "tell", "put"]
     finally:
         for daemon in daemons:
             daemon.discard()

@@ -33,7 +33,8 @@ same order, so a client may pipeline many requests on one connection.
   closed, and each PUT/GET on a namespace the token does not name is
   answered PERMISSION_DENIED. The token is checked once per connection.
 - Pool peers: a GET with ``FLAG_HOP`` (``kvd.cluster.peer_bulk``) is answered
-  from this daemon alone; the NIXL control ops are ``kvd.paths.bulk.peer_ops``.
+  from this daemon alone, and a PUT with it is kept here (a put handed on to
+  its owner); the other peer ops are ``kvd.paths.bulk.peer_ops``.
 - Bad input (wrong magic or version, a field over its limit, a frame that
   does not complete within ``bulk_frame_timeout_ms``, EOF inside a frame)
   closes the connection with a logged reason. Expected failures of one
@@ -377,8 +378,10 @@ class _Connection:
             else:
                 for view in ticket.views:
                     await recv_into_exact(self.loop, self.sock, view, hasher)
+            hop = scope.as_hop() if request.flags & FLAG_HOP else contextlib.nullcontext()
             try:
-                result = await values.publish("bulk_put", ticket, hasher.value(), durable)
+                with hop:  # a put a pool member handed on: kept here, never handed on
+                    result = await values.publish("bulk_put", ticket, hasher.value(), durable)
             except KvdError as exc:
                 if isinstance(exc, DataLoss):
                     values.metrics.rejected.labels("checksum").inc()
