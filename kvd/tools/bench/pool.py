@@ -16,7 +16,8 @@ reference measured in the same run.
   for its one; their times are reported). Then a
   chain of 64 values of 64 KiB that B owns, read through A one value at a
   time and in one batch (``get_many_into``: A asks B for all it lacks at
-  once), fresh values each round.
+  once), fresh values each round. Then puts through A of values B owns,
+  timed until B holds them (``kvd.tools.bench.pool_puts``).
 - **Hit ratio**: a trace replayed over 4 members (request i through member
   i mod 4, as engines on different nodes) against one daemon of the same
   total L1 capacity, both with ``kvd.tools.replay.run``'s requests.
@@ -46,7 +47,7 @@ from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.config.settings import SETTINGS_BY_NAME
 from kvd.store.eviction.policy import DEFAULT_POLICY
-from kvd.tools.bench import pool_ceiling, pool_faults
+from kvd.tools.bench import pool_ceiling, pool_faults, pool_puts
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.pool_nodes import Pool, write_tokens
 from kvd.tools.replay.pool_sim import simulate_pool
@@ -252,8 +253,10 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
     batched = max(REMOTE_BATCH, REMOTE_BATCHED_PER_VALUE * options.values)
     warm_values = REMOTE_WARM_CALLS * REMOTE_BATCH
     gets = 1 + options.values + batched + warm_values
-    # B holds the values of the single and the batched gets, A a copy of each.
-    dram = f"{gets * options.value_bytes + chain_bytes * 2 + 64 * MiB}"
+    puts = pool_puts.WARM_PUTS + options.values
+    # B holds the values of the single and the batched gets and of the puts,
+    # A a copy of each.
+    dram = f"{(gets + puts) * options.value_bytes + chain_bytes * 2 + 64 * MiB}"
     max_value = str(max(options.value_bytes, MiB))
     with Pool(root / f"get-{transport or 'default'}", 2, extra, netns=options.netns,
               peer_timeout_ms=PEER_TIMEOUT_MS,
@@ -291,6 +294,11 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             )
             with Client(b.socket_target, token=pool.token, timeout_s=CALL_TIMEOUT_S) as owner:
                 chain = remote_chain(engine, owner, chain_keys)
+        progress(f"pool: puts handed on, transport {transport or 'default'}")
+        put_keys = _keys_owned(pool.placement(), b.address, ns, "h", puts)
+        handed = pool_puts.handed_on(
+            a, b, pool.token, ns, put_keys, options.value_bytes, CALL_TIMEOUT_S
+        )
         return {
             "transport_asked": transport or "default",
             "transport_used": used,
@@ -306,9 +314,14 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
             "batch_bytes_per_s": moved_batched / batched_s,
             "batch_warmup_s": warm_s,
             "tcp_ceiling": ceiling,
-            "wrong_bytes": wrong + wrong_local + wrong_batched + chain["wrong_bytes"],
+            "wrong_bytes": wrong
+            + wrong_local
+            + wrong_batched
+            + chain["wrong_bytes"]
+            + handed["wrong_bytes"],
             "misses": misses + misses_batched,
             "chain": chain,
+            "handed_on": handed,
         }
 
 

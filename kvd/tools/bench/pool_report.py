@@ -130,6 +130,7 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"({g['chain']['one_at_a_time_s'] / g['chain']['batch_s']:.2f}x the batch's time)"
         for g in result["remote_get"]
     )
+    handed = ", ".join(_handed_on(g) for g in result["remote_get"] if "handed_on" in g)
     chain = result["remote_get"][0]["chain"]
     hits = result["hit_ratio"]
     plans = hits.get("plans", {})
@@ -142,7 +143,8 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"{result['where']}. TCP ceiling: the best of three runs just before "
         f"each transport's gets, one connection, {moved / 2**20:.0f} MiB each ({ceilings} "
         f"GB/s). Remote gets ({gets}). Remote chain of "
-        f"{chain['values']} values of {chain['value_bytes'] >> 10} KiB ({chains}).",
+        f"{chain['values']} values of {chain['value_bytes'] >> 10} KiB ({chains}). Puts "
+        f"through A of values B owns, until B holds them ({handed or 'not run'}).",
         f"Replay: {hits['capacity_blocks']} blocks of {hits['block_bytes']} B "
         f"({100 * hits['capacity_fraction']:.1f} % of {hits['unique_blocks']} unique), "
         f"{hits['forwards']:.0f} puts handed to their owners ({hits['forwards_dropped']:.0f} "
@@ -160,3 +162,15 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"{hits.get('guests_at_end', 0):.0f}. Wrong bytes or blocks: {wrong}.",
     ]
     return "\n".join(lines)
+
+
+def _handed_on(get: dict[str, Any]) -> str:
+    """A transport's puts handed on: rate, ratio to its ceiling, CPU per value."""
+    handed, ceiling = get["handed_on"], get["tcp_ceiling"]["bytes_per_s"]
+    cpu = handed["cpu_ms_per_value"]
+    return (
+        f"{get['transport_used']}: {handed['values']} x {handed['value_bytes'] >> 20} MiB at "
+        f"{handed['bytes_per_s'] / GB:.2f} GB/s, {handed['bytes_per_s'] / ceiling:.2f}x the "
+        f"ceiling, CPU per value A {cpu['member']:.2f} ms, B {cpu['owner']:.2f} ms, "
+        f"{handed['misses']} not there"
+    )

@@ -50,6 +50,10 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert chain["values"] == pool.CHAIN_VALUES and chain["misses"] == 0
     assert chain["batch_bytes_per_s"] > 0 and chain["one_at_a_time_bytes_per_s"] > 0
     assert "Remote chain of 64 values" in raw.with_suffix(".md").read_text()
+    handed = gets[0]["handed_on"]  # puts through A of values B owns, read back from B
+    assert handed["values"] == 2 and handed["misses"] == 0 and handed["bytes_per_s"] > 0
+    assert handed["cpu_ms_per_value"]["owner"] >= 0
+    assert "Puts through A of values B owns" in raw.with_suffix(".md").read_text()
     for side in ("pool", "single"):
         replayed = result["hit_ratio"][side]
         assert replayed["requests"] == 40 and replayed["wrong_blocks"] == 0
