@@ -73,13 +73,14 @@ class Promises:
                 answer[i] = EXISTS_NOT_HELD
                 continue
             at = (namespace, key)
-            reader = current.get(at)
+            reader = current.pop(at, None) or previous.pop(at, None)
+            if reader is not None and not reader.entry.linked:  # replaced or deleted since
+                self._end(reader)
+                reader = None
             if reader is None:
-                reader = previous.pop(at, None)
-                if reader is None:
-                    reader = self._pin(namespace, key)
-                if reader is not None:
-                    current[at] = reader
+                reader = self._pin(namespace, key)
+            if reader is not None:
+                current[at] = reader
             answer[i] = EXISTS_HELD if reader is None else EXISTS_KEPT
         kept = answer.count(EXISTS_KEPT)
         self.kept += kept
@@ -110,6 +111,10 @@ class Promises:
         self._bytes += reader.size
         return reader
 
+    def _end(self, reader: Reader) -> None:
+        self._bytes -= reader.size
+        reader.close()
+
     def _age(self) -> None:
         if time.monotonic() - self._began >= self.life_s:
             self._turn()
@@ -117,8 +122,7 @@ class Promises:
     def _turn(self) -> None:
         """The previous generation's promises end; the current one becomes it."""
         for reader in self._previous.values():
-            self._bytes -= reader.size
-            reader.close()
+            self._end(reader)
         self._previous, self._current = self._current, {}
         self._began = time.monotonic()
 
