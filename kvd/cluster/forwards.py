@@ -1,45 +1,58 @@
 """Puts handed on to their owner (kvd.cluster.router): a put lands on the
 daemon the engine reached and is answered there; if another member owns the
 key, the value goes to it in the background, so a lookup from any node
-finds it: a PUT on the owner's bulk port sent from the value's L1 pages
-(``PeerReads.put``), or where the owner is reached only over gRPC (the
-``grpc`` transport, a bulk port on loopback) a BatchPut of a copy. Over
-gRPC a forwarded 4 MiB value cost the owner 7.7-9.2 ms of CPU and this
-daemon 5.3 ms (with the engine's put), and reached it at 0.44-0.52 GB/s.
+finds it.
 
-Bounded: at most ``FORWARD_QUEUE_MAX`` puts wait (past it the owner does not
-get the value, counted in ``dropped``) and ``FORWARD_WORKERS`` are in
-flight or waiting for their owner, each holding one value. An owner gets its puts one
-at a time, in the order they were made: a chain's blocks in order, as its
-eviction policy expects them (``density`` marks the block a chain is being
-filled up to). Over the bulk port, four puts to one owner on four
-connections at once could land out of order: in ``kvd bench pool``'s
-replay (the first 3,000 requests) the pool then hit 4.2 % against one
-daemon's 9.5 %, and 8.6 % once in order. A waiting value is pinned (a
-guest goes first otherwise) while the pinned bytes stay within
-``FORWARD_PIN_FRACTION`` of L1; past that a forward reads the value when its
-turn comes, if it is still here. A value deleted before its turn is not
-sent; one whose owner is down or fails counts in ``errors``.
+Each owner has a queue and one sender: an owner gets its puts in the order
+they were made, a chain's blocks in order, as its eviction policy expects
+them (``density`` marks the block a chain is being filled up to). The
+sender takes up to ``FORWARD_BATCH_MAX`` waiting puts (``FORWARD_BATCH_BYTES``)
+and sends them on one connection to the owner's bulk port, one PUT frame
+after the other, each from the value's L1 pages, then reads their answers
+(``PeerReads.put_many``); where the owner is reached only over gRPC (the
+``grpc`` transport, a bulk port on loopback) each goes as a BatchPut of a
+copy, in order.
+
+Measured (a scratch script: puts of values one member of two owns, through
+the other, in network namespaces, timed until the owner held them all):
+over gRPC a 4 MiB value cost the owner 7.7-9.2 ms of CPU and the member 5.3
+ms (the engine's put included), at 0.44-0.52 GB/s. Over the bulk port, four
+puts at once on four connections reached 2.2 GB/s at 0.9-1.1 ms and 1.4 ms,
+but landed out of order: in ``kvd bench pool``'s replay (the first 3,000
+requests) the pool then hit 4.2 % against one daemon's 9.5 %; one put at a
+time in order hit 8.5 %, at 1.3 GB/s; batches in order on one connection
+9.25 % (the simulator 9.29 %), at 1.9 GB/s, 1.6 and 1.3 ms of CPU.
+
+Bounded: at most ``FORWARD_QUEUE_MAX`` puts wait in all (past it the owner
+does not get the value, counted in ``dropped``), each sender holds one batch.
+A waiting value is pinned (a guest goes first otherwise) while the pinned
+bytes stay within ``FORWARD_PIN_FRACTION`` of L1; past that a forward reads
+the value when its turn comes, if it is still here. A value deleted before
+its turn is not sent; one whose owner is down, fails or refuses it counts
+in ``errors``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvd.cluster.peer_reads import PeerReads
 from kvd.cluster.peers import PeerError, Peers
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
 
-# Puts waiting to reach their owner; a burst past it is dropped (the put is
-# still here), since queuing without end would hold up to this many values'
-# worth of L1 pages pinned by readers later.
+# Puts waiting to reach their owners, in all; a burst past it is dropped
+# (the put is still here), since queuing without end would hold up to this
+# many values' worth of L1 pages pinned by readers later.
 FORWARD_QUEUE_MAX = 4096
-# Forwards in flight at once: each holds one value (<= max_value_bytes)
-# pinned while it goes out on the owner's bulk port, or a copy for gRPC.
-FORWARD_WORKERS = 4
+# Puts one owner gets in one go (one connection, frames back to back), and
+# their bytes at most (a larger value goes alone).
+FORWARD_BATCH_MAX = 16
+FORWARD_BATCH_BYTES = 16 << 20
 # A forward is background work: it may take longer than a caller's lookup
 # (64 MiB over loopback gRPC takes ~70 ms), but not for ever.
 FORWARD_TIMEOUT_S = 10.0
@@ -47,8 +60,19 @@ FORWARD_TIMEOUT_S = 10.0
 FORWARD_PIN_FRACTION = 0.25
 
 
+@dataclass
+class Waiting:
+    """A put waiting for its owner: the value's key, size, and its reader
+    where it was pinned at the put."""
+
+    namespace: str
+    key: bytes
+    size: int
+    pinned: Reader | None
+
+
 class Forwards:
-    """The queue of puts to hand on, and its workers."""
+    """The queue of puts to hand on to each owner, and its sender."""
 
     def __init__(
         self,
@@ -64,49 +88,51 @@ class Forwards:
         self._reads = reads
         self._is_down = is_down
         self._failed = failed
-        self._queue: asyncio.Queue[tuple[str, bytes, str, Reader | None]] = asyncio.Queue(
-            FORWARD_QUEUE_MAX
-        )
-        self._pinned = 0  # bytes of the values in the queue it pins
+        self._queues: dict[str, collections.deque[Waiting]] = {}
+        self._senders: dict[str, asyncio.Task[None]] = {}
+        self._waiting = 0
+        self._pinned = 0  # bytes of the values in the queues it pins
         self._pin_max = int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION)
-        self._workers: list[asyncio.Task[None]] = []
-        self._order: dict[str, asyncio.Lock] = {}  # per owner: its puts one at a time, in order
         self.sent = 0
         self.errors = 0
         self.dropped = 0
 
     def start(self) -> None:
-        self._workers = [
-            asyncio.create_task(self._loop(), name=f"kvd-pool-forward-{i}")
-            for i in range(FORWARD_WORKERS)
-        ]
+        """Nothing to start: a sender starts with its owner's first put."""
 
     def tasks(self) -> list[asyncio.Task[None]]:
-        return self._workers
+        return [task for task in self._senders.values() if not task.done()]
 
     def close(self) -> None:
-        """Give back what the queued puts pin (after the workers stopped)."""
-        while not self._queue.empty():
-            reader = self._queue.get_nowait()[3]
-            if reader is not None:
-                self._release(reader, pinned=True)
+        """Give back what the queued puts pin (after the senders stopped)."""
+        for queue in self._queues.values():
+            while queue:
+                waiting = queue.popleft()
+                if waiting.pinned is not None:
+                    self._release(waiting.pinned, pinned=True)
+        self._waiting = 0
 
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return self._waiting
 
     def put(self, entry: Entry, owner: str) -> None:
         """Queue ``entry``'s value for ``owner``."""
+        if self._waiting >= FORWARD_QUEUE_MAX:
+            self.dropped += 1
+            return
         reader = None
         if self._pinned + entry.size <= self._pin_max:
             # A guest goes first: pinned, it waits for its forward.
             reader = self._store.peek(entry.ns.name, entry.key)
             self._pinned += entry.size
-        try:
-            self._queue.put_nowait((entry.ns.name, entry.key, owner, reader))
-        except asyncio.QueueFull:
-            self.dropped += 1
-            if reader is not None:
-                self._release(reader, pinned=True)
+        queue = self._queues.setdefault(owner, collections.deque())
+        queue.append(Waiting(entry.ns.name, entry.key, entry.size, reader))
+        self._waiting += 1
+        sender = self._senders.get(owner)
+        if sender is None or sender.done():
+            self._senders[owner] = asyncio.get_running_loop().create_task(
+                self._send_all(owner, queue), name=f"kvd-pool-forward-{owner}"
+            )
 
     def _release(self, reader: Reader, *, pinned: bool) -> None:
         """Close a forward's reader; one pinned since the put gives its bytes back."""
@@ -114,41 +140,66 @@ class Forwards:
             self._pinned -= reader.entry.size
         reader.close()
 
-    async def _loop(self) -> None:
-        while True:
-            namespace, key, owner, pinned = await self._queue.get()
-            reader = pinned if pinned is not None else self._store.peek(namespace, key)
-            if reader is None:
-                continue  # evicted or deleted before its turn
-            if not reader.entry.linked or self._is_down(owner):
-                # Deleted while it waited (not an error), or the owner is down.
-                self.errors += reader.entry.linked
-                self._release(reader, pinned=pinned is not None)
+    async def _send_all(self, owner: str, queue: collections.deque[Waiting]) -> None:
+        """Send ``owner`` its queue, a batch at a time, in order."""
+        while queue:
+            batch = self._next_batch(queue)
+            if not batch:
                 continue
+            down = self._is_down(owner)
             try:
-                # Taken before any wait (asyncio's lock wakes its waiters in
-                # order): an owner gets its puts in the order they were made.
-                async with self._order.setdefault(owner, asyncio.Lock()):
-                    await self._send(owner, namespace, key, reader, pinned is not None)
+                if down:
+                    self.errors += len(batch)
+                else:
+                    await self._send(owner, batch)
             except PeerError as error:
-                self.errors += 1
+                self.errors += len(batch)
                 self._failed(error, owner)
-                continue
-            self.sent += 1
+            finally:
+                for reader, pinned in batch:
+                    self._release(reader, pinned=pinned)
 
-    async def _send(
-        self, owner: str, namespace: str, key: bytes, reader: Reader, pinned: bool
-    ) -> None:
-        """The value to its owner: on its bulk port straight from its pages
-        (held until sent), else a gRPC BatchPut of a copy; ``reader`` is
-        closed (``pinned``: since the put)."""
+    def _next_batch(self, queue: collections.deque[Waiting]) -> list[tuple[Reader, bool]]:
+        """The next puts to send, their values open (a value deleted or
+        evicted before its turn is left out, not an error)."""
+        batch: list[tuple[Reader, bool]] = []
+        size = 0
+        while queue and len(batch) < FORWARD_BATCH_MAX:
+            if batch and size + queue[0].size > FORWARD_BATCH_BYTES:
+                break
+            waiting = queue.popleft()
+            self._waiting -= 1
+            reader = waiting.pinned or self._store.peek(waiting.namespace, waiting.key)
+            if reader is None:
+                continue
+            if not reader.entry.linked:
+                self._release(reader, pinned=waiting.pinned is not None)
+                continue
+            batch.append((reader, waiting.pinned is not None))
+            size += waiting.size
+        return batch
+
+    async def _send(self, owner: str, batch: list[tuple[Reader, bool]]) -> None:
+        """The values to their owner: on its bulk port straight from their
+        pages, else a gRPC BatchPut of a copy each; an answer refusing one
+        counts it in ``errors``."""
         deadline = time.monotonic() + FORWARD_TIMEOUT_S
-        try:
-            if await self._reads.put(owner, namespace, key, reader, FORWARD_TIMEOUT_S):
-                return
-            value = b"".join(reader.views)
-            sum_, meta, parent = reader.checksum, reader.meta, reader.entry.parent
-        finally:
-            self._release(reader, pinned=pinned)
-        left_s = deadline - time.monotonic()
-        await self._peers.put(owner, namespace, key, value, meta, parent, sum_, left_s)
+        readers = [reader for reader, _ in batch]
+        refused = await self._reads.put_many(owner, readers, FORWARD_TIMEOUT_S)
+        if refused is None:  # over gRPC
+            refused = 0
+            for reader in readers:
+                entry = reader.entry
+                value = b"".join(reader.views)
+                left_s = deadline - time.monotonic()
+                try:
+                    await self._peers.put(
+                        owner, entry.ns.name, entry.key, value, reader.meta, entry.parent,
+                        reader.checksum, left_s,
+                    )  # fmt: skip
+                except PeerError as error:
+                    if error.kind != "refused":
+                        raise
+                    refused += 1
+        self.errors += refused
+        self.sent += len(batch) - refused

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvd.cluster.peers import PeerError
+from kvd.store.index import Reader
 from kvd.wire.bulk import (
     CODE_NOT_FOUND,
     CODE_OK,
@@ -152,27 +153,27 @@ class BulkConnection:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
         return BulkAnswer(size, meta, answer[1])
 
-    async def put(
-        self, namespace: str, key: bytes, views: list[memoryview], meta: bytes,
-        parent: bytes | None, checksum: int,
-    ) -> None:  # fmt: skip
-        """Store a value on the member it belongs to (a put handed on): one
-        PUT frame with ``FLAG_HOP`` (the member keeps it, never hands it on),
-        its bytes sent straight from ``views``; an equal value there is fine."""
+    async def put_many(self, puts: list[tuple[str, bytes, Reader]]) -> int:
+        """Store values on the member they belong to (puts handed on): one
+        PUT frame with ``FLAG_HOP`` each (the member keeps it, never hands
+        it on), sent back to back from the values' pages, then their
+        answers in order; how many it refused (an equal value there is fine)."""
         self.reusable = False
-        rid = next(self._ids)
-        size = sum(map(len, views))
-        request = encode_request(
-            OP_PUT, rid, namespace.encode(), key, parent=parent or b"", meta=meta,
-            length=size, checksum=checksum, flags=FLAG_HOP,
-        )  # fmt: skip
-        await self._send(request)
-        for view in views:
-            await self._send(view)
-        code, _, message, _ = await self._answer(OP_PUT, rid)
+        rids = [next(self._ids) for _ in puts]
+        for rid, (namespace, key, reader) in zip(rids, puts, strict=True):
+            request = encode_request(
+                OP_PUT, rid, namespace.encode(), key, parent=reader.entry.parent or b"",
+                meta=reader.meta, length=reader.size, checksum=reader.checksum, flags=FLAG_HOP,
+            )  # fmt: skip
+            await self._send(request)
+            for view in reader.views:
+                await self._send(view)
+        refused = 0
+        for rid in rids:
+            code, _, _, _ = await self._answer(OP_PUT, rid)
+            refused += code not in (CODE_OK, CODE_NUMBERS["ALREADY_EXISTS"])
         self.reusable = True
-        if code not in (CODE_OK, CODE_NUMBERS["ALREADY_EXISTS"]):
-            raise _refused("PUT", code, message)
+        return refused
 
     async def exists(
         self, namespace: str, width: int, keys: bytes, chain: ChainShare | None

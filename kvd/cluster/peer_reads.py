@@ -237,20 +237,18 @@ class PeerReads:
 
         return bool(await self._peer_op(member, "tell", timeout_s, call))
 
-    async def put(
-        self, member: str, namespace: str, key: bytes, reader: Reader, timeout_s: float
-    ) -> bool:
-        """Hand a put on to its owner on its bulk port (``BulkConnection.put``,
-        the bytes sent from ``reader``'s pages) within ``timeout_s``; False
-        where it is to go over gRPC: as ``exists`` returns None, or a member
-        that does not take the op. A failure is a ``PeerError``."""
-        parent = reader.entry.parent
+    async def put_many(self, member: str, readers: list[Reader], timeout_s: float) -> int | None:
+        """Hand puts on to their owner on its bulk port, in order, on one
+        connection (``BulkConnection.put_many``, the bytes sent from the
+        readers' pages) within ``timeout_s``: how many it refused; None
+        where they are to go over gRPC: no bulk port this daemon reaches, or
+        a member that does not take the op. A failure is a ``PeerError``."""
+        puts = [(reader.entry.ns.name, reader.entry.key, reader) for reader in readers]
 
-        async def call(connection: BulkConnection) -> bool:
-            await connection.put(namespace, key, reader.views, reader.meta, parent, reader.checksum)
-            return True
+        async def call(connection: BulkConnection) -> int:
+            return await connection.put_many(puts)
 
-        return bool(await self._peer_op(member, "put", timeout_s, call))
+        return await self._peer_op(member, "put", timeout_s, call)
 
     async def plan(self, member: str, timeout_s: float) -> tuple[str, bytes] | None:
         """The member's eviction policy's name and plan, asked on its bulk

@@ -23,9 +23,11 @@ from tests.support import DaemonProcess, free_ports
 
 
 def start_static_pool(
-    root: Path, count: int, *extra: str, peer_timeout_ms: int = 200
-) -> list[DaemonProcess]:
-    """``count`` daemons without L2, each naming all of them in pool_members."""
+    root: Path, count: int, *extra: str, peer_timeout_ms: int = 200,
+    own: Sequence[Sequence[str]] = (),
+) -> list[DaemonProcess]:  # fmt: skip
+    """``count`` daemons without L2, each naming all of them in pool_members;
+    ``own[i]``: member i's flags of its own."""
     ports = free_ports(count)
     members = "static:" + ",".join(f"127.0.0.1:{port}" for port in ports)
     daemons: list[DaemonProcess] = []
@@ -38,6 +40,7 @@ def start_static_pool(
                 "--pool-members", members,
                 "--pool-peer-timeout-ms", str(peer_timeout_ms),
                 *extra,
+                *(own[i] if i < len(own) else ()),
             ]  # fmt: skip
             daemons.append(DaemonProcess(where, args, ssd=""))
     except BaseException:

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
+import zmq
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
@@ -92,6 +94,52 @@ def test_puts_reach_their_owner_whole_with_their_chain(tmp_path: Path, transport
     finally:
         for daemon in daemons:
             daemon.discard()
+
+
+def test_an_owner_stores_the_puts_handed_to_it_in_the_order_they_were_made(
+    tmp_path: Path,
+) -> None:
+    """A chain put through a member, all of it owned by the other: the owner
+    links the blocks into its L1 in the chain's order (its KV events say
+    so), as its eviction policy expects a chain to be filled."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.bind("tcp://127.0.0.1:0")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    events = ["--kv-events-endpoint", endpoint]
+    daemons = start_static_pool(tmp_path, 2, own=[events])
+    owner, member = daemons
+    try:
+        stored: list[bytes] = []
+
+        def receive(seconds: float) -> None:
+            while sub.poll(int(seconds * 1000)):
+                batch = msgspec.msgpack.decode(sub.recv_multipart()[-1])
+                for event in batch[1]:
+                    if event["type"] == "BlockStored" and event["medium"] == "CPU":
+                        stored.extend(event["block_hashes"])
+
+        with Client(owner.target, timeout_s=10) as client:
+            for probe in range(50):  # until the subscription reached the daemon
+                client.put("probe", b"p-%d" % probe, b"p")
+                receive(0.2)
+                if stored:
+                    break
+        placement = Placement([d.target for d in daemons])
+        chain = keys_owned(placement, owner.target, 64, b"-chain")
+        with Client(member.target, timeout_s=10) as client:
+            client.put_many("ns", [(key, key * 4000) for key in chain], chained=True)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not set(chain) <= set(stored):
+            receive(0.2)
+        assert [key for key in stored if key in set(chain)] == chain
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+        sub.close()
+        ctx.term()
 
 
 # ---- a bad owner -----------------------------------------------------------------------
