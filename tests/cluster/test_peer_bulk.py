@@ -142,6 +142,37 @@ def test_an_owner_stores_the_puts_handed_to_it_in_the_order_they_were_made(
         ctx.term()
 
 
+def test_a_put_its_owner_refuses_is_counted_and_the_next_ones_reach_it(tmp_path: Path) -> None:
+    """An owner whose max_value_bytes is below the member's refuses a large
+    put handed to it (the frame is over its limit: it closes the
+    connection): counted in kvd_cluster_forward_errors, the value stays
+    with the member, and puts after it reach the owner."""
+    daemons = start_static_pool(
+        tmp_path, 2, "--max-value-bytes", "2MiB", own=[["--max-value-bytes", "64KiB"]]
+    )
+    owner, member = daemons
+    try:
+        placement = Placement([d.target for d in daemons])
+        small, large, later = keys_owned(placement, owner.target, 3, b"-refused")
+        port = member.metrics_port
+        with Client(member.target, timeout_s=10) as client:
+            client.put("ns", small, b"s" * 1000)
+            assert wait_until(lambda: metric(port, "kvd_cluster_forwards_total") == 1)
+            client.put("ns", large, b"l" * (1 << 20))
+            assert wait_until(lambda: metric(port, "kvd_cluster_forward_errors_total") == 1)
+            assert client.get("ns", large) == b"l" * (1 << 20)  # still here
+            time.sleep(1.2)  # the owner is skipped for a second after a failed call
+            client.put("ns", later, b"t" * 1000)
+            assert wait_until(lambda: metric(port, "kvd_cluster_forwards_total") == 2)
+        with Client(owner.target, timeout_s=10) as client:
+            assert client.get("ns", small) == b"s" * 1000
+            assert client.get("ns", later) == b"t" * 1000
+            assert client.exists("ns", [large]) == [False]
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
 # ---- a bad owner -----------------------------------------------------------------------
 BAD_SIZE = 3 * PAGE + 100  # four pages, the last one partly
 
