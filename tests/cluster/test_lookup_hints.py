@@ -170,6 +170,36 @@ def test_an_owner_keeps_what_it_answered_held_while_the_hint_lasts(
             daemon.discard()
 
 
+def test_an_owners_pins_for_hints_end_by_themselves(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """What an owner keeps for a member's hints is pinned for twice the
+    setting plus the peer timeout, then let go though nobody asks again:
+    no lookup leaves pages pinned for ever."""
+    hint_ms, peer_timeout_ms = 200, 200
+    daemons = start_static_pool(
+        tmp_path_factory.mktemp("ending"), 2, "--pool-lookup-hint-ms", str(hint_ms),
+        peer_timeout_ms=peer_timeout_ms,
+    )  # fmt: skip
+    try:
+        owner, member = daemons
+        keys = chain("ending", 200)
+        theirs = [keys[p] for p in owned_by(daemons, "ending", keys, 0)][:20]
+        with Client(owner.target, timeout_s=CLIENT_TIMEOUT_S) as o:
+            o.put_many("ending", [(key, value_of(key)) for key in theirs])
+        pinned = "kvd_cluster_hint_pinned_bytes"
+        with Client(member.target, timeout_s=CLIENT_TIMEOUT_S) as m:
+            asked = time.monotonic()
+            assert m.lookup("ending", theirs) == len(theirs)
+        assert metric(owner.metrics_port, pinned) > 0
+        life_s = (2 * hint_ms + peer_timeout_ms) / 1000
+        assert wait_until(lambda: metric(owner.metrics_port, pinned) == 0, timeout_s=5 * life_s)
+        assert time.monotonic() - asked >= life_s  # not before the member's hints could end
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
 # ---- Hints itself ----------------------------------------------------------------
 
 
