@@ -24,7 +24,9 @@ time in order hit 8.5 %, at 1.3 GB/s; batches in order on one connection
 9.25 % (the simulator 9.29 %), at 1.9 GB/s, 1.6 and 1.3 ms of CPU.
 
 Bounded: at most ``FORWARD_QUEUE_MAX`` puts wait in all (past it the owner
-does not get the value, counted in ``dropped``), each sender holds one batch.
+does not get the value, counted in ``dropped``), and at most
+``FORWARD_SENDING_MAX`` owners are sent a batch at once (each batch's
+values held while it goes).
 A waiting value is pinned (a guest goes first otherwise) while the pinned
 bytes stay within ``FORWARD_PIN_FRACTION`` of L1; past that a forward reads
 the value when its turn comes, if it is still here. A value deleted before
@@ -53,6 +55,9 @@ FORWARD_QUEUE_MAX = 4096
 # their bytes at most (a larger value goes alone).
 FORWARD_BATCH_MAX = 16
 FORWARD_BATCH_BYTES = 16 << 20
+# Owners sent a batch at once: the values of a batch are held (pinned)
+# while it goes, so at most this many batches' worth, whatever the members.
+FORWARD_SENDING_MAX = 4
 # A forward is background work: it may take longer than a caller's lookup
 # (64 MiB over loopback gRPC takes ~70 ms), but not for ever.
 FORWARD_TIMEOUT_S = 10.0
@@ -90,6 +95,7 @@ class Forwards:
         self._failed = failed
         self._queues: dict[str, collections.deque[Waiting]] = {}
         self._senders: dict[str, asyncio.Task[None]] = {}
+        self._sending = asyncio.Semaphore(FORWARD_SENDING_MAX)
         self._waiting = 0
         self._pinned = 0  # bytes of the values in the queues it pins
         self._pin_max = int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION)
@@ -143,21 +149,19 @@ class Forwards:
     async def _send_all(self, owner: str, queue: collections.deque[Waiting]) -> None:
         """Send ``owner`` its queue, a batch at a time, in order."""
         while queue:
-            batch = self._next_batch(queue)
-            if not batch:
-                continue
-            down = self._is_down(owner)
-            try:
-                if down:
+            async with self._sending:
+                batch = self._next_batch(queue)
+                try:
+                    if batch and self._is_down(owner):
+                        self.errors += len(batch)
+                    elif batch:
+                        await self._send(owner, batch)
+                except PeerError as error:
                     self.errors += len(batch)
-                else:
-                    await self._send(owner, batch)
-            except PeerError as error:
-                self.errors += len(batch)
-                self._failed(error, owner)
-            finally:
-                for reader, pinned in batch:
-                    self._release(reader, pinned=pinned)
+                    self._failed(error, owner)
+                finally:
+                    for reader, pinned in batch:
+                        self._release(reader, pinned=pinned)
 
     def _next_batch(self, queue: collections.deque[Waiting]) -> list[tuple[Reader, bool]]:
         """The next puts to send, their values open (a value deleted or
