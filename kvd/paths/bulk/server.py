@@ -11,8 +11,8 @@ same order, so a client may pipeline many requests on one connection.
   times out half-way aborts the ticket: nothing partial becomes visible.
   A payload already all in the socket's receive queue gets its pages at
   once; any other takes pages only for the bytes that arrived
-  (``kvd.store.uploads``), so a sender that declares 64 MiB and stalls holds what
-  it sent, not what it declared.
+  (``kvd.store.uploads``, ``kvd.paths.bulk.receive``), so a sender that
+  declares 64 MiB and stalls holds what it sent, not what it declared.
 - Admission (``kvd.paths.bulk.admission``): caps per peer address and on
   connections without HELLO, which have ``bulk_hello_timeout_ms`` to send it.
 - GET: the reader pins the value (``ValueOps.fetch``) and queues it; the writer
@@ -55,20 +55,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import itertools
 import logging
 import socket
-import struct
-import termios
 from typing import TYPE_CHECKING
 
 from kvd.cluster import scope
 from kvd.paths.bulk.admission import Admission, Slot
 from kvd.paths.bulk.limits import BulkLimits
 from kvd.paths.bulk.peer_ops import PeerOps
+from kvd.paths.bulk.receive import buffered, discard, receive_upload, recv_into_exact
 from kvd.paths.ops.calls import refused
-from kvd.store.index import TIER_NAMES, PutResult, PutTicket, Reader
+from kvd.store.index import TIER_NAMES, PutResult, Reader
 from kvd.util.aio import readable, settle
 from kvd.wire.bulk import (
     CODE_BY_NAME,
@@ -140,32 +138,6 @@ DIRECT_ANSWER_BYTES = 1 << 20
 FAIR_SHARE_REQUESTS = 16
 # A failed accept (no descriptor or memory left) is tried again after this.
 ACCEPT_RETRY_S = 0.1
-# Payload of a request answered with an error is read into this and dropped.
-_DISCARD_BYTES = 1 << 20
-
-
-# ---- socket helpers (non-blocking sockets on the event loop) -----------------------------
-async def recv_into_exact(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, hasher: Hasher | None
-) -> None:
-    """Fill ``view``; EOF first is a ProtocolError (a truncated frame)."""
-    pos, size = 0, len(view)
-    while pos < size:
-        try:
-            n = sock.recv_into(view[pos:])
-        except BlockingIOError:
-            n = await loop.sock_recv_into(sock, view[pos:])
-        if n == 0:
-            raise ProtocolError(f"connection ended inside a frame ({pos} of {size} bytes)")
-        if hasher is not None:
-            hasher.update(view[pos : pos + n])
-        pos += n
-
-
-def _buffered(sock: socket.socket) -> int:
-    """Bytes waiting in the socket's receive queue (FIONREAD, ~1 µs)."""
-    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
-    return queued
 
 
 class _Connection:
@@ -348,7 +320,7 @@ class _Connection:
         values, durable = self.values, bool(request.flags & FLAG_DURABLE)
         try:
             self._authorize(ns)
-            if _buffered(self.sock) >= request.length:  # all arrived: pages at once, no extra turn
+            if buffered(self.sock) >= request.length:  # all arrived: pages at once, no extra turn
                 begin = values.begin_put
             else:
                 begin = values.begin_upload
@@ -367,7 +339,7 @@ class _Connection:
             hasher = Hasher()
             if ticket.upload:
                 try:
-                    await self._receive_upload(ticket, hasher)
+                    await receive_upload(self.loop, self.sock, ticket, hasher, self.values.grow)
                 except KvdError as exc:  # no room for what arrived: drop the rest
                     code = refused(self.server.metrics, "bulk_put", exc)
                     await self._answer(
@@ -393,33 +365,8 @@ class _Connection:
         flags = FLAG_EXISTED if result.existed else 0
         return encode_response(OP_PUT, request.request_id, flags=flags, checksum=result.checksum)
 
-    async def _receive_upload(self, ticket: PutTicket, hasher: Hasher) -> None:
-        """Receive a payload that was not all there, taking pages only for the
-        bytes in the socket's receive queue (recv_into straight into them)."""
-        while ticket.covered_bytes < ticket.size:
-            arrived = _buffered(self.sock)
-            if arrived == 0:
-                await readable(self.loop, self.sock)
-                arrived = _buffered(self.sock)
-                if arrived == 0 and not self.sock.recv(1, socket.MSG_PEEK):
-                    raise ProtocolError(
-                        f"connection ended inside a frame "
-                        f"({ticket.covered_bytes} of {ticket.size} payload bytes)"
-                    )
-                continue
-            left = ticket.size - ticket.covered_bytes
-            views = await self.values.grow(ticket, min(arrived, left))
-            for view in views:
-                await recv_into_exact(self.loop, self.sock, view, hasher)
-
     async def _discard(self, nbytes: int) -> None:
-        if not self.discard:
-            self.discard = bytearray(min(nbytes, _DISCARD_BYTES))
-        view = memoryview(self.discard)
-        while nbytes:
-            take = min(nbytes, len(view))
-            await recv_into_exact(self.loop, self.sock, view[:take], None)
-            nbytes -= take
+        self.discard = await discard(self.loop, self.sock, nbytes, self.discard)
 
     async def _get(self, request: Request, tail: bytes) -> None:
         ns, key, _, _ = split_tail(request, tail)
