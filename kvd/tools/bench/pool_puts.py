@@ -5,16 +5,16 @@ port, or a gRPC BatchPut on the ``grpc`` transport). Timed from the first
 put until B holds the last one (B asked every ``POLL_S``, an Exists of
 the values not seen there yet: cheaper for the daemons than scraping
 A's metrics), against the TCP ceiling between the same two nodes; each
-daemon's CPU over the same time (from /proc, the polls included), and every
+daemon's CPU over the same time (schedstat, the polls included), and every
 value then read back from B and checked."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvd.client import Client
+from kvd.tools.bench.procs import process_cpu_ns
 from kvd.tools.replay.run import block_value
 
 if TYPE_CHECKING:
@@ -28,10 +28,9 @@ POLL_S = 0.002
 
 
 def cpu_s(pid: int) -> float:
-    """A process's user and system CPU seconds so far (/proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """A daemon's CPU seconds so far (``process_cpu_ns``: every thread's
+    schedstat, in ns, not /proc/PID/stat's 10 ms ticks); 0 once it is gone."""
+    return (process_cpu_ns(pid) or 0) / 1e9
 
 
 def handed_on(
