@@ -203,7 +203,7 @@ class PeerReads:
     ) -> bytes | None:  # fmt: skip
         """Which of ``keys`` the member holds, asked on its bulk port (one
         PEER_EXISTS frame each way) within ``timeout_s``, a byte each
-        (``PeerConnection.exists``); None where it is to
+        (``BulkConnection.exists``); None where it is to
         be asked over gRPC: the ``grpc`` transport, no bulk port this daemon
         reaches, a member that does not take the op (DescribePaths'
         ``bulk_ops``), keys of different widths. A failure is a ``PeerError``."""

@@ -96,9 +96,8 @@ class Promises:
             self._timer = None
         for generation in (self._previous, self._current):
             for reader in generation.values():
-                reader.close()
+                self._end(reader)
             generation.clear()
-        self._bytes = 0
 
     def _pin(self, namespace: str, key: bytes) -> Reader | None:
         """Pin a value in L1 (no hit, the policy not told), within ``max_bytes``."""
