@@ -20,7 +20,7 @@ from kvd.util.logs import Throttle
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
 from tests import sockets
-from tests.support import REPO, DaemonFactory, DaemonProcess
+from tests.support import REPO, DaemonFactory, DaemonProcess, wait_until
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvd-dashboard.json"
 NAMESPACES_MAX = 2
@@ -215,6 +215,13 @@ def test_values_stay_in_memory_whatever_the_environment(
     with Client(daemon.target, shm=False) as client:
         client.put("ns", b"k", value_bytes)
         assert client.get("ns", b"k") == value_bytes
+
+    # A get's bytes count once its send returned, which can be after the
+    # client already read them.
+    def sent_out() -> bool:
+        return value(scrape(daemon), "kvd_bytes_total", op="bulk_get", direction="out") > 0
+
+    assert wait_until(sent_out)
     samples = scrape(daemon)
     assert value(samples, "kvd_bytes_total", op="bulk_put", direction="in") == VALUE_BYTES
     assert value(samples, "kvd_bytes_total", op="bulk_get", direction="out") == VALUE_BYTES
