@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from kvd.cluster.peer_reads import PeerReads
 from kvd.cluster.peers import PeerError, Peers
+from kvd.cluster.pinned import PinShare
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
 
@@ -97,8 +98,8 @@ class Forwards:
         self._senders: dict[str, asyncio.Task[None]] = {}
         self._sending = asyncio.Semaphore(FORWARD_SENDING_MAX)
         self._waiting = 0
-        self._pinned = 0  # bytes of the values in the queues it pins
-        self._pin_max = int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION)
+        # The values waiting in the queues that are pinned (their pages sent).
+        self._pins = PinShare(store.peek, int(store.pool.capacity_bytes * FORWARD_PIN_FRACTION))
         self.sent = 0
         self.errors = 0
         self.dropped = 0
@@ -126,11 +127,8 @@ class Forwards:
         if self._waiting >= FORWARD_QUEUE_MAX:
             self.dropped += 1
             return
-        reader = None
-        if self._pinned + entry.size <= self._pin_max:
-            # A guest goes first: pinned, it waits for its forward.
-            reader = self._store.peek(entry.ns.name, entry.key)
-            self._pinned += entry.size
+        # A guest goes first: pinned, it waits for its forward.
+        reader = self._pins.pin(entry.ns.name, entry.key)
         queue = self._queues.setdefault(owner, collections.deque())
         queue.append(Waiting(entry.ns.name, entry.key, entry.size, reader))
         self._waiting += 1
@@ -143,8 +141,9 @@ class Forwards:
     def _release(self, reader: Reader, *, pinned: bool) -> None:
         """Close a forward's reader; one pinned since the put gives its bytes back."""
         if pinned:
-            self._pinned -= reader.entry.size
-        reader.close()
+            self._pins.release(reader)
+        else:
+            reader.close()
 
     async def _send_all(self, owner: str, queue: collections.deque[Waiting]) -> None:
         """Send ``owner`` its queue, a batch at a time, in order."""

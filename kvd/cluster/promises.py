@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvd.cluster.pinned import PinShare
 from kvd.wire.bulk import EXISTS_HELD, EXISTS_KEPT, EXISTS_NOT_HELD
 
 if TYPE_CHECKING:
@@ -41,13 +42,11 @@ class Promises:
     """The keys this owner pinned for members' hints, in two generations."""
 
     def __init__(self, store: Store, life_s: float, max_bytes: int) -> None:
-        self.store = store
         self.life_s = life_s
-        self.max_bytes = max_bytes
+        self._pins = PinShare(store.hold, max_bytes)
         self._current: dict[PromiseKey, Reader] = {}
         self._previous: dict[PromiseKey, Reader] = {}
         self._began = time.monotonic()
-        self._bytes = 0
         self._timer: asyncio.TimerHandle | None = None
         self.kept = 0  # keys answered EXISTS_KEPT
         self.not_kept = 0  # keys held but past max_bytes of pins: EXISTS_HELD
@@ -58,7 +57,7 @@ class Promises:
 
     @property
     def pinned_bytes(self) -> int:
-        return self._bytes
+        return self._pins.bytes
 
     def answer(self, namespace: str, keys: Sequence[bytes], found: Sequence[bool]) -> bytes:
         """A PEER_EXISTS answer for ``keys`` (``found``: held here), a byte
@@ -78,7 +77,7 @@ class Promises:
                 self._end(reader)
                 reader = None
             if reader is None:
-                reader = self._pin(namespace, key)
+                reader = self._pins.pin(namespace, key)  # no hit, the policy not told
             if reader is not None:
                 current[at] = reader
             answer[i] = EXISTS_HELD if reader is None else EXISTS_KEPT
@@ -99,20 +98,8 @@ class Promises:
                 self._end(reader)
             generation.clear()
 
-    def _pin(self, namespace: str, key: bytes) -> Reader | None:
-        """Pin a value in L1 (no hit, the policy not told), within ``max_bytes``."""
-        reader = self.store.hold(namespace, key)
-        if reader is None:
-            return None  # only on L2: held, not kept
-        if self._bytes + reader.size > self.max_bytes:
-            reader.close()
-            return None
-        self._bytes += reader.size
-        return reader
-
     def _end(self, reader: Reader) -> None:
-        self._bytes -= reader.size
-        reader.close()
+        self._pins.release(reader)
 
     def _age(self) -> None:
         if time.monotonic() - self._began >= self.life_s:

@@ -61,6 +61,7 @@ from kvd.cluster.layouts import Layouts
 from kvd.cluster.membership import Membership
 from kvd.cluster.peer_reads import HIT, MISS, NOT_KEPT, PeerReads
 from kvd.cluster.peers import PeerError, Peers
+from kvd.cluster.pinned import PinShare
 from kvd.cluster.plans import PoolPlans
 from kvd.cluster.promises import Promises
 from kvd.cluster.tells import Tells
@@ -155,8 +156,7 @@ class PoolRouter:
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
         self._held: dict[tuple[str, bytes], Reader] = {}  # fetched, not yet opened
         self._awaited: dict[tuple[str, bytes], int] = {}  # gets waiting on their fetch, by key
-        self._held_bytes = 0
-        self._held_max = int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION)
+        self._holds = PinShare(store.hold, int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION))
         self.tells = Tells(reads, self._exists, self._peer_failed, peer_timeout_s,
                            store.limits.max_lookup_keys)  # fmt: skip
         self._owners: dict[str, dict[bytes, str]] = {}  # by namespace, then key
@@ -562,15 +562,10 @@ class PoolRouter:
         evicted before its reads, which read them again (``fetch_remote``)."""
         if (namespace, key) in self._held:
             return
-        reader = self.store.hold(namespace, key)
+        reader = self._holds.pin(namespace, key, past_share=(namespace, key) in self._awaited)
         if reader is None:
             return
-        over = self._held_bytes + reader.size > self._held_max
-        if over and (namespace, key) not in self._awaited:
-            reader.close()
-            return
         self._held[(namespace, key)] = reader
-        self._held_bytes += reader.size
         asyncio.get_running_loop().call_later(FETCHED_HOLD_S, self._unhold, namespace, key, reader)
 
     def _unhold_all(self, namespace: str, keys: list[bytes]) -> None:
@@ -583,8 +578,7 @@ class PoolRouter:
         if held is None or (reader is not None and held is not reader):
             return
         del self._held[(namespace, key)]
-        self._held_bytes -= held.size
-        held.close()
+        self._holds.release(held)
 
     # ---- put -------------------------------------------------------------------
     def _put_done(self, entry: Entry) -> None:

@@ -1,0 +1,49 @@
+"""Values a pool member pins in L1 for the pool's own work, each use within
+its share of L1.
+
+Past what engines lease, a member pins values for three reasons: a value
+fetched from its owner, until the get that waits for it opens it
+(kvd.cluster.router); a key an owner answered "kept" for a member's hints
+(kvd.cluster.promises); a put waiting to be handed on to its owner
+(kvd.cluster.forwards). Each use pins at most its own share of L1's bytes,
+so together they leave most of L1 to the eviction policy and none pins L1
+full; the router's holds may go past their share only for a value a get
+is waiting on (at most one per such get).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvd.store.index import Reader
+
+
+class PinShare:
+    """Readers pinned for one use, their bytes within ``max_bytes``."""
+
+    def __init__(self, take: Callable[[str, bytes], Reader | None], max_bytes: int) -> None:
+        """``take(namespace, key)``: a reader pinning the value in L1, or None
+        where it is not in L1 (``Store.hold``, or ``Store.peek`` for one whose
+        pages are read)."""
+        self._take = take
+        self.max_bytes = max_bytes
+        self.bytes = 0  # of the readers pinned and not yet released
+
+    def pin(self, namespace: str, key: bytes, *, past_share: bool = False) -> Reader | None:
+        """Pin the value, or None where it is not in L1 or its bytes would go
+        past the share (unless ``past_share``)."""
+        reader = self._take(namespace, key)
+        if reader is None:
+            return None
+        if self.bytes + reader.size > self.max_bytes and not past_share:
+            reader.close()
+            return None
+        self.bytes += reader.size
+        return reader
+
+    def release(self, reader: Reader) -> None:
+        """End a pin this share made (once)."""
+        self.bytes -= reader.size
+        reader.close()
