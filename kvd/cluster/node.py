@@ -121,6 +121,14 @@ POOL_COUNTERS = {
         "kvd_cluster_plans_refused",
         "Plans of the pool's plan holder refused: another policy or member size",
     ),
+    "rebalanced": (
+        "kvd_cluster_rebalanced",
+        "Values handed to their new owner after the pool's members changed",
+    ),
+    "rebalance_adopted": (
+        "kvd_cluster_rebalance_adopted",
+        "Copies of values this member owns since the members changed, kept as its own",
+    ),
 }
 
 

@@ -13,6 +13,7 @@ is waiting on (at most one per such get).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -47,3 +48,43 @@ class PinShare:
         """End a pin this share made (once)."""
         self.bytes -= reader.size
         reader.close()
+
+
+class Holds:
+    """Values pinned by key until their time is up or ``end`` (a pool
+    member's values fetched from their owners, held for their get)."""
+
+    def __init__(self, share: PinShare, hold_s: float) -> None:
+        self._share = share
+        self._hold_s = hold_s
+        self._held: dict[tuple[str, bytes], Reader] = {}
+
+    def hold(self, namespace: str, key: bytes, *, past_share: bool = False) -> None:
+        """Pin the value for ``hold_s`` (``PinShare.pin``); a value held already stays as it is."""
+        if (namespace, key) in self._held:
+            return
+        reader = self._share.pin(namespace, key, past_share=past_share)
+        if reader is None:
+            return
+        self._held[(namespace, key)] = reader
+        asyncio.get_running_loop().call_later(self._hold_s, self.end, namespace, key, reader)
+
+    def end_later(self, namespace: str, keys: list[bytes], after_s: float) -> None:
+        """End the holds of ``keys`` ``after_s`` from now."""
+        asyncio.get_running_loop().call_later(after_s, self._end_all, namespace, keys)
+
+    def _end_all(self, namespace: str, keys: list[bytes]) -> None:
+        for key in keys:
+            self.end(namespace, key)
+
+    def end(self, namespace: str, key: bytes, reader: Reader | None = None) -> None:
+        """End a hold (only ``reader``'s, where given: a later hold of the key is its own)."""
+        held = self._held.get((namespace, key))
+        if held is None or (reader is not None and held is not reader):
+            return
+        del self._held[(namespace, key)]
+        self._share.release(held)
+
+    def close(self) -> None:
+        for namespace, key in list(self._held):
+            self.end(namespace, key)

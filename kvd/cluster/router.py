@@ -61,9 +61,10 @@ from kvd.cluster.layouts import Layouts
 from kvd.cluster.membership import Membership
 from kvd.cluster.peer_reads import HIT, MISS, NOT_KEPT, PeerReads
 from kvd.cluster.peers import PeerError, Peers
-from kvd.cluster.pinned import PinShare
+from kvd.cluster.pinned import Holds, PinShare
 from kvd.cluster.plans import PoolPlans
 from kvd.cluster.promises import Promises
+from kvd.cluster.rebalance import Rebalance
 from kvd.cluster.tells import Tells
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
@@ -124,6 +125,8 @@ class PoolCounters:
     tells_dropped: int = 0  # lookups an owner was not told of (kvd.cluster.tells)
     plans_adopted: int = 0  # the plan holder's eviction plans this member keeps blocks by
     plans_refused: int = 0  # plans of another policy or member size (it plans for itself)
+    rebalanced: int = 0  # values handed to their new owner after the members changed
+    rebalance_adopted: int = 0  # copies whose key this member owns since, kept as its own
 
 
 class PoolRouter:
@@ -154,9 +157,11 @@ class PoolRouter:
         )
         self.layouts = Layouts(self._owners_of)
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
-        self._held: dict[tuple[str, bytes], Reader] = {}  # fetched, not yet opened
         self._awaited: dict[tuple[str, bytes], int] = {}  # gets waiting on their fetch, by key
-        self._holds = PinShare(store.hold, int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION))
+        # Values fetched, held until their get opens them (past the share:
+        # one a get waits on, so that it lands held whatever the churn).
+        share = PinShare(store.hold, int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION))
+        self._holds = Holds(share, FETCHED_HOLD_S)
         self.tells = Tells(reads, self._exists, self._peer_failed, peer_timeout_s,
                            store.limits.max_lookup_keys)  # fmt: skip
         self._owners: dict[str, dict[bytes, str]] = {}  # by namespace, then key
@@ -172,6 +177,7 @@ class PoolRouter:
             store.learning, membership, reads, timeout_s=peer_timeout_s,
             failed=self._peer_failed, is_down=self._is_down,
         )  # fmt: skip
+        self.rebalance = Rebalance(store.entries, membership, self.forwards, self._is_down)
         membership.on_change(self._members_changed)
 
     def start(self) -> None:
@@ -185,13 +191,13 @@ class PoolRouter:
         self.store.on_miss = None
         self.store.on_put = None
         self.store.guest_of = None
-        tasks = [*self.forwards.tasks(), *self._fetching.values(), *self.tells.tasks()]
+        tasks = [*self.rebalance.tasks(), *self.forwards.tasks(), *self._fetching.values(),
+                 *self.tells.tasks()]  # fmt: skip
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.plans.close()
-        for namespace, key in list(self._held):
-            self._unhold(namespace, key)
+        self._holds.close()
         self.promises.close()
         self.forwards.close()
         self.reads.close()
@@ -204,6 +210,8 @@ class PoolRouter:
         forwards = self.forwards
         self.counters.forwards, self.counters.forward_errors = forwards.sent, forwards.errors
         self.counters.forwards_dropped = forwards.dropped
+        self.counters.rebalanced = self.rebalance.handed_on
+        self.counters.rebalance_adopted = self.rebalance.adopted
         values = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
         values["members"] = len(self.membership.members)
         values["membership_stale"] = int(self.membership.stale)
@@ -217,6 +225,7 @@ class PoolRouter:
 
     def _members_changed(self, members: tuple[str, ...]) -> None:
         self.hints.clear()  # owners change with the members
+        self.rebalance.changed()
         self.tells.retain(members)
         self._untold = {m: n for m, n in self._untold.items() if m in members}
         self.reads.retain(members)
@@ -469,7 +478,7 @@ class PoolRouter:
         reader = self.store.open(namespace, key)
         # Others waiting on the same fetch were woken with this caller:
         # they open it before the hold ends.
-        asyncio.get_running_loop().call_soon(self._unhold, namespace, key)
+        asyncio.get_running_loop().call_soon(self._holds.end, namespace, key)
         if reader is None:
             self.counters.remote_not_kept += 1  # not held and evicted before this get
         return reader
@@ -527,9 +536,7 @@ class PoolRouter:
                 landed(key)
 
         await asyncio.gather(*(fetch(key) for key in missing))
-        asyncio.get_running_loop().call_later(
-            FETCHED_BATCH_HOLD_S, self._unhold_all, namespace, missing
-        )
+        self._holds.end_later(namespace, missing, FETCHED_BATCH_HOLD_S)
 
     async def _fetch_into_l1(self, owner: str, namespace: str, key: bytes, budget_s: float) -> bool:
         try:
@@ -552,33 +559,13 @@ class PoolRouter:
             self.counters.remote_not_kept += 1
         elif outcome == HIT:
             self.counters.remote_hits += 1
-            self._hold(namespace, key)  # no await since it landed: still here
+            # No await since it landed: still here. Past the held share only
+            # a value a get waits on is held (at most one per such get): a
+            # batch's other values may be evicted before its reads, which
+            # read them again (``fetch_remote``).
+            waited = (namespace, key) in self._awaited
+            self._holds.hold(namespace, key, past_share=waited)
         return outcome == HIT
-
-    def _hold(self, namespace: str, key: bytes) -> None:
-        """Pin a value just fetched until a get opens it (FETCHED_HOLD_S).
-        Past the held share of L1 only a value a get waits on is held (at
-        most one value per such get): a batch's other values may then be
-        evicted before its reads, which read them again (``fetch_remote``)."""
-        if (namespace, key) in self._held:
-            return
-        reader = self._holds.pin(namespace, key, past_share=(namespace, key) in self._awaited)
-        if reader is None:
-            return
-        self._held[(namespace, key)] = reader
-        asyncio.get_running_loop().call_later(FETCHED_HOLD_S, self._unhold, namespace, key, reader)
-
-    def _unhold_all(self, namespace: str, keys: list[bytes]) -> None:
-        for key in keys:
-            self._unhold(namespace, key)
-
-    def _unhold(self, namespace: str, key: bytes, reader: Reader | None = None) -> None:
-        """End a hold (only ``reader``'s, where given: a later hold of the key is its own)."""
-        held = self._held.get((namespace, key))
-        if held is None or (reader is not None and held is not reader):
-            return
-        del self._held[(namespace, key)]
-        self._holds.release(held)
 
     # ---- put -------------------------------------------------------------------
     def _put_done(self, entry: Entry) -> None:

@@ -135,6 +135,21 @@ class Entries:
             self.pool.free(entry.runs)
             entry.runs = []
 
+    def set_guest(self, entry: Entry, guest: bool) -> None:
+        """A linked entry becomes a guest (its key is another member's now:
+        out of the policy, evicted first) or the member's own (into the
+        policy, linked under its parent) after the pool's members changed."""
+        if entry.guest == guest or not entry.linked:
+            return
+        pk = (entry.ns.id, entry.key)
+        entry.guest = guest
+        if guest:
+            self.policy.remove(pk)
+            self.guests[pk] = entry
+        else:
+            del self.guests[pk]
+            self.policy.insert(pk, (entry.ns.id, entry.parent) if entry.parent else None)
+
     def pin(self, entry: Entry) -> None:
         """Hold an entry's pages for a reader or a write."""
         entry.readers += 1

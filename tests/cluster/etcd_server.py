@@ -9,8 +9,10 @@ import urllib.request
 from pathlib import Path
 
 from tests.cluster.cluster import free_ports
+from tests.support import DaemonProcess
 
 START_TIMEOUT_S = 20.0
+PREFIX = "/kvd-test/pool"
 
 
 def etcd_binary() -> str | None:
@@ -67,3 +69,18 @@ class EtcdServer:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+
+def start_member(root: Path, etcd: EtcdServer, name: str, *extra: str) -> DaemonProcess:
+    """A daemon without L2 in the pool registered under ``etcd``'s PREFIX
+    (a 2 s lease), in ``root / name``."""
+    (port,) = free_ports(1)
+    where = root / name
+    where.mkdir()
+    args = [
+        "--listen", f"127.0.0.1:{port}",
+        "--pool-members", f"etcd://{etcd.endpoint}{PREFIX}",
+        "--pool-etcd-ttl-ms", "2000",
+        *extra,
+    ]  # fmt: skip
+    return DaemonProcess(where, args, ssd="")

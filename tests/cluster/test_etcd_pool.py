@@ -14,7 +14,7 @@ import pytest
 
 from kvd.client import Client
 from tests.cluster.cluster import free_ports
-from tests.cluster.etcd_server import EtcdServer, etcd_binary
+from tests.cluster.etcd_server import PREFIX, EtcdServer, etcd_binary, start_member
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -22,8 +22,6 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(etcd_binary() is None, reason="no etcd (apt-get install etcd-server)"),
 ]
-
-PREFIX = "/kvd-test/pool"
 
 
 def value_of(key: bytes) -> bytes:
@@ -36,18 +34,6 @@ def members_of(daemon: DaemonProcess) -> float:
 
 def stale(daemon: DaemonProcess) -> float:
     return metric(daemon.metrics_port, "kvd_cluster_membership_stale")
-
-
-def start_member(root: Path, etcd: EtcdServer, name: str) -> DaemonProcess:
-    (port,) = free_ports(1)
-    where = root / name
-    where.mkdir()
-    args = [
-        "--listen", f"127.0.0.1:{port}",
-        "--pool-members", f"etcd://{etcd.endpoint}{PREFIX}",
-        "--pool-etcd-ttl-ms", "2000",
-    ]  # fmt: skip
-    return DaemonProcess(where, args, ssd="")
 
 
 async def etcd_put(endpoint: str, key: str, value: bytes) -> None:

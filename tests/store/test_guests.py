@@ -50,6 +50,28 @@ def test_guests_stay_out_of_the_policy_and_go_first() -> None:
     assert read(store, b"own1") is None
 
 
+def test_a_value_whose_owner_changed_becomes_a_guest_and_back() -> None:
+    store = _guest_store()
+    for key in (b"own1", b"own2", b"own3"):
+        put(store, key, VALUE)
+    entries = store.entries
+    moved = entries.get("ns", b"own1")
+    assert moved is not None
+    entries.set_guest(moved, True)  # another member owns it now
+    assert len(store.policy) == 2 and store.stats()["guests"] == 1
+    put(store, b"own4", VALUE)
+    put(store, b"own5", VALUE)  # full: the guest goes first
+    assert read(store, b"own1") is None
+    assert [read(store, k) for k in (b"own2", b"own3", b"own4")] == [VALUE] * 3
+    put(store, b"g1", VALUE)
+    copy = entries.get("ns", b"g1")
+    assert copy is not None
+    entries.set_guest(copy, False)  # its owner left: this member owns it now
+    entries.set_guest(copy, False)  # twice: nothing more
+    assert len(store.policy) == 4 and store.stats()["guests"] == 0
+    assert read(store, b"g1") == VALUE
+
+
 def test_a_pinned_guest_is_passed_over() -> None:
     store = _guest_store()
     put(store, b"g1", VALUE)

@@ -1,0 +1,102 @@
+"""After the pool's members change, values go where lookups look for them
+(kvd.cluster.rebalance): a member that joins gets the values it now owns
+from their old owners, so a lookup through any member still finds every
+block; when it leaves again, the copies the old owners kept of those
+values become their own again. Membership from a real etcd."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvd.client import Client
+from kvd.cluster.rendezvous import Placement
+from tests.cluster.etcd_server import EtcdServer, etcd_binary, start_member
+from tests.sockets import metric
+from tests.support import DaemonProcess, wait_until
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(etcd_binary() is None, reason="no etcd (apt-get install etcd-server)"),
+]
+
+NS = "rebalance"
+
+
+def value_of(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest() * 300
+
+
+def members_of(daemon: DaemonProcess) -> float:
+    return metric(daemon.metrics_port, "kvd_cluster_members")
+
+
+def counted(daemons: list[DaemonProcess], name: str) -> float:
+    return sum(metric(d.metrics_port, name) for d in daemons)
+
+
+def finds_all(client: Client, keys: list[bytes]) -> bool:
+    """Whether a lookup through ``client`` finds the whole chain, soon."""
+    return wait_until(lambda: client.lookup(NS, keys) == len(keys))
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    (tmp_path / "etcd").mkdir()
+    server = EtcdServer(tmp_path / "etcd")
+    yield server
+    server.kill()
+
+
+def test_a_joining_member_gets_what_it_owns_and_gives_it_back_when_it_leaves(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    old = [start_member(tmp_path, etcd, name) for name in ("a", "b")]
+    daemons = list(old)
+    try:
+        assert wait_until(lambda: all(members_of(d) == 2 for d in old))
+        keys = [b"chain-%04d" % i for i in range(200)]
+        with Client(old[0].target, timeout_s=10) as client:
+            client.put_many(NS, [(key, value_of(key)) for key in keys], chained=True)
+        with Client(old[1].target, timeout_s=10) as client:
+            assert finds_all(client, keys)
+
+        joined = start_member(tmp_path, etcd, "c")
+        daemons.append(joined)
+        assert wait_until(lambda: all(members_of(d) == 3 for d in daemons))
+        placement = Placement([d.target for d in daemons])
+        moved = [key for key in keys if placement.owner(NS, key) == joined.target]
+        assert 0 < len(moved) < len(keys)
+        # Each value had one owner among a and b: it hands it on, once.
+        assert wait_until(
+            lambda: counted(old, "kvd_cluster_rebalanced_total") == len(moved), timeout_s=20
+        )
+        for daemon in daemons:
+            with Client(daemon.target, timeout_s=10) as client:
+                assert finds_all(client, keys)
+                assert [client.get(NS, key) for key in keys] == [value_of(key) for key in keys]
+        # The joined member serves what it owns from its own L1.
+        remote_gets = metric(joined.metrics_port, "kvd_cluster_remote_gets_total")
+        with Client(joined.target, timeout_s=10) as client:
+            assert [client.get(NS, key) for key in moved] == [value_of(key) for key in moved]
+        assert metric(joined.metrics_port, "kvd_cluster_remote_gets_total") == remote_gets
+        assert counted(daemons, "kvd_cluster_forward_errors_total") == 0
+
+        # It leaves (SIGTERM revokes its lease): the old owners kept copies
+        # of what they handed on, and keep them as their own again.
+        daemons.remove(joined)
+        joined.stop()
+        assert wait_until(lambda: all(members_of(d) == 2 for d in old), timeout_s=15)
+        assert wait_until(
+            lambda: counted(old, "kvd_cluster_rebalance_adopted_total") == len(moved),
+            timeout_s=20,
+        )
+        with Client(old[1].target, timeout_s=10) as client:
+            assert client.lookup(NS, keys) == len(keys)
+            assert [client.get(NS, key) for key in keys] == [value_of(key) for key in keys]
+    finally:
+        for daemon in daemons:
+            daemon.discard()
