@@ -14,7 +14,7 @@ import pytest
 
 from kvd.client import Client
 from tests.cluster.cluster import free_ports
-from tests.cluster.etcd_server import PREFIX, EtcdServer, etcd_binary, start_member
+from tests.cluster.etcd_server import PREFIX, EtcdServer, etcd_binary, start_etcd, start_member
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -47,7 +47,7 @@ async def etcd_put(endpoint: str, key: str, value: bytes) -> None:
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     (tmp_path / "etcd").mkdir()
-    server = EtcdServer(tmp_path / "etcd")
+    server = start_etcd(tmp_path / "etcd")
     yield server
     server.kill()
 

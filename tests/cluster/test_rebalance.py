@@ -14,7 +14,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
-from tests.cluster.etcd_server import EtcdServer, etcd_binary, start_member
+from tests.cluster.etcd_server import EtcdServer, etcd_binary, start_etcd, start_member
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -46,7 +46,7 @@ def finds_all(client: Client, keys: list[bytes]) -> bool:
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     (tmp_path / "etcd").mkdir()
-    server = EtcdServer(tmp_path / "etcd")
+    server = start_etcd(tmp_path / "etcd")
     yield server
     server.kill()
 

@@ -220,7 +220,7 @@ def _pool(args: argparse.Namespace) -> int:
         values=args.values, value_bytes=parse_size(args.value_bytes), chain_keys=args.chain_keys,
         lookups=args.lookups, lookup_pace_ms=args.lookup_pace_ms, requests=args.requests,
         capacity_fraction=args.capacity_fraction, netns=not args.loopback,
-        transports=tuple(args.transports),
+        transports=tuple(args.transports), join_chains=args.join_chains,
     )  # fmt: skip
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvd-bench-pool-") as tmp:
@@ -377,10 +377,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool_cmd.add_argument(
         "--loopback", action="store_true", help="members on loopback, not in network namespaces"
     )
+    pool_cmd.add_argument(
+        "--join-chains", type=int, default=256,
+        help="chains of 64 values of 64 KiB held when a fifth member joins (etcd)",
+    )  # fmt: skip
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.suite == "pool":
         if args.lookup_pace_ms < 0:
             parser.error(f"--lookup-pace-ms must be 0 or more, got {args.lookup_pace_ms:g}")
+        if args.join_chains < 1:
+            parser.error(f"--join-chains must be 1 or more, got {args.join_chains}")
         return _pool(args)
     if args.suite == "engine":
         return _engine(args)

@@ -26,6 +26,8 @@ reference measured in the same run.
   only its own share, against one daemon that holds the whole chain.
 - **Faults** (``kvd.tools.bench.pool_faults``): an owner cut off, stopped,
   killed; the engine's calls against their deadline.
+- **Join** (``kvd.tools.bench.pool_join``): a fifth member joins four whose
+  membership comes from etcd; how soon lookups find every block again.
 
 Members run in network namespaces when this is root (``kvd.tools.bench.netns``),
 on loopback otherwise (the report says which). No L2: the figures are the
@@ -47,7 +49,7 @@ from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.config.settings import SETTINGS_BY_NAME
 from kvd.store.eviction.policy import DEFAULT_POLICY
-from kvd.tools.bench import pool_ceiling, pool_faults, pool_puts
+from kvd.tools.bench import pool_ceiling, pool_faults, pool_join, pool_puts
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.pool_nodes import Pool, write_tokens
 from kvd.tools.replay.pool_sim import simulate_pool
@@ -109,6 +111,7 @@ class Options:
     netns: bool = True
     trace: str = ""
     transports: tuple[str, ...] = ()  # () : every one the daemon offers
+    join_chains: int = 256  # chains held when a fifth member joins (pool_join)
 
 
 def peer_transports() -> tuple[str, ...]:
@@ -561,6 +564,7 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
     lookup = chain_lookup(root, options, progress)
     ratio = hit_ratio(root, trace, options, progress)
     faults = pool_faults.run(root, options.netns, progress)
+    join = pool_join.run(root, progress, options.join_chains)
     return {
         "trace": str(trace_path),
         "where": gets[0]["where"],
@@ -569,4 +573,5 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
         "hit_ratio": ratio,
         "keys_moved": keys_moved(trace),
         "faults": faults,
+        "join": join,
     }

@@ -15,6 +15,10 @@ The targets:
   asks the owners, the default);
 - an owner cut off, stopped or killed: the engine's calls through its own
   daemon have p99 <= their deadline + 10 ms, 0 wrong bytes, 0 errors.
+
+Beside them (no target in numbers): a fifth member joining four from
+etcd; the values handed on to it against 1/N, and every block found
+again by lookups, with 0 wrong bytes.
 """
 
 from __future__ import annotations
@@ -99,6 +103,21 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "goal": "<= 1, 0 wrong, 0 errors",
             "met": ratio <= 1 and fault["wrong_bytes"] == 0 and fault["errors"] == 0,
         })  # fmt: skip
+    join = result.get("join", {})
+    if "skipped" not in join and join:
+        share, ideal = join["handed_on_share"], 1 / (join["members"] + 1)
+        after = join["found_after_s"]
+        found = f"100 % after {after:.2f} s" if after is not None else "not all within the wait"
+        rows.append({
+            "target": f"join {join['members']} -> {join['members'] + 1} (etcd): blocks found",
+            "measured": f"{100 * join['found_at_join']:.1f} % at the join, {found}; "
+            f"{join['handed_on']:.0f} of {join['values']} values handed on ({share:.4f}), "
+            f"{join['wrong']} wrong, {join['misses']} misses",
+            "reference": f"1/N = {ideal:.4f}",
+            "ratio": share / ideal,
+            "goal": "all found, 0 wrong",
+            "met": after is not None and join["wrong"] == 0 and join["misses"] == 0,
+        })  # fmt: skip
     return rows
 
 
@@ -161,6 +180,16 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"lookup and gone at its get: {hits['pool']['lost_after_lookup']}; guests held at the end: "
         f"{hits.get('guests_at_end', 0):.0f}. Wrong bytes or blocks: {wrong}.",
     ]
+    join = result.get("join", {})
+    if "skipped" in join:
+        lines.append(f"Join: skipped ({join['skipped']}).")
+    elif join:
+        cpu = ", ".join(f"{ms:.0f}" for ms in join["old_members_cpu_ms"])
+        lines.append(
+            f"Join: {join['values']} values of {join['value_bytes'] >> 10} KiB in chains, "
+            f"member 0 looking every chain up until it found every block; the old members' "
+            f"CPU meanwhile {cpu} ms; {join['forward_errors']:.0f} hand-offs failed."
+        )
     return "\n".join(lines)
 
 

@@ -34,6 +34,7 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
         "--out", str(out), "pool", "--values", "2", "--value-bytes", "1MiB",
         "--chain-keys", "40", "--lookups", "5", "--lookup-pace-ms", "1", "--requests", "40",
         "--trace", str(tiny_trace(tmp_path / "trace.jsonl", 40)), "--capacity-fraction", "0.5",
+        "--join-chains", "8",
     ]  # fmt: skip
     assert main([*argv, "--transports", transport] if transport else argv) == 0
     [raw] = out.glob("*-pool.json")
@@ -75,7 +76,11 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     faults = result["faults"]["rows"]
     assert [f["fault"] for f in faults][-2:] == ["SIGSTOP", "SIGKILL, restarted"]
     assert all(f["wrong_bytes"] == 0 and f["errors"] == 0 and f["misses"] > 0 for f in faults)
-    assert len(result["targets"]) == 2 * len(gets) + 4 + len(faults)  # two lookup rows
+    join = result["join"]  # a fifth member from etcd: every block found again
+    assert "skipped" not in join, join
+    assert join["values"] == 8 * 64 and join["wrong"] == 0 and join["misses"] == 0
+    assert join["found_after_s"] is not None and 0 < join["handed_on"] < join["values"]
+    assert len(result["targets"]) == 2 * len(gets) + 5 + len(faults)  # two lookup rows, a join
 
 
 def test_a_negative_lookup_pace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,138 @@
+"""``kvd bench pool``'s join (``kvd.tools.bench.pool``): four members whose
+membership comes from a real etcd hold chains, and a fifth joins.
+
+A chain's lookup stops at its first key held nowhere, and a join moves
+about a fifth of every chain's keys to the new member: until the values
+move too (``kvd.cluster.rebalance``), lookups find only each chain's
+blocks before its first moved key. Reported: the share of the blocks
+member 0's lookups find at the first look after every member saw the
+fifth, how long after that they find every block again, the values the
+old members handed on (and the share of all values), the old members' CPU
+meanwhile, and every value then read back through the new member and
+checked. The members run on loopback (etcd with them); without the etcd
+binary (Debian's ``etcd-server``) the case is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvd.client import Client
+from kvd.tools.bench.daemon import SpawnedDaemon
+from kvd.tools.bench.etcd import EtcdServer, etcd_binary
+from kvd.tools.bench.pool_nodes import Member, free_ports, write_tokens
+from kvd.tools.bench.pool_puts import cpu_s
+from kvd.tools.replay.run import block_value
+
+MEMBERS = 4
+CHAINS = 256
+CHAIN_BLOCKS = 64
+VALUE_BYTES = 64 * 1024
+MiB = 1 << 20
+PREFIX = "/kvd-bench/pool"
+ETCD_TTL_MS = 2000
+# Member 0 looks every chain up this often until it finds every block.
+POLL_S = 0.05
+JOIN_WAIT_S = 60.0
+NS = "join"
+
+
+def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) -> dict[str, Any]:
+    """The join with ``chain_count`` chains stored (module doc)."""
+    if etcd_binary() is None:
+        return {"skipped": "no etcd binary (apt-get install etcd-server)"}
+    root = Path(tempfile.mkdtemp(prefix="join-", dir=root))
+    (root / "etcd").mkdir()
+    etcd = EtcdServer(root / "etcd", *free_ports(2))
+    token, auth = write_tokens(root)
+    members: list[Member] = []
+    # L1 of each member: what it owns (a quarter) and the copies of the
+    # chains put through it (three quarters of a quarter), with room to spare.
+    dram = f"{chain_count * CHAIN_BLOCKS * VALUE_BYTES * 3 // 4 // MiB + 64}MiB"
+
+    def member(index: int) -> Member:
+        (port,) = free_ports(1)
+        address = f"127.0.0.1:{port}"
+        args = ["--listen", address, "--pool-members", f"etcd://{etcd.endpoint}{PREFIX}",
+                "--pool-etcd-ttl-ms", str(ETCD_TTL_MS), *auth]  # fmt: skip
+        new = Member(index, address, root / f"m{index}", args, {"dram": dram, "ssd": ""}, None,
+                     SpawnedDaemon)  # fmt: skip
+        new.start()
+        members.append(new)
+        return new
+
+    try:
+        progress(f"pool: join: {MEMBERS} members from etcd, {chain_count} chains")
+        for i in range(MEMBERS):
+            member(i)
+        _wait_members(members, MEMBERS)
+        positions = range(CHAIN_BLOCKS)
+        chains = [[b"c%04d-b%03d" % (c, b) for b in positions] for c in range(chain_count)]
+        values = {key: block_value(c * CHAIN_BLOCKS + b, VALUE_BYTES)
+                  for c, chain in enumerate(chains) for b, key in enumerate(chain)}  # fmt: skip
+        for c, chain in enumerate(chains):
+            with Client(members[c % MEMBERS].socket_target, token=token, timeout_s=60) as client:
+                client.put_many(NS, [(key, values[key]) for key in chain], chained=True)
+        with Client(members[0].socket_target, token=token, timeout_s=60) as looker:
+
+            def found() -> float:
+                blocks = sum(looker.lookup(NS, chain) for chain in chains)
+                return blocks / (chain_count * CHAIN_BLOCKS)
+
+            _wait(lambda: found() == 1.0, "the chains stored")
+            old = list(members)
+            cpu_before = [cpu_s(m.running.proc.pid) for m in old]
+            progress("pool: join: a fifth member joins")
+            joined = member(MEMBERS)
+            _wait_members(members, MEMBERS + 1)
+            seen = time.perf_counter()
+            first = found()
+            timeline = [(0.0, first)]
+            while timeline[-1][1] < 1.0 and time.perf_counter() - seen < JOIN_WAIT_S:
+                time.sleep(POLL_S)
+                timeline.append((time.perf_counter() - seen, found()))
+            cpu_ms = [(cpu_s(m.running.proc.pid) - before) * 1e3
+                      for m, before in zip(old, cpu_before, strict=True)]  # fmt: skip
+        handed_on = sum(m.metric("kvd_cluster_rebalanced_total") for m in old)
+        errors = sum(m.metric("kvd_cluster_forward_errors_total") for m in members)
+        wrong = misses = 0
+        with Client(joined.socket_target, token=token, timeout_s=60) as engine:
+            for key, value in values.items():
+                got = engine.get(NS, key)
+                misses += got is None
+                wrong += got is not None and got != value
+        return {
+            "members": MEMBERS,
+            "values": len(values),
+            "value_bytes": VALUE_BYTES,
+            "found_at_join": first,
+            "found_after_s": timeline[-1][0] if timeline[-1][1] == 1.0 else None,
+            "timeline": timeline,
+            "handed_on": handed_on,
+            "handed_on_share": handed_on / len(values),
+            "forward_errors": errors,
+            "old_members_cpu_ms": cpu_ms,
+            "wrong": wrong,
+            "misses": misses,
+        }
+    finally:
+        for m in members:
+            m.stop()
+        etcd.kill()
+
+
+def _wait_members(members: list[Member], count: int) -> None:
+    _wait(lambda: all(m.metric("kvd_cluster_members") == count for m in members),
+          f"{count} members")  # fmt: skip
+
+
+def _wait(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + JOIN_WAIT_S
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pool join: no {what} within {JOIN_WAIT_S:g} s")
+        time.sleep(0.05)
