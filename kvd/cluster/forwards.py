@@ -24,14 +24,15 @@ time in order hit 8.5 %, at 1.3 GB/s; batches in order on one connection
 9.25 % (the simulator 9.29 %), at 1.9 GB/s, 1.6 and 1.3 ms of CPU.
 
 Bounded: at most ``FORWARD_QUEUE_MAX`` puts wait in all (past it the owner
-does not get the value, counted in ``dropped``), and at most
+does not get the value, counted in ``dropped``, as is a value not pinned
+and evicted before its turn), and at most
 ``FORWARD_SENDING_MAX`` owners are sent a batch at once (each batch's
 values held while it goes).
 A waiting value is pinned (a guest goes first otherwise) while the pinned
 bytes stay within ``FORWARD_PIN_FRACTION`` of L1; past that a forward reads
-the value when its turn comes, if it is still here. A value deleted before
-its turn is not sent; one whose owner is down, fails or refuses it counts
-in ``errors``.
+the value when its turn comes, if it is still here (else counted in
+``dropped``). A value deleted before its turn is not sent; one whose owner
+is down, fails or refuses it counts in ``errors``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ class Forwards:
     def waiting(self) -> int:
         return self._waiting
 
+    def can_pin(self, size: int) -> bool:
+        """Whether a value of ``size`` bytes queued now would be pinned
+        while it waits (within ``FORWARD_PIN_FRACTION`` of L1), or nothing
+        is pinned (a value larger than the share goes unpinned, alone)."""
+        return self._pins.has_room(size) or not self._pins.bytes
+
     def put(self, entry: Entry, owner: str) -> None:
         """Queue ``entry``'s value for ``owner``."""
         if self._waiting >= FORWARD_QUEUE_MAX:
@@ -174,6 +181,7 @@ class Forwards:
             self._waiting -= 1
             reader = waiting.pinned or self._store.peek(waiting.namespace, waiting.key)
             if reader is None:
+                self.dropped += 1  # not pinned, and evicted before its turn
                 continue
             if not reader.entry.linked:
                 self._release(reader, pinned=waiting.pinned is not None)

@@ -107,7 +107,8 @@ POOL_COUNTERS = {
     "forward_errors": ("kvd_cluster_forward_errors", "Puts that could not reach their owner"),
     "forwards_dropped": (
         "kvd_cluster_forwards_dropped",
-        "Puts not handed to their owner: the forward queue was full",
+        "Puts not handed to their owner: the forward queue was full, or the value "
+        "was evicted before its turn",
     ),
     "tells_dropped": (
         "kvd_cluster_tells_dropped",
@@ -124,6 +125,10 @@ POOL_COUNTERS = {
     "rebalanced": (
         "kvd_cluster_rebalanced",
         "Values handed to their new owner after the pool's members changed",
+    ),
+    "rebalanced_from_l2": (
+        "kvd_cluster_rebalanced_from_l2",
+        "Values read from L2 to be handed to their new owner after the members changed",
     ),
     "rebalance_adopted": (
         "kvd_cluster_rebalance_adopted",

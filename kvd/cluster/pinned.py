@@ -44,6 +44,10 @@ class PinShare:
         self.bytes += reader.size
         return reader
 
+    def has_room(self, size: int) -> bool:
+        """Whether a value of ``size`` bytes would be pinned now."""
+        return self.bytes + size <= self.max_bytes
+
     def release(self, reader: Reader) -> None:
         """End a pin this share made (once)."""
         self.bytes -= reader.size

@@ -126,6 +126,7 @@ class PoolCounters:
     plans_adopted: int = 0  # the plan holder's eviction plans this member keeps blocks by
     plans_refused: int = 0  # plans of another policy or member size (it plans for itself)
     rebalanced: int = 0  # values handed to their new owner after the members changed
+    rebalanced_from_l2: int = 0  # of them, values read from L2 to be handed on
     rebalance_adopted: int = 0  # copies whose key this member owns since, kept as its own
 
 
@@ -177,7 +178,7 @@ class PoolRouter:
             store.learning, membership, reads, timeout_s=peer_timeout_s,
             failed=self._peer_failed, is_down=self._is_down,
         )  # fmt: skip
-        self.rebalance = Rebalance(store.entries, membership, self.forwards, self._is_down)
+        self.rebalance = Rebalance(store, membership, self.forwards, self._is_down)
         membership.on_change(self._members_changed)
 
     def start(self) -> None:
@@ -211,6 +212,7 @@ class PoolRouter:
         self.counters.forwards, self.counters.forward_errors = forwards.sent, forwards.errors
         self.counters.forwards_dropped = forwards.dropped
         self.counters.rebalanced = self.rebalance.handed_on
+        self.counters.rebalanced_from_l2 = self.rebalance.read_from_l2
         self.counters.rebalance_adopted = self.rebalance.adopted
         values = {f.name: getattr(self.counters, f.name) for f in fields(self.counters)}
         values["members"] = len(self.membership.members)

@@ -382,6 +382,10 @@ class L2Tier:
         records = self._by_namespace.get(namespace)
         return next(iter(records.values())) if records else None
 
+    def namespaces(self) -> list[str]:
+        """The namespaces with a live record here."""
+        return list(self._by_namespace)
+
     def keys_of(self, namespace: str) -> list[bytes]:
         return list(self._by_namespace.get(namespace, ()))
 

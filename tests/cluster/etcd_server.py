@@ -19,9 +19,12 @@ def start_etcd(workdir: Path) -> EtcdServer:
     return EtcdServer(workdir, *free_ports(2))
 
 
-def start_member(root: Path, etcd: EtcdServer, name: str, *extra: str) -> DaemonProcess:
-    """A daemon without L2 in the pool registered under ``etcd``'s PREFIX
-    (a 2 s lease), in ``root / name``."""
+def start_member(
+    root: Path, etcd: EtcdServer, name: str, *extra: str, **sizes: str
+) -> DaemonProcess:
+    """A daemon in the pool registered under ``etcd``'s PREFIX (a 2 s
+    lease), in ``root / name``; without L2 unless ``sizes`` give ``ssd``
+    (and ``dram``, ``max_value``: ``SpawnedDaemon``'s)."""
     (port,) = free_ports(1)
     where = root / name
     where.mkdir()
@@ -31,4 +34,4 @@ def start_member(root: Path, etcd: EtcdServer, name: str, *extra: str) -> Daemon
         "--pool-etcd-ttl-ms", "2000",
         *extra,
     ]  # fmt: skip
-    return DaemonProcess(where, args, ssd="")
+    return DaemonProcess(where, args, **{"ssd": "", **sizes})

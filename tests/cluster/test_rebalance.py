@@ -84,6 +84,7 @@ def test_a_joining_member_gets_what_it_owns_and_gives_it_back_when_it_leaves(
             assert [client.get(NS, key) for key in moved] == [value_of(key) for key in moved]
         assert metric(joined.metrics_port, "kvd_cluster_remote_gets_total") == remote_gets
         assert counted(daemons, "kvd_cluster_forward_errors_total") == 0
+        assert counted(daemons, "kvd_cluster_forwards_dropped_total") == 0  # none evicted unsent
 
         # It leaves (SIGTERM revokes its lease): the old owners kept copies
         # of what they handed on, and keep them as their own again.
@@ -97,6 +98,41 @@ def test_a_joining_member_gets_what_it_owns_and_gives_it_back_when_it_leaves(
         with Client(old[1].target, timeout_s=10) as client:
             assert client.lookup(NS, keys) == len(keys)
             assert [client.get(NS, key) for key in keys] == [value_of(key) for key in keys]
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def test_values_only_on_l2_go_to_their_new_owner_too(tmp_path: Path, etcd: EtcdServer) -> None:
+    sizes = {"ssd": "64MiB", "segment": "8MiB", "dram": "2MiB", "max_value": "1MiB"}
+    old = [start_member(tmp_path, etcd, name, **sizes) for name in ("a", "b")]
+    daemons = list(old)
+    try:
+        assert wait_until(lambda: all(members_of(d) == 2 for d in old))
+        keys = [b"cold-%04d" % i for i in range(96)]  # 6 MiB: most only on L2
+        values = {key: hashlib.sha256(key).digest() * 2048 for key in keys}
+        before = Placement([d.target for d in old])
+        for daemon in old:  # each through its owner: an L1 this small hands on little
+            with Client(daemon.target, timeout_s=10) as client:
+                mine = [key for key in keys if before.owner(NS, key) == daemon.target]
+                client.put_many(NS, [(key, values[key]) for key in mine])
+        with Client(old[1].target, timeout_s=10) as client:
+            assert finds_all(client, keys)
+
+        joined = start_member(tmp_path, etcd, "c", **sizes)
+        daemons.append(joined)
+        assert wait_until(lambda: all(members_of(d) == 3 for d in daemons))
+        placement = Placement([d.target for d in daemons])
+        moved = [key for key in keys if placement.owner(NS, key) == joined.target]
+        assert wait_until(
+            lambda: counted(old, "kvd_cluster_rebalanced_total") == len(moved), timeout_s=20
+        )
+        assert counted(old, "kvd_cluster_rebalanced_from_l2_total") > 0
+        with Client(joined.target, timeout_s=10) as client:
+            assert finds_all(client, keys)
+            assert [client.get(NS, key) for key in keys] == [values[key] for key in keys]
+        assert counted(daemons, "kvd_cluster_forward_errors_total") == 0
+        assert counted(daemons, "kvd_cluster_forwards_dropped_total") == 0  # none evicted unsent
     finally:
         for daemon in daemons:
             daemon.discard()
