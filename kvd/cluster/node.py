@@ -239,7 +239,8 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
     reads = PeerReads(store, peers, BulkPeers(token), config.pool_peer_transport,
                       _start_nixl(config, store, membership.advertise))  # fmt: skip
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000,
-                        config.pool_lookup_hint_ms / 1000)  # fmt: skip
+                        config.pool_lookup_hint_ms / 1000,
+                        config.pool_rebalance_bytes_per_s)  # fmt: skip
     router.start()
     etcd: EtcdMembers | None = None
     dns: DnsMembers | None = None

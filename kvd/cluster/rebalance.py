@@ -27,8 +27,10 @@ Bounded: at most ``QUEUED_MAX`` hand-offs wait in the forward queue at once
 value is queued only when the forwards can pin it while it waits (within
 their share of L1: a guest not pinned would be the first value evicted,
 by the walk's own reads from L2 among others), L2 values are read one at
-a time, and the walk yields to the event loop every ``STEP_ENTRIES``
-values. A change of members during a walk starts it
+a time, the walk yields to the event loop every ``STEP_ENTRIES``
+values, and it hands on at most ``pool_rebalance_bytes_per_s`` (256 MiB
+by default; a node holding terabytes on L2 sends its share over hours,
+not at the NIC's full rate). A change of members during a walk starts it
 again under the new placement.
 """
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from kvd.cluster.forwards import Forwards
@@ -64,8 +67,14 @@ class Rebalance:
         membership: Membership,
         forwards: Forwards,
         is_down: Callable[[str], bool],
+        bytes_per_s: int = 0,
     ) -> None:
+        """``bytes_per_s``: the most a walk hands on a second (0: as fast
+        as the forward queue drains)."""
         self._store = store
+        self._bytes_per_s = bytes_per_s
+        self._began = 0.0  # when the walk began
+        self._walk_bytes = 0  # bytes the walk handed on
         self._membership = membership
         self._forwards = forwards
         self._is_down = is_down
@@ -111,6 +120,7 @@ class Rebalance:
         if len(placement.members) == 1:
             return
         entries = self._store.entries
+        self._began, self._walk_bytes = time.monotonic(), 0
         # Values handed on from L1 that also have an L2 record: evicted here
         # before the L2 walk reaches them, they are not read and sent again
         # (at most this member's L1 entries / members).
@@ -168,6 +178,11 @@ class Rebalance:
         forwards.put(entry, owner)
         self._store.entries.set_guest(entry, True)
         self.handed_on += 1
+        self._walk_bytes += entry.size
+        if self._bytes_per_s:
+            ahead_s = self._walk_bytes / self._bytes_per_s - (time.monotonic() - self._began)
+            if ahead_s > 0:
+                await asyncio.sleep(ahead_s)
         return True
 
 

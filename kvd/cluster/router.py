@@ -141,8 +141,10 @@ class PoolRouter:
         reads: PeerReads,
         peer_timeout_s: float,
         lookup_hint_s: float = 0.0,
+        rebalance_bytes_per_s: int = 0,
     ) -> None:
-        """``lookup_hint_s``: how long owners' answers answer lookups (``Hints``); 0: never."""
+        """``lookup_hint_s``: how long owners' answers answer lookups (``Hints``); 0: never.
+        ``rebalance_bytes_per_s``: the pace of ``Rebalance``; 0: unpaced."""
         self.store = store
         self.membership = membership
         self.peers = peers
@@ -178,7 +180,8 @@ class PoolRouter:
             store.learning, membership, reads, timeout_s=peer_timeout_s,
             failed=self._peer_failed, is_down=self._is_down,
         )  # fmt: skip
-        self.rebalance = Rebalance(store, membership, self.forwards, self._is_down)
+        self.rebalance = Rebalance(store, membership, self.forwards, self._is_down,
+                                   rebalance_bytes_per_s)  # fmt: skip
         membership.on_change(self._members_changed)
 
     def start(self) -> None:

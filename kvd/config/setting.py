@@ -91,7 +91,8 @@ def kind_of(name: str, annotation: object) -> str:
     if annotation == tuple[str, ...]:
         return "list"
     if annotation is int:
-        return "size" if name.endswith("_bytes") else "int"
+        # A size, or a rate in bytes a second: both read "256MiB".
+        return "size" if name.endswith(("_bytes", "_bytes_per_s")) else "int"
     for kind, python_type in (("str", str), ("bool", bool), ("float", float)):
         if annotation is python_type:
             return kind

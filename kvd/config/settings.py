@@ -367,6 +367,14 @@ class Config:
         min=0,
         max=60_000,
     )
+    pool_rebalance_bytes_per_s: int = _setting(
+        256 * MiB,
+        help="after the pool's members change, the rate at which this daemon hands the "
+        "values whose owner changed (from L1, then L2) to their new owner; 0: as fast as "
+        "the forward queue drains",
+        min=0,
+        max=64 * TiB,
+    )
     pool_peer_transport: str = _setting(
         "auto",
         help="how values are read from their owner: nixl (one-sided reads into L1 pages), "

@@ -7,6 +7,7 @@ values become their own again. Membership from a real etcd."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,9 +104,13 @@ def test_a_joining_member_gets_what_it_owns_and_gives_it_back_when_it_leaves(
             daemon.discard()
 
 
-def test_values_only_on_l2_go_to_their_new_owner_too(tmp_path: Path, etcd: EtcdServer) -> None:
+def test_values_only_on_l2_go_to_their_new_owner_too_at_the_rate_set(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
     sizes = {"ssd": "64MiB", "segment": "8MiB", "dram": "2MiB", "max_value": "1MiB"}
-    old = [start_member(tmp_path, etcd, name, **sizes) for name in ("a", "b")]
+    rate = 512 << 10  # the walk takes 2 s or more, against ~1.2 s unpaced
+    paced = ("--pool-rebalance-bytes-per-s", str(rate))
+    old = [start_member(tmp_path, etcd, name, *paced, **sizes) for name in ("a", "b")]
     daemons = list(old)
     try:
         assert wait_until(lambda: all(members_of(d) == 2 for d in old))
@@ -124,9 +129,13 @@ def test_values_only_on_l2_go_to_their_new_owner_too(tmp_path: Path, etcd: EtcdS
         assert wait_until(lambda: all(members_of(d) == 3 for d in daemons))
         placement = Placement([d.target for d in daemons])
         moved = [key for key in keys if placement.owner(NS, key) == joined.target]
+        began = time.monotonic()
         assert wait_until(
             lambda: counted(old, "kvd_cluster_rebalanced_total") == len(moved), timeout_s=20
         )
+        # Each old member hands on at most ``rate`` a second (the first value at once).
+        slower = max(sum(before.owner(NS, k) == d.target for k in moved) for d in old)
+        assert time.monotonic() - began >= (slower - 1) * (64 << 10) / rate
         assert counted(old, "kvd_cluster_rebalanced_from_l2_total") > 0
         with Client(joined.target, timeout_s=10) as client:
             assert finds_all(client, keys)
