@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import dns.exception
@@ -19,6 +18,7 @@ import dns.message
 import dns.query
 import dns.rcode
 
+from kvd.tools.bench.services import spawn_logged, wait_ready
 from tests.cluster.cluster import free_ports
 
 START_TIMEOUT_S = 10.0
@@ -47,8 +47,8 @@ class DnsServer:
     def start(self) -> None:
         binary = dnsmasq_binary()
         assert binary is not None
-        log = open(self.workdir / "dnsmasq.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
+        log = self.workdir / "dnsmasq.log"
+        self.proc = spawn_logged(
             [
                 binary, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv",
                 "--no-hosts", f"--addn-hosts={self.hosts}", f"--port={self.port}",
@@ -59,20 +59,9 @@ class DnsServer:
                 f"--pid-file={self.workdir / 'dnsmasq.pid'}", "--cache-size=0",
                 *(["--user=root"] if os.geteuid() == 0 else []),
             ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            log,
         )  # fmt: skip
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError((self.workdir / "dnsmasq.log").read_text()[-2000:])
-            if self._answers():
-                return
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError("dnsmasq did not answer")
+        wait_ready(self.proc, self._answers, log, "dnsmasq", START_TIMEOUT_S)
 
     def _answers(self) -> bool:
         query = dns.message.make_query("kvd-probe.invalid.", "A")

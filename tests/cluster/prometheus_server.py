@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvd.tools.bench.services import spawn_logged, wait_ready
 from tests.cluster.cluster import free_ports
 
 START_TIMEOUT_S = 30.0
@@ -34,30 +33,22 @@ class PrometheusServer:
         every = {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL}
         jobs = [{"job_name": "kvd", "static_configs": [{"targets": targets}]}]
         config.write_text(json.dumps({"global": every, "scrape_configs": jobs}))  # JSON is YAML
-        log = open(workdir / "prometheus.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
+        log = workdir / "prometheus.log"
+        self.proc = spawn_logged(
             [
                 binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
             ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            log,
         )  # fmt: skip
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.log()[-2000:])
-            try:
-                with urllib.request.urlopen(self.url("/-/ready"), timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError("prometheus did not become ready:\n" + self.log()[-2000:])
+        wait_ready(self.proc, self._ready, log, "prometheus", START_TIMEOUT_S, poll_s=0.1)
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url("/-/ready"), timeout=1) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

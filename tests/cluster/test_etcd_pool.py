@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvd.client import Client
 from tests.cluster.cluster import free_ports
-from tests.cluster.etcd_server import PREFIX, EtcdServer, etcd_binary, start_etcd, start_member
+from tests.cluster.etcd_server import PREFIX, EtcdServer, etcd_binary, start_member
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -42,14 +41,6 @@ async def etcd_put(endpoint: str, key: str, value: bytes) -> None:
     host, _, port = endpoint.rpartition(":")
     async with aetcd.Client(host, int(port), timeout=5) as client:
         await client.put(key.encode(), value)
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    (tmp_path / "etcd").mkdir()
-    server = start_etcd(tmp_path / "etcd")
-    yield server
-    server.kill()
 
 
 def test_members_join_leave_and_survive_etcd_going_away(tmp_path: Path, etcd: EtcdServer) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
-from tests.cluster.etcd_server import EtcdServer, etcd_binary, start_etcd, start_member
+from tests.cluster.etcd_server import EtcdServer, etcd_binary, start_member
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -42,14 +41,6 @@ def counted(daemons: list[DaemonProcess], name: str) -> float:
 def finds_all(client: Client, keys: list[bytes]) -> bool:
     """Whether a lookup through ``client`` finds the whole chain, soon."""
     return wait_until(lambda: client.lookup(NS, keys) == len(keys))
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    (tmp_path / "etcd").mkdir()
-    server = start_etcd(tmp_path / "etcd")
-    yield server
-    server.kill()
 
 
 def test_a_joining_member_gets_what_it_owns_and_gives_it_back_when_it_leaves(

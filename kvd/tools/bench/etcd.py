@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
+
+from kvd.tools.bench.services import spawn_logged, wait_ready
 
 START_TIMEOUT_S = 20.0
 
@@ -36,35 +37,28 @@ class EtcdServer:
             raise RuntimeError("no etcd binary (apt-get install etcd-server)")
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
-        log = open(self.workdir / "etcd.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
+        log = self.workdir / "etcd.log"
+        self.proc = spawn_logged(
             [
                 binary, "--name", "kvd-test", "--data-dir", str(self.workdir / "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"kvd-test={peer}",
             ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            log,
         )  # fmt: skip
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError((self.workdir / "etcd.log").read_text()[-2000:])
-            try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as response:
-                    if b"true" in response.read():
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError("etcd did not become healthy")
+        wait_ready(self.proc, lambda: _healthy(client), log, "etcd", START_TIMEOUT_S)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+
+def _healthy(client_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{client_url}/health", timeout=1) as response:
+            return b"true" in response.read()
+    except OSError:
+        return False
