@@ -23,11 +23,12 @@ def start_member(
     root: Path, etcd: EtcdServer, name: str, *extra: str, **sizes: str
 ) -> DaemonProcess:
     """A daemon in the pool registered under ``etcd``'s PREFIX (a 2 s
-    lease), in ``root / name``; without L2 unless ``sizes`` give ``ssd``
+    lease), in ``root / name`` (again after a restart: its L2 file is
+    there), on a port of its own; without L2 unless ``sizes`` give ``ssd``
     (and ``dram``, ``max_value``: ``SpawnedDaemon``'s)."""
     (port,) = free_ports(1)
     where = root / name
-    where.mkdir()
+    where.mkdir(exist_ok=True)
     args = [
         "--listen", f"127.0.0.1:{port}",
         "--pool-members", f"etcd://{etcd.endpoint}{PREFIX}",

@@ -1,8 +1,10 @@
 """After the pool's members change, values go where lookups look for them
 (kvd.cluster.rebalance): a member that joins gets the values it now owns
-from their old owners, so a lookup through any member still finds every
-block; when it leaves again, the copies the old owners kept of those
-values become their own again. Membership from a real etcd."""
+from their old owners (from L1, and from L2 at the rate set), so a lookup
+through any member still finds every block; when it leaves again, the
+copies the old owners kept of those values become their own again; a
+member back under another address (a pod's new IP) hands what its L2 kept
+to the keys' owners now. Membership from a real etcd."""
 
 from __future__ import annotations
 
@@ -133,6 +135,47 @@ def test_values_only_on_l2_go_to_their_new_owner_too_at_the_rate_set(
             assert [client.get(NS, key) for key in keys] == [values[key] for key in keys]
         assert counted(daemons, "kvd_cluster_forward_errors_total") == 0
         assert counted(daemons, "kvd_cluster_forwards_dropped_total") == 0  # none evicted unsent
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def test_a_member_back_under_another_address_hands_on_what_its_l2_kept(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    sizes = {"ssd": "64MiB", "segment": "8MiB", "dram": "2MiB", "max_value": "1MiB"}
+    a, b = (start_member(tmp_path, etcd, name, **sizes) for name in ("a", "b"))
+    daemons = [a, b]
+    try:
+        assert wait_until(lambda: all(members_of(d) == 2 for d in daemons))
+        keys = [b"kept-%04d" % i for i in range(96)]
+        values = {key: hashlib.sha256(key).digest() * 2048 for key in keys}
+        before = Placement([a.target, b.target])
+        for daemon in daemons:
+            with Client(daemon.target, timeout_s=10) as client:
+                mine = [key for key in keys if before.owner(NS, key) == daemon.target]
+                client.put_many(NS, [(key, values[key]) for key in mine])
+        b.stop()  # SIGTERM: its write-back finishes, its lease is revoked
+        assert wait_until(lambda: members_of(a) == 1, timeout_s=15)
+
+        back = start_member(tmp_path, etcd, "b", **sizes)  # its L2 file, another port
+        daemons[1] = back
+        assert back.target != b.target
+        assert wait_until(lambda: all(members_of(d) == 2 for d in daemons))
+        after = Placement([a.target, back.target])
+        # Keys b owned that a owns now: only b's L2 has them.
+        moved = (b.target, a.target)
+        to_a = [k for k in keys if (before.owner(NS, k), after.owner(NS, k)) == moved]
+        assert to_a
+        assert wait_until(
+            lambda: metric(back.metrics_port, "kvd_cluster_rebalanced_from_l2_total") >= len(to_a),
+            timeout_s=20,
+        )
+        for daemon in daemons:
+            with Client(daemon.target, timeout_s=10) as client:
+                assert finds_all(client, keys)
+                assert [client.get(NS, key) for key in keys] == [values[key] for key in keys]
+        assert counted(daemons, "kvd_cluster_forwards_dropped_total") == 0
     finally:
         for daemon in daemons:
             daemon.discard()
