@@ -38,6 +38,8 @@ put handed on to its owner.
   copy here is a guest, pinned until it went to the owner (up to a quarter
   of L1 pinned so; past that a forward reads it when its turn comes, if it
   is still here).
+- **Members change**: each member hands the values whose owner changed to
+  the new owner, from L1 then L2, paced (``kvd.cluster.rebalance``).
 
 A dead, slow or partitioned peer is a miss within the caller's deadline
 (kvd.cluster.scope): a peer error, a timeout or a checksum mismatch is
