@@ -16,6 +16,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
+from kvd.tools.bench.daemon import written_back
 from tests.cluster.etcd_server import EtcdServer, etcd_binary, start_member
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
@@ -38,6 +39,15 @@ def members_of(daemon: DaemonProcess) -> float:
 
 def counted(daemons: list[DaemonProcess], name: str) -> float:
     return sum(metric(d.metrics_port, name) for d in daemons)
+
+
+def handed_on(daemons: list[DaemonProcess]) -> dict[str, dict[str, float]]:
+    """Each member's hand-off counters (what a failed check says)."""
+    names = ("rebalanced", "rebalanced_from_l2", "forwards", "forward_errors", "forwards_dropped")
+    return {
+        d.target: {n: metric(d.metrics_port, f"kvd_cluster_{n}_total") for n in names}
+        for d in daemons
+    }
 
 
 def finds_all(client: Client, keys: list[bytes]) -> bool:
@@ -70,7 +80,7 @@ def test_a_joining_member_gets_what_it_owns_and_gives_it_back_when_it_leaves(
         )
         for daemon in daemons:
             with Client(daemon.target, timeout_s=10) as client:
-                assert finds_all(client, keys)
+                assert finds_all(client, keys), handed_on(daemons)
                 assert [client.get(NS, key) for key in keys] == [value_of(key) for key in keys]
         # The joined member serves what it owns from its own L1.
         remote_gets = metric(joined.metrics_port, "kvd_cluster_remote_gets_total")
@@ -131,7 +141,7 @@ def test_values_only_on_l2_go_to_their_new_owner_too_at_the_rate_set(
         assert time.monotonic() - began >= (slower - 1) * (64 << 10) / rate
         assert counted(old, "kvd_cluster_rebalanced_from_l2_total") > 0
         with Client(joined.target, timeout_s=10) as client:
-            assert finds_all(client, keys)
+            assert finds_all(client, keys), handed_on(daemons)
             assert [client.get(NS, key) for key in keys] == [values[key] for key in keys]
         assert counted(daemons, "kvd_cluster_forward_errors_total") == 0
         assert counted(daemons, "kvd_cluster_forwards_dropped_total") == 0  # none evicted unsent
@@ -143,7 +153,7 @@ def test_values_only_on_l2_go_to_their_new_owner_too_at_the_rate_set(
 def test_a_member_back_under_another_address_hands_on_what_its_l2_kept(
     tmp_path: Path, etcd: EtcdServer
 ) -> None:
-    sizes = {"ssd": "64MiB", "segment": "8MiB", "dram": "2MiB", "max_value": "1MiB"}
+    sizes = {"ssd": "64MiB", "segment": "8MiB", "max_value": "1MiB"}  # L1 goes, L2 stays
     a, b = (start_member(tmp_path, etcd, name, **sizes) for name in ("a", "b"))
     daemons = [a, b]
     try:
@@ -155,7 +165,9 @@ def test_a_member_back_under_another_address_hands_on_what_its_l2_kept(
             with Client(daemon.target, timeout_s=10) as client:
                 mine = [key for key in keys if before.owner(NS, key) == daemon.target]
                 client.put_many(NS, [(key, values[key]) for key in mine])
-        b.stop()  # SIGTERM: its write-back finishes, its lease is revoked
+        with Client(b.target, timeout_s=10) as client:
+            assert written_back(client)
+        b.stop()  # SIGTERM: its lease is revoked
         assert wait_until(lambda: members_of(a) == 1, timeout_s=15)
 
         back = start_member(tmp_path, etcd, "b", **sizes)  # its L2 file, another port
@@ -173,7 +185,7 @@ def test_a_member_back_under_another_address_hands_on_what_its_l2_kept(
         )
         for daemon in daemons:
             with Client(daemon.target, timeout_s=10) as client:
-                assert finds_all(client, keys)
+                assert finds_all(client, keys), handed_on(daemons)
                 assert [client.get(NS, key) for key in keys] == [values[key] for key in keys]
         assert counted(daemons, "kvd_cluster_forwards_dropped_total") == 0
     finally:
