@@ -146,11 +146,24 @@ class PoolNode:
         router: PoolRouter,
         etcd: EtcdMembers | None,
         dns: DnsMembers | None = None,
+        joined: dict[str, str] | None = None,
     ) -> None:
         self.membership = membership
         self.router = router
         self.etcd = etcd
         self.dns = dns
+        self._joined = joined or {}
+
+    async def join(self) -> None:
+        """Start the membership source (etcd registers this daemon), once
+        every listener is up: a member that others see must take their calls
+        and the values they hand it (kvd.cluster.rebalance)."""
+        if self.dns is not None:
+            await self.dns.start()
+        if self.etcd is not None:
+            await self.etcd.start(ETCD_START_WAIT_S)
+        members = ",".join(self.membership.members)
+        log.info("pool joined", extra={**self._joined, "members": members})
 
     def stats(self) -> dict[str, int]:
         values = self.router.stats()
@@ -229,7 +242,9 @@ def _rdma_devices() -> list[str]:
 
 
 async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None:
-    """Join the pool ``pool_members`` names; None for a single-node daemon."""
+    """This daemon's part in the pool ``pool_members`` names (a static list
+    in use at once; etcd and DNS start with ``PoolNode.join``); None for a
+    single-node daemon."""
     spec = parse_spec(config.pool_members)
     if spec is None:
         return None
@@ -257,20 +272,14 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
                 f"pool_dns_server: {config.pool_dns_server} is not IP:PORT ({exc})",
                 key="pool_dns_server",
             ) from None
-        await dns.start()
     else:
         from kvd.cluster.etcd import EtcdMembers  # aetcd loads only for an etcd pool
 
         etcd = EtcdMembers(spec, membership, math.ceil(config.pool_etcd_ttl_ms / 1000))
-        await etcd.start(ETCD_START_WAIT_S)
-    log.info(
-        "pool joined",
-        extra={
-            "source": spec.kind,
-            "advertise": membership.advertise,
-            "members": ",".join(membership.members),
-            "peer_token": "on" if config.pool_token_file else "off",
-            "peer_transport": reads.describe(),
-        },
-    )
-    return PoolNode(membership, router, etcd, dns)
+    joined = {
+        "source": spec.kind,
+        "advertise": membership.advertise,
+        "peer_token": "on" if config.pool_token_file else "off",
+        "peer_transport": reads.describe(),
+    }
+    return PoolNode(membership, router, etcd, dns, joined)

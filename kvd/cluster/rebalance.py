@@ -31,7 +31,11 @@ a time, the walk yields to the event loop every ``STEP_ENTRIES``
 values, and it hands on at most ``pool_rebalance_bytes_per_s`` (256 MiB
 by default; a node holding terabytes on L2 sends its share over hours,
 not at the NIC's full rate). A change of members during a walk starts it
-again under the new placement.
+again under the new placement. A value whose new owner is failing just
+then (a call to it failed within the last second) is passed over and
+stays this member's own; the walk then runs again ``RETRY_S`` later, up
+to ``WALK_ROUNDS`` times (a walk again hands on only what is still this
+member's).
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ QUEUED_MAX = 256
 STEP_ENTRIES = 512
 # How often a walk waiting for the forward queue looks again.
 DRAIN_POLL_S = 0.005
+# A walk that passed over values of a member failing just then (a peer call
+# to it failed within the last second) walks again this much later, at most
+# WALK_ROUNDS times in all.
+RETRY_S = 2.0
+WALK_ROUNDS = 5
 
 
 class Rebalance:
@@ -103,8 +112,16 @@ class Rebalance:
         await asyncio.sleep(SETTLE_S)
         placement = self._membership.placement
         before = self.handed_on, self.adopted
-        await self.walk()
-        self.walks += 1
+        for _ in range(WALK_ROUNDS):
+            self.walks += 1
+            if not await self.walk():
+                break
+            await asyncio.sleep(RETRY_S)
+        else:
+            log.warning(
+                "pool values not handed to their new owner: it kept failing",
+                extra={"members": ",".join(placement.members)},
+            )
         handed, adopted = self.handed_on - before[0], self.adopted - before[1]
         if handed or adopted:
             log.info(
@@ -113,19 +130,21 @@ class Rebalance:
                        "members": ",".join(placement.members)},
             )  # fmt: skip
 
-    async def walk(self) -> None:
-        """One walk over L1, then L2, under the current placement."""
+    async def walk(self) -> int:
+        """One walk over L1, then L2, under the current placement: how many
+        values it passed over because their new owner was failing just then
+        (they stay this member's own, for the next walk)."""
         placement = self._membership.placement
         me = self._membership.advertise
         if len(placement.members) == 1:
-            return
+            return 0
         entries = self._store.entries
         self._began, self._walk_bytes = time.monotonic(), 0
         # Values handed on from L1 that also have an L2 record: evicted here
         # before the L2 walk reaches them, they are not read and sent again
         # (at most this member's L1 entries / members).
         handed: set[tuple[str, bytes]] = set()
-        seen = 0
+        seen = passed_over = 0
         for ns in list(entries.by_name.values()):
             for entry in list(ns.entries.values()):
                 seen += 1
@@ -139,30 +158,38 @@ class Rebalance:
                         entries.set_guest(entry, False)
                         self.adopted += 1
                     continue
-                if entry.guest or self._is_down(owner):
-                    continue  # a copy already, or an owner that would not take it now
+                if entry.guest:
+                    continue  # a copy already
+                if self._is_down(owner):
+                    passed_over += 1
+                    continue
                 if await self._hand_on(entry, owner) and entry.l2 is not None:
                     handed.add((ns.name, entry.key))
         l2, promoting = self._store.l2, self._store.placement
         if l2 is None or promoting is None:
-            return
+            return passed_over
         for namespace in l2.namespaces():
             for key in l2.keys_of(namespace):
                 seen += 1
                 if seen % STEP_ENTRIES == 0:
                     await asyncio.sleep(0)
                 owner = placement.owner(namespace, key)
-                if owner == me or self._is_down(owner) or (namespace, key) in handed:
+                if owner == me or (namespace, key) in handed:
+                    continue
+                if self._is_down(owner):
+                    passed_over += 1
                     continue
                 record = l2.lookup(namespace, key)
                 if record is None or entries.get(namespace, key) is not None:
                     continue  # gone, or in L1 (walked above, or put since)
                 if (namespace, key) in promoting.promotions:
-                    continue  # a get is reading it into L1: handed on by the next walk
+                    passed_over += 1  # a get is reading it into L1: the next walk
+                    continue
                 promoted = await promoting.promote(record)
                 if promoted is not None and _still_own(promoted):
                     self.read_from_l2 += 1
                     await self._hand_on(promoted, owner)
+        return passed_over
 
     async def _hand_on(self, entry: Entry, owner: str) -> bool:
         """Queue ``entry`` for ``owner`` once the queue has room; it stays

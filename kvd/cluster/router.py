@@ -182,7 +182,7 @@ class PoolRouter:
             store.learning, membership, reads, timeout_s=peer_timeout_s,
             failed=self._peer_failed, is_down=self._is_down,
         )  # fmt: skip
-        self.rebalance = Rebalance(store, membership, self.forwards, self._is_down,
+        self.rebalance = Rebalance(store, membership, self.forwards, self._failing,
                                    rebalance_bytes_per_s)  # fmt: skip
         membership.on_change(self._members_changed)
 
@@ -290,6 +290,10 @@ class PoolRouter:
             return True
         del self._down_until[member]  # time to try it again
         return False
+
+    def _failing(self, member: str) -> bool:
+        """``_is_down`` without counting a call not made."""
+        return self._down_until.get(member, 0.0) > time.monotonic()
 
     def _peer_failed(self, error: PeerError, member: str) -> None:
         self.counters.peer_errors += 1

@@ -296,6 +296,8 @@ class Daemon:
             reads = self.pool_node.router.reads
             self.fast_paths.bulk.nixl = reads.nixl
             self.fast_paths.bulk.pool_token = reads.bulk.token.encode()
+        if self.pool_node is not None:
+            await self.pool_node.join()  # seen by the others once every listener is up
         # Full garbage collections on a clock of the daemon's, not every few
         # seconds for the whole heap (kvd.util.collector).
         self._collector = collector.take_over()
