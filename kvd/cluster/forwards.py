@@ -67,15 +67,29 @@ FORWARD_TIMEOUT_S = 10.0
 FORWARD_PIN_FRACTION = 0.25
 
 
+Taken = Callable[[Entry], None]
+
+
 @dataclass
 class Waiting:
-    """A put waiting for its owner: the value's key, size, and its reader
-    where it was pinned at the put."""
+    """A put waiting for its owner: the value's key, size, its reader
+    where it was pinned at the put, and who is told once the owner took it."""
 
     namespace: str
     key: bytes
     size: int
     pinned: Reader | None
+    taken: Taken | None = None
+
+
+@dataclass
+class Going:
+    """A put of the batch being sent: its reader, whether it was pinned at
+    the put, and who is told once the owner took it."""
+
+    reader: Reader
+    pinned: bool
+    taken: Taken | None
 
 
 class Forwards:
@@ -129,15 +143,16 @@ class Forwards:
         is pinned (a value larger than the share goes unpinned, alone)."""
         return self._pins.has_room(size) or not self._pins.bytes
 
-    def put(self, entry: Entry, owner: str) -> None:
-        """Queue ``entry``'s value for ``owner``."""
+    def put(self, entry: Entry, owner: str, taken: Taken | None = None) -> None:
+        """Queue ``entry``'s value for ``owner``; ``taken(entry)`` once the
+        owner took it (not when it refused it, failed or the put was dropped)."""
         if self._waiting >= FORWARD_QUEUE_MAX:
             self.dropped += 1
             return
         # A guest goes first: pinned, it waits for its forward.
         reader = self._pins.pin(entry.ns.name, entry.key)
         queue = self._queues.setdefault(owner, collections.deque())
-        queue.append(Waiting(entry.ns.name, entry.key, entry.size, reader))
+        queue.append(Waiting(entry.ns.name, entry.key, entry.size, reader, taken))
         self._waiting += 1
         sender = self._senders.get(owner)
         if sender is None or sender.done():
@@ -161,18 +176,21 @@ class Forwards:
                     if batch and self._is_down(owner):
                         self.errors += len(batch)
                     elif batch:
-                        await self._send(owner, batch)
+                        taken = await self._send(owner, [going.reader for going in batch])
+                        for going, took in zip(batch, taken, strict=True):
+                            if took and going.taken is not None:
+                                going.taken(going.reader.entry)
                 except PeerError as error:
                     self.errors += len(batch)
                     self._failed(error, owner)
                 finally:
-                    for reader, pinned in batch:
-                        self._release(reader, pinned=pinned)
+                    for going in batch:
+                        self._release(going.reader, pinned=going.pinned)
 
-    def _next_batch(self, queue: collections.deque[Waiting]) -> list[tuple[Reader, bool]]:
+    def _next_batch(self, queue: collections.deque[Waiting]) -> list[Going]:
         """The next puts to send, their values open (a value deleted or
         evicted before its turn is left out, not an error)."""
-        batch: list[tuple[Reader, bool]] = []
+        batch: list[Going] = []
         size = 0
         while queue and len(batch) < FORWARD_BATCH_MAX:
             if batch and size + queue[0].size > FORWARD_BATCH_BYTES:
@@ -186,19 +204,18 @@ class Forwards:
             if not reader.entry.linked:
                 self._release(reader, pinned=waiting.pinned is not None)
                 continue
-            batch.append((reader, waiting.pinned is not None))
+            batch.append(Going(reader, waiting.pinned is not None, waiting.taken))
             size += waiting.size
         return batch
 
-    async def _send(self, owner: str, batch: list[tuple[Reader, bool]]) -> None:
+    async def _send(self, owner: str, readers: list[Reader]) -> list[bool]:
         """The values to their owner: on its bulk port straight from their
-        pages, else a gRPC BatchPut of a copy each; an answer refusing one
-        counts it in ``errors``."""
+        pages, else a gRPC BatchPut of a copy each; whether it took each (one
+        refused counts in ``errors``)."""
         deadline = time.monotonic() + FORWARD_TIMEOUT_S
-        readers = [reader for reader, _ in batch]
-        refused = await self._reads.put_many(owner, readers, FORWARD_TIMEOUT_S)
-        if refused is None:  # over gRPC
-            refused = 0
+        taken = await self._reads.put_many(owner, readers, FORWARD_TIMEOUT_S)
+        if taken is None:  # over gRPC
+            taken = []
             for reader in readers:
                 entry = reader.entry
                 value = b"".join(reader.views)
@@ -211,6 +228,10 @@ class Forwards:
                 except PeerError as error:
                     if error.kind != "refused":
                         raise
-                    refused += 1
+                    taken.append(False)
+                else:
+                    taken.append(True)
+        refused = taken.count(False)
         self.errors += refused
-        self.sent += len(batch) - refused
+        self.sent += len(taken) - refused
+        return taken

@@ -153,11 +153,11 @@ class BulkConnection:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
         return BulkAnswer(size, meta, answer[1])
 
-    async def put_many(self, puts: list[tuple[str, bytes, Reader]]) -> int:
+    async def put_many(self, puts: list[tuple[str, bytes, Reader]]) -> list[bool]:
         """Store values on the member they belong to (puts handed on): one
         PUT frame with ``FLAG_HOP`` each (the member keeps it, never hands
         it on), sent back to back from the values' pages, then their
-        answers in order; how many it refused (an equal value there is fine)."""
+        answers in order; whether it took each (an equal value there is fine)."""
         self.reusable = False
         rids = [next(self._ids) for _ in puts]
         for rid, (namespace, key, reader) in zip(rids, puts, strict=True):
@@ -168,12 +168,12 @@ class BulkConnection:
             await self._send(request)
             for view in reader.views:
                 await self._send(view)
-        refused = 0
+        taken = []
         for rid in rids:
             code, _, _, _ = await self._answer(OP_PUT, rid)
-            refused += code not in (CODE_OK, CODE_NUMBERS["ALREADY_EXISTS"])
+            taken.append(code in (CODE_OK, CODE_NUMBERS["ALREADY_EXISTS"]))
         self.reusable = True
-        return refused
+        return taken
 
     async def exists(
         self, namespace: str, width: int, keys: bytes, chain: ChainShare | None

@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TypeVar
 
 from kvd.cluster import scope
@@ -237,16 +238,24 @@ class PeerReads:
 
         return bool(await self._peer_op(member, "tell", timeout_s, call))
 
-    async def put_many(self, member: str, readers: list[Reader], timeout_s: float) -> int | None:
+    async def put_many(
+        self, member: str, readers: list[Reader], timeout_s: float
+    ) -> list[bool] | None:
         """Hand puts on to their owner on its bulk port, in order, on one
         connection (``BulkConnection.put_many``, the bytes sent from the
-        readers' pages) within ``timeout_s``: how many it refused; None
+        readers' pages) within ``timeout_s``: whether it took each; None
         where they are to go over gRPC: no bulk port this daemon reaches, or
         a member that does not take the op. A failure is a ``PeerError``."""
-        puts = [(reader.entry.ns.name, reader.entry.key, reader) for reader in readers]
 
-        async def call(connection: BulkConnection) -> int:
-            return await connection.put_many(puts)
+        async def call(connection: BulkConnection) -> list[bool]:
+            # A value over the member's max_value_bytes is not sent: there the
+            # PUT would close the connection, and the batch's others with it.
+            largest = self._paths[member].max_value_bytes or None
+            fits = [largest is None or reader.size <= largest for reader in readers]
+            sent = compress(readers, fits)
+            puts = [(reader.entry.ns.name, reader.entry.key, reader) for reader in sent]
+            taken = iter(await connection.put_many(puts) if puts else [])
+            return [ok and next(taken) for ok in fits]
 
         return await self._peer_op(member, "put", timeout_s, call)
 

@@ -62,12 +62,14 @@ def _kind(code: grpc.StatusCode) -> str:
 @dataclass(frozen=True)
 class PeerPaths:
     """What a member's DescribePaths says of its data paths: its bulk TCP
-    port (0: none), the bulk protocol version spoken there and the peer ops
-    it takes beyond the NIXL ones (``kvd.wire.bulk.BULK_OPS``)."""
+    port (0: none), the bulk protocol version spoken there, the peer ops
+    it takes beyond the NIXL ones (``kvd.wire.bulk.BULK_OPS``) and the
+    largest value it takes (0: not said)."""
 
     bulk_port: int
     bulk_version: int
     bulk_ops: tuple[str, ...] = ()
+    max_value_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,9 @@ class Peers:
             if error.status == "UNIMPLEMENTED":
                 return PeerPaths(0, 0)
             raise
-        return PeerPaths(reply.bulk_port, reply.bulk_version, tuple(reply.bulk_ops))
+        return PeerPaths(
+            reply.bulk_port, reply.bulk_version, tuple(reply.bulk_ops), reply.max_value_bytes
+        )
 
     async def exists(
         self, member: str, namespace: str, keys: list[bytes], timeout_s: float,

@@ -16,9 +16,10 @@ only its L2 holds, in the order it was written:
 
 - a value it owned and another member owns now is handed to that member
   as a put is (``kvd.cluster.forwards``: in order on the owner's bulk port,
-  kept there, never handed on) and stays here as a guest (out of this
-  member's eviction policy, evicted first); a value only on L2 is read
-  into L1 first (its record stays until L2 reclaims it);
+  kept there, never handed on) and, once the owner took it, stays here as
+  a guest (out of this member's eviction policy, evicted first); one the
+  owner did not take stays this member's own, for the next walk; a value
+  only on L2 is read into L1 first (its record stays until L2 reclaims it);
 - a guest whose key this member owns now (a copy of a value whose owner
   left) becomes its own: into its eviction policy, a value lookups find.
 
@@ -35,7 +36,8 @@ again under the new placement. A value whose new owner is failing just
 then (a call to it failed within the last second) is passed over and
 stays this member's own; the walk then runs again ``RETRY_S`` later, up
 to ``WALK_ROUNDS`` times (a walk again hands on only what is still this
-member's).
+member's). A walk during which a forward failed (a value its owner did
+not take stays this member's own) runs again as well.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvd.cluster.forwards import Forwards
+from kvd.cluster.forwards import FORWARD_TIMEOUT_S, Forwards
 from kvd.cluster.membership import Membership
 from kvd.store.index import Entry
 from kvd.store.store import Store
@@ -114,7 +116,10 @@ class Rebalance:
         before = self.handed_on, self.adopted
         for _ in range(WALK_ROUNDS):
             self.walks += 1
-            if not await self.walk():
+            errors = self._forwards.errors
+            passed_over = await self.walk()
+            await self._sent()  # what is on its way is not sent twice
+            if not passed_over and self._forwards.errors == errors:
                 break
             await asyncio.sleep(RETRY_S)
         else:
@@ -191,9 +196,25 @@ class Rebalance:
                     await self._hand_on(promoted, owner)
         return passed_over
 
+    async def _sent(self) -> None:
+        """Wait until every queued forward went (or failed), at most
+        ``FORWARD_TIMEOUT_S`` (engines' puts may keep the senders busy)."""
+        deadline = time.monotonic() + FORWARD_TIMEOUT_S
+        while self._forwards.tasks() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    def _taken(self, entry: Entry) -> None:
+        """Its new owner took a value handed on: the copy here is a guest
+        (unless the members changed back meanwhile)."""
+        if entry.linked and self._membership.placement.owner(entry.ns.name, entry.key) != (
+            self._membership.advertise
+        ):
+            self._store.entries.set_guest(entry, True)
+
     async def _hand_on(self, entry: Entry, owner: str) -> bool:
-        """Queue ``entry`` for ``owner`` once the queue has room; it stays
-        here as a guest. False when it went meanwhile (deleted, evicted)."""
+        """Queue ``entry`` for ``owner`` once the queue has room; once the
+        owner took it, it stays here as a guest (``_taken``). False when it
+        went meanwhile (deleted, evicted)."""
         forwards = self._forwards
         # Queued only once it will be pinned while it waits: a guest not
         # pinned is the first value evicted, and the walk's own reads from
@@ -202,8 +223,7 @@ class Rebalance:
             await asyncio.sleep(DRAIN_POLL_S)
         if not _still_own(entry):
             return False
-        forwards.put(entry, owner)
-        self._store.entries.set_guest(entry, True)
+        forwards.put(entry, owner, self._taken)
         self.handed_on += 1
         self._walk_bytes += entry.size
         if self._bytes_per_s:

@@ -191,3 +191,38 @@ def test_a_member_back_under_another_address_hands_on_what_its_l2_kept(
     finally:
         for daemon in daemons:
             daemon.discard()
+
+
+def test_a_value_the_new_owner_refuses_stays_the_old_members_own(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    old = start_member(tmp_path, etcd, "a")
+    daemons = [old]
+    try:
+        assert wait_until(lambda: members_of(old) == 1)
+        small = [b"small-%03d" % i for i in range(60)]
+        large = [b"large-%03d" % i for i in range(60)]
+        values = {key: value_of(key) for key in small}
+        values |= {key: hashlib.sha256(key).digest() * 4096 for key in large}  # 128 KiB
+        with Client(old.target, timeout_s=10) as client:
+            client.put_many(NS, list(values.items()))
+        joined = start_member(tmp_path, etcd, "b", max_value="64KiB")  # refuses the large
+        daemons.append(joined)
+        assert wait_until(lambda: all(members_of(d) == 2 for d in daemons))
+        placement = Placement([d.target for d in daemons])
+        moved_small = [k for k in small if placement.owner(NS, k) == joined.target]
+        moved_large = [k for k in large if placement.owner(NS, k) == joined.target]
+        assert moved_small and moved_large
+        # The ones it took are guests here now; the ones it refused are still a's own.
+        assert wait_until(
+            lambda: metric(old.metrics_port, "kvd_guest_entries") == len(moved_small), timeout_s=20
+        ), handed_on(daemons)
+        assert wait_until(
+            lambda: metric(old.metrics_port, "kvd_cluster_forward_errors_total") >= len(moved_large)
+        )
+        assert metric(old.metrics_port, "kvd_guest_entries") == len(moved_small)
+        with Client(joined.target, timeout_s=10) as client:
+            assert [client.get(NS, key) for key in moved_small] == [values[k] for k in moved_small]
+    finally:
+        for daemon in daemons:
+            daemon.discard()

@@ -348,8 +348,14 @@ class KVStoreService:
     ) -> pb.DescribePathsResponse:
         ops = self.region_ops
         regions = ops.regions
+        max_value_bytes = self.values.store.limits.max_value_bytes
         if regions is None or not ops.shm_socket:
-            return pb.DescribePathsResponse(bulk_port=ops.bulk_port)
+            return pb.DescribePathsResponse(
+                bulk_port=ops.bulk_port,
+                bulk_version=BULK_PROTOCOL_VERSION if ops.bulk_port else 0,
+                bulk_ops=BULK_OPS if ops.bulk_port else (),
+                max_value_bytes=max_value_bytes,
+            )
         return pb.DescribePathsResponse(
             shm_dir=os.path.dirname(ops.shm_socket),
             max_region_bytes=regions.limits.max_region_bytes,
@@ -364,6 +370,7 @@ class KVStoreService:
             daemon_clock_ns=time.monotonic_ns(),
             shm_ops=shm_ops(ops.pool_reads),
             bulk_ops=BULK_OPS if ops.bulk_port else (),
+            max_value_bytes=max_value_bytes,
         )
 
     @_unary("shm_put", pooled=False)
