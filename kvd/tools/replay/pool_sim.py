@@ -117,6 +117,26 @@ class _Member:
                 self.policy.adopt_plan(plan)
 
 
+def _hand_off(nodes: list[_Member], owner: list[int]) -> None:
+    """After a change of members: each member's own values that another
+    member owns now go to it and stay here as guests (in order of block id,
+    the order of first appearance, as the values came; without a parent); a
+    guest it owns now becomes its own."""
+    for i, node in enumerate(nodes):
+        for key in sorted(node.held):
+            if key not in node.held:
+                continue  # evicted by a value handed to this member meanwhile
+            to = owner[key]
+            if key in node.guests:
+                if to == i:
+                    del node.guests[key]
+                    node.policy.insert(key, None)
+            elif to != i:
+                nodes[to].store(key, None, guest=False)
+                node.policy.remove(key)
+                node.guests[key] = None
+
+
 def owners_of(trace: Trace, members: Sequence[str], namespace: str) -> list[int]:
     """Each block's owner, an index into ``members``."""
     placement = Placement(members)
@@ -133,15 +153,28 @@ def simulate_pool(
     namespace: str = "replay",
     wrap: Callable[[EvictionPolicy[int]], EvictionPolicy[int]] | None = None,
     in_step: bool = True,
+    join: tuple[int, str] | None = None,
+    hand_off: bool = True,
+    counted_from: int = 0,
 ) -> SimResult:
     """Replay ``trace`` over ``members`` of ``capacity_blocks`` each (module doc);
-    the result's capacity is the pool's total."""
+    the result's capacity is the pool's total (before a join).
+
+    ``join`` ``(request, member)``: that member (``capacity_blocks`` more)
+    joins before that request; from then on request ``i`` goes through
+    member ``i mod N`` of the new list. With ``hand_off`` the old members
+    hand it the values it owns now, as ``kvd.cluster.rebalance`` does (in
+    the order they came, a copy staying as a guest); without, they keep
+    them where lookups do not look, as the daemon did before. Hits count
+    from request ``counted_from`` on."""
     if policy_name not in POLICIES:
         raise SimError(f"unknown policy {policy_name!r}; expected one of {POLICIES}")
     if not members or len(set(members)) != len(members):
         raise SimError(f"members must be distinct and at least one: {list(members)}")
     if capacity_blocks < 0:
         raise SimError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+    if join is not None and join[1] in members:
+        raise SimError(f"the member joining is one already: {join[1]}")
     policies = [make_policy(policy_name) for _ in members]
     nodes = [_Member(wrap(p) if wrap else p, capacity_blocks) for p in policies]
     n_members = len(nodes)
@@ -155,6 +188,15 @@ def simulate_pool(
     block_hits = token_hits = 0
     started = time.perf_counter()
     for request in range(len(offsets) - 1):
+        if join is not None and request == join[0]:
+            members = [*members, join[1]]
+            nodes.append(_Member(make_policy(policy_name), capacity_blocks))
+            n_members = len(nodes)
+            holder = nodes[members.index(min(members))] if in_step else None
+            untold = [[*row, 0] for row in untold] + [[0] * n_members]
+            owner = owners_of(trace, members, namespace)
+            if hand_off:
+                _hand_off(nodes, owner)
         chain = blocks[offsets[request] : offsets[request + 1]]
         n = len(chain)
         me = request % n_members
@@ -208,8 +250,9 @@ def simulate_pool(
                 break  # as simulate: the rest of the chain is not stored
             parent = key
         here.pinned = set()
-        block_hits += found
-        token_hits += _token_hits(found, n, inputs[request], trace.block_tokens)
+        if request >= counted_from:
+            block_hits += found
+            token_hits += _token_hits(found, n, inputs[request], trace.block_tokens)
     return SimResult(
         policy=policy_name,
         capacity_blocks=capacity_blocks * n_members,

@@ -48,6 +48,23 @@ def test_owners_spread_over_the_members() -> None:
     assert all(0.15 < share < 0.35 for share in shares), shares
 
 
+def test_a_join_with_the_values_handed_on_loses_no_hit_where_nothing_is_evicted() -> None:
+    """With room for every block, a pool joined by a fifth member that gets
+    the values it owns hits after the join what the four hit without it;
+    without the hand-off, a chain stops at its first key the joiner owns."""
+    trace = trace_from_words([[i % 7, 100 + i % 11, 200 + i % 13, 300 + i] for i in range(300)])
+    joiner, at, room = "10.0.0.5:50051", 150, 10_000
+    kept = simulate_pool(trace, "density", MEMBERS, room, counted_from=at)
+    joined = simulate_pool(trace, "density", MEMBERS, room, join=(at, joiner), counted_from=at)
+    left = simulate_pool(
+        trace, "density", MEMBERS, room, join=(at, joiner), hand_off=False, counted_from=at
+    )
+    assert joined.block_hits == kept.block_hits > 0
+    assert left.block_hits < joined.block_hits
+    with pytest.raises(SimError, match="joining is one already"):
+        simulate_pool(trace, "lru", MEMBERS, 4, join=(1, MEMBERS[0]))
+
+
 def test_bad_parameters_are_refused() -> None:
     trace = trace_from_words([[1, 2], [1, 3]])
     with pytest.raises(SimError, match="unknown policy"):
