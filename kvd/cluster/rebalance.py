@@ -93,7 +93,7 @@ class Rebalance:
         self.handed_on = 0  # values queued for their new owner
         self.read_from_l2 = 0  # of them, values read from L2 to be handed on
         self.adopted = 0  # guests this member owns now, kept as its own
-        self.walks = 0  # walks finished
+        self.walks = 0  # walks begun (each round of one counts)
 
     def changed(self) -> None:
         """The members changed: (re)start the walk once they settle."""
