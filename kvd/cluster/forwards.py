@@ -150,7 +150,7 @@ class Forwards:
             self.dropped += 1
             return
         # A guest goes first: pinned, it waits for its forward.
-        reader = self._pins.pin(entry.ns.name, entry.key)
+        reader = self._pins.pin(entry.ns.name, entry.key, size=entry.size)
         queue = self._queues.setdefault(owner, collections.deque())
         queue.append(Waiting(entry.ns.name, entry.key, entry.size, reader, taken))
         self._waiting += 1

@@ -32,9 +32,15 @@ class PinShare:
         self.max_bytes = max_bytes
         self.bytes = 0  # of the readers pinned and not yet released
 
-    def pin(self, namespace: str, key: bytes, *, past_share: bool = False) -> Reader | None:
+    def pin(
+        self, namespace: str, key: bytes, *, past_share: bool = False, size: int | None = None
+    ) -> Reader | None:
         """Pin the value, or None where it is not in L1 or its bytes would go
-        past the share (unless ``past_share``)."""
+        past the share (unless ``past_share``). ``size``: the value's, where
+        the caller knows it: past the share nothing is taken (``take`` may
+        build the value's page views)."""
+        if size is not None and not past_share and not self.has_room(size):
+            return None
         reader = self._take(namespace, key)
         if reader is None:
             return None

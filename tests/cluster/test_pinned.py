@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvd.cluster.pinned import PinShare
 from kvd.l1.pool import PAGE_BYTES
+from kvd.store.index import Reader
 from tests.store.support import make_store, put, read
 
 
@@ -13,11 +14,20 @@ def test_pins_stay_within_the_share_and_count_only_what_they_pinned() -> None:
     store, _ = make_store(pages=16)
     for name in (b"a", b"b", b"c"):
         put(store, name, name * PAGE_BYTES)
-    share = PinShare(store.hold, 2 * PAGE_BYTES)
+    asked: list[bytes] = []
+
+    def hold(namespace: str, key: bytes) -> Reader | None:
+        asked.append(key)
+        return store.hold(namespace, key)
+
+    share = PinShare(hold, 2 * PAGE_BYTES)
     a, b = share.pin("ns", b"a"), share.pin("ns", b"b")
     assert a is not None and b is not None
     assert share.bytes == 2 * PAGE_BYTES
     assert share.pin("ns", b"c") is None  # past the share: not pinned, not counted
+    asked.clear()
+    assert share.pin("ns", b"c", size=PAGE_BYTES) is None  # known past it: nothing taken
+    assert asked == []
     assert share.pin("ns", b"missing") is None  # not in L1: nothing counted
     assert share.pin("other", b"a") is None
     assert share.bytes == 2 * PAGE_BYTES
