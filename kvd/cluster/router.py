@@ -282,17 +282,15 @@ class PoolRouter:
         return self._remote_owner(namespace, key) is not None
 
     def _is_down(self, member: str) -> bool:
-        until = self._down_until.get(member)
-        if until is None:
-            return False
-        if time.monotonic() < until:
+        """``_failing``, a call not made then counted (``peer_skips``)."""
+        if self._failing(member):
             self.counters.peer_skips += 1
             return True
-        del self._down_until[member]  # time to try it again
+        self._down_until.pop(member, None)  # time to try it again
         return False
 
     def _failing(self, member: str) -> bool:
-        """``_is_down`` without counting a call not made."""
+        """Whether a call to the member failed within ``PEER_DOWN_S``."""
         return self._down_until.get(member, 0.0) > time.monotonic()
 
     def _peer_failed(self, error: PeerError, member: str) -> None:
