@@ -134,6 +134,14 @@ class DeferredPolicy(Generic[K]):
         self.settle()
         return self.policy.adopt_plan(plan)
 
+    def history(self, key: K) -> bytes | None:
+        self.settle()
+        return self.policy.history(key)
+
+    def expect(self, key: K, history: bytes) -> bool:
+        self.settle()
+        return self.policy.expect(key, history)
+
     def __len__(self) -> int:
         self.settle()
         return len(self.policy)

@@ -114,5 +114,12 @@ class Recorded:
         self.calls.append(("adopt_plan", len(plan)))
         return self.policy.adopt_plan(plan)
 
+    def history(self, key: Any) -> bytes | None:
+        return self.policy.history(key)
+
+    def expect(self, key: Any, history: bytes) -> bool:
+        self.calls.append(("expect", key))
+        return self.policy.expect(key, history)
+
     def __len__(self) -> int:
         return len(self.policy)

@@ -228,6 +228,18 @@ class ChainPolicy(Generic[K]):
         policy cannot (it has no plan, or the bytes are no plan of its)."""
         return False
 
+    def history(self, key: K) -> bytes | None:
+        """What this policy knows of a resident key's references, for the
+        member of a pool the block is handed to (``expect`` there); None:
+        nothing worth carrying. The lookup-driven policies override it."""
+        return None
+
+    def expect(self, key: K, history: bytes) -> bool:
+        """The next ``insert`` of ``key`` is a block another member handed
+        on, with its ``history`` there; False, and nothing changes, where
+        this policy keeps no history or the bytes are none of its."""
+        return False
+
     def victim(self, skip: Callable[[K], int]) -> K | None:
         key = self._first_leaf(skip)
         if key is None:

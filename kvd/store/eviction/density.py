@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from heapq import heappush
@@ -118,6 +118,16 @@ _LOG_LAMBDA = (-20.0, 5.0)
 _BISECT_STEPS = 30
 # Keys announced by lookups and not yet put; oldest dropped past this bound.
 _PENDING_MAX = 1 << 16
+# A block's history handed to the member a pool's change made its owner
+# (``history``, ``expect``): its class, gap and count, the lookups since its
+# last reference and those to its deadline (negative: past), in the sender's
+# clock. Without it a handed-on block was the new owner's unannounced put,
+# due at once: the pool simulator (conversation trace at 5 %, a fifth
+# member joining four at request 6,000) hit 17.97 % of the next 1,000
+# requests' blocks against 22.30 % without the join; with it, 23.10 %.
+_HISTORY = struct.Struct("<IIIIq")
+# Handed-on blocks expected and not yet put; oldest dropped past this bound.
+_HANDED_MAX = 1 << 16
 # Chains being put whose latest block is protected until its child arrives.
 _FILLING_MAX = 1024
 _ACCESS_MASK = (1 << 64) - 1
@@ -244,6 +254,7 @@ class DensityPolicy(ChainPolicy[K]):
         self._own_plan_due = False  # a plan was skipped while another member's was kept
         self._adopted_at = -1  # lookup at which another member's plan was adopted
         self._pending: dict[K, _Reference] = {}
+        self._handed: dict[K, _Reference] = {}  # expect()ed, by key
         # A pool member's announced blocks: the member's previous block of the
         # chain (the parent to link it to) and whether it is the member's
         # last one there (see on_lookup).
@@ -336,6 +347,47 @@ class DensityPolicy(ChainPolicy[K]):
     def plan_adopted(self) -> bool:
         """Whether blocks are kept by another member's plan now."""
         return self._adopted_at >= 0 and self._now - self._adopted_at <= _PLAN_FRESH
+
+    # -- blocks handed to another member -----------------------------------------
+
+    def history(self, key: K) -> bytes | None:
+        """The key's last reference (``_HISTORY``), relative to this clock;
+        None for a key not resident or never looked up."""
+        node = self._nodes.get(key)
+        if not isinstance(node, _DensityNode) or node.tick < 0:
+            return None
+        now = self._now
+        return _HISTORY.pack(node.klass, node.gap, now - node.tick, node.count, node.due - now)
+
+    def expect(self, key: K, history: bytes) -> bool:
+        """The key's next insert is a block handed on with another member's
+        ``history``: it keeps that reference's class, count and deadline
+        (moved to this clock; a reference from before this policy's first
+        lookup counts as made at lookup 0), as if it had been made here. Its
+        wait joins this policy's learning at its age, as a reference
+        entering the risk sets late (left-truncated). False for bytes that
+        are no history of this policy's, or a key resident already."""
+        if len(history) != _HISTORY.size or key in self._nodes:
+            return False
+        klass, gap, age, count, remaining = _HISTORY.unpack(history)
+        if klass >= _CLASSES or not 1 <= count <= _COUNT_MAX or remaining > _RETENTION_MAX:
+            return False
+        now = self._now
+        handed = self._handed
+        handed[key] = (klass, gap, max(0, now - age), count, max(0, now + remaining))
+        while len(handed) > _HANDED_MAX:
+            del handed[next(iter(handed))]
+        return True
+
+    def _join_ring(self, klass: int, tick: int) -> None:
+        """A handed-on reference of ``klass`` made at ``tick`` waits here
+        from now on: in its ring row, and entered in its age bin now."""
+        age = self._now - tick
+        slot = tick & _RING_MASK
+        if age > _AGE_LAST or self._ring_tick[slot] != tick:
+            return  # older than the ring: its reuse is not learned either
+        self._ring_flat[slot * _CLASSES + klass] += 1
+        self._entered[klass, bisect_right(_AGE_EDGES, age, 0, _BINS - 1)] += 1.0
 
     # -- EvictionPolicy -------------------------------------------------------
 
@@ -430,8 +482,12 @@ class DensityPolicy(ChainPolicy[K]):
     def _priority_on_insert(self, key: K, node: Node[K]) -> float:
         assert isinstance(node, _DensityNode)
         announced = self._pending.pop(key, None)
-        if announced is not None:
+        handed = self._handed.pop(key, None) if self._handed else None
+        if announced is not None:  # a lookup here is newer than one it was handed with
             node.klass, node.gap, node.tick, node.count, node.due = announced
+        elif handed is not None:  # out of _filling: no put continues its chain here
+            node.klass, node.gap, node.tick, node.count, node.due = handed
+            self._join_ring(node.klass, node.tick)
         else:
             node.klass, node.count = _UNANNOUNCED, 1
             node.due = self._now + self._retention[_UNANNOUNCED]

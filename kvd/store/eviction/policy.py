@@ -35,7 +35,10 @@ of a pool together learn what one daemon would. A lookup of none of a
 member's keys reaches it as ``on_lookup`` of an empty chain: its clock
 moves with every lookup of the pool. ``shared_plan`` and ``adopt_plan``
 let the members keep blocks by one plan (``density`` has one; the others
-share nothing).
+share nothing). ``history`` and ``expect`` carry what a policy knows of a
+block's references to the member it is handed to after the pool's members
+changed (``density``'s class, gap, age, count and deadline; the others
+carry nothing).
 
 * ``density`` (the default, kvd/store/eviction/density.py) -- a deadline per
   block: its last reference plus a retention learned per class of block
@@ -101,6 +104,12 @@ class EvictionPolicy(Protocol[K]):
     def shared_plan(self) -> bytes | None: ...
 
     def adopt_plan(self, plan: bytes) -> bool: ...
+
+    def history(self, key: K) -> bytes | None:
+        """A resident key's references, for the member it is handed to."""
+
+    def expect(self, key: K, history: bytes) -> bool:
+        """The next insert of ``key`` takes another member's ``history``."""
 
     def __len__(self) -> int: ...
 

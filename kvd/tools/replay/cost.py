@@ -99,6 +99,12 @@ class CallLog:
     def adopt_plan(self, plan: bytes) -> bool:
         raise AssertionError("the cost replay is of one daemon")
 
+    def history(self, key: int) -> bytes | None:
+        raise AssertionError("the cost replay is of one daemon")
+
+    def expect(self, key: int, history: bytes) -> bool:
+        raise AssertionError("the cost replay is of one daemon")
+
     def unpark(self, key: int) -> None:
         self.inner.unpark(key)
 
@@ -147,6 +153,12 @@ class _NullPolicy:
         return None
 
     def adopt_plan(self, plan: bytes) -> bool:
+        return False
+
+    def history(self, key: int) -> bytes | None:
+        return None
+
+    def expect(self, key: int, history: bytes) -> bool:
         return False
 
     def __len__(self) -> int:

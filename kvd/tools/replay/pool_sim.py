@@ -117,11 +117,14 @@ class _Member:
                 self.policy.adopt_plan(plan)
 
 
-def _hand_off(nodes: list[_Member], owner: list[int]) -> None:
+def _hand_off(nodes: list[_Member], owner: list[int], histories: bool) -> None:
     """After a change of members: each member's own values that another
-    member owns now go to it and stay here as guests (in order of block id,
-    the order of first appearance, as the values came; without a parent); a
-    guest it owns now becomes its own."""
+    member owns now go to it, with their history in its policy
+    (``EvictionPolicy.history``, ``expect``), and stay here as guests (in
+    order of block id, the order of first appearance, as the values came;
+    without a parent); a guest it owns now becomes its own. Without
+    ``histories`` each arrives as an unannounced put (the daemon before
+    PEER_HISTORY)."""
     for i, node in enumerate(nodes):
         for key in sorted(node.held):
             if key not in node.held:
@@ -132,6 +135,9 @@ def _hand_off(nodes: list[_Member], owner: list[int]) -> None:
                     del node.guests[key]
                     node.policy.insert(key, None)
             elif to != i:
+                history = node.policy.history(key) if histories else None
+                if history is not None and key not in nodes[to].held:
+                    nodes[to].policy.expect(key, history)
                 nodes[to].store(key, None, guest=False)
                 node.policy.remove(key)
                 node.guests[key] = None
@@ -155,6 +161,7 @@ def simulate_pool(
     in_step: bool = True,
     join: tuple[int, str] | None = None,
     hand_off: bool = True,
+    histories: bool = True,
     counted_from: int = 0,
 ) -> SimResult:
     """Replay ``trace`` over ``members`` of ``capacity_blocks`` each (module doc);
@@ -165,8 +172,9 @@ def simulate_pool(
     member ``i mod N`` of the new list. With ``hand_off`` the old members
     hand it the values it owns now, as ``kvd.cluster.rebalance`` does (in
     the order they came, a copy staying as a guest); without, they keep
-    them where lookups do not look, as the daemon did before. Hits count
-    from request ``counted_from`` on."""
+    them where lookups do not look, as the daemon did before;
+    ``histories``: with their history in the old owner's policy. Hits
+    count from request ``counted_from`` on."""
     if policy_name not in POLICIES:
         raise SimError(f"unknown policy {policy_name!r}; expected one of {POLICIES}")
     if not members or len(set(members)) != len(members):
@@ -196,7 +204,7 @@ def simulate_pool(
             untold = [[*row, 0] for row in untold] + [[0] * n_members]
             owner = owners_of(trace, members, namespace)
             if hand_off:
-                _hand_off(nodes, owner)
+                _hand_off(nodes, owner, histories)
         chain = blocks[offsets[request] : offsets[request + 1]]
         n = len(chain)
         me = request % n_members

@@ -12,9 +12,11 @@ from kvd.store.eviction.chains import heap_entries_max
 from kvd.store.eviction.density import (
     _AGE_EDGES,
     _CLASSES,
+    _LAST,
     _PLAN_FRESH,
     _REFRESH,
     DensityPolicy,
+    _DensityNode,
     reference_class,
 )
 from kvd.store.eviction.lru import LruPolicy
@@ -241,3 +243,67 @@ def test_a_plan_that_does_not_fit_is_refused_and_changes_nothing() -> None:
     for name in ("lru", "s3fifo", "hazard"):
         assert make_policy(name).shared_plan() is None
         assert not make_policy(name).adopt_plan(plan)
+
+
+def test_a_block_handed_on_keeps_its_history_at_its_new_owner() -> None:
+    """``history`` at the old owner and ``expect`` at the new one: the block
+    keeps its class, count and the lookups left to its deadline, moved to
+    the new owner's clock, so it goes after a block put there without one."""
+    old = planned("x", 8)
+    key = ("x", "head", 0)
+    history = old.history(key)
+    assert history is not None and old.history(("x", "never", 0)) is None
+    theirs = old._nodes[key]
+    assert isinstance(theirs, _DensityNode) and theirs.due > old._now  # kept a while
+    new = DensityPolicy[Any]()
+    for _ in range(50):
+        new.on_lookup([], 0)
+    assert new.expect(key, history)
+    new.insert(key, None)
+    new.insert(("plain", 0), None)  # unannounced, no plan yet: due now
+    ours = new._nodes[key]
+    assert isinstance(ours, _DensityNode)
+    assert (ours.klass, ours.gap, ours.count) == (theirs.klass, theirs.gap, theirs.count)
+    assert ours.due - new._now == theirs.due - old._now
+    assert new._now - ours.tick == old._now - theirs.tick
+    assert drain(new) == [("plain", 0), key]
+    # Nothing changes for a resident key, or bytes that are no history.
+    new.insert(key, None)
+    assert not new.expect(key, history)
+    pack = struct.Struct("<IIIIq").pack
+    for bad in (
+        history[:-1],
+        pack(_CLASSES, 0, 0, 1, 0),
+        pack(0, 0, 0, 0, 0),
+        pack(0, 0, 0, 1, _AGE_EDGES[-1] + 1),
+    ):
+        assert not new.expect(("bad", 0), bad)
+    # A deadline long past and a reference older than this policy's clock:
+    # due at lookup 0, made at lookup 0; it goes before a block due now,
+    # and it is not held back as a chain being put.
+    assert new.expect(("late", 0), pack(0, 0, 10**6, 1, -(10**6)))
+    new.insert(("late", 0), None)
+    late = new._nodes[("late", 0)]
+    assert isinstance(late, _DensityNode) and (late.tick, late.due) == (0, 0)
+    new.insert(("plain", 1), None)
+    assert drain(new)[0] == ("late", 0)
+
+
+def test_a_handed_on_reference_is_learned_from_where_it_waits() -> None:
+    """A handed-on reference joins the new owner's learning at its age: its
+    reuse there is counted against its entry, as a reference made there."""
+    old = DensityPolicy[Any]()
+    old.on_lookup(["k"], 0)
+    old.insert("k", None)
+    history = old.history("k")
+    assert history is not None
+    new = DensityPolicy[Any]()
+    for _ in range(5):
+        new.on_lookup([], 0)
+    assert new.expect("k", history)
+    new.insert("k", None)
+    new.on_lookup(["k"], 1)
+    # Two references of a chain's last block entered (the handed one and
+    # this lookup's), one reused; were the handed one not entered, its reuse
+    # would count against nothing (1 of 1) and its ring row go below 0.
+    assert new.reuse_share(_LAST) == 0.5
