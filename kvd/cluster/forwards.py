@@ -85,11 +85,13 @@ class Waiting:
 @dataclass
 class Going:
     """A put of the batch being sent: its reader, whether it was pinned at
-    the put, and who is told once the owner took it."""
+    the put, who is told once the owner took it, and the value's history in
+    this member's eviction policy (None for a guest: not in it)."""
 
     reader: Reader
     pinned: bool
     taken: Taken | None
+    history: bytes | None = None
 
 
 class Forwards:
@@ -176,7 +178,7 @@ class Forwards:
                     if batch and self._is_down(owner):
                         self.errors += len(batch)
                     elif batch:
-                        taken = await self._send(owner, [going.reader for going in batch])
+                        taken = await self._send(owner, batch)
                         for going, took in zip(batch, taken, strict=True):
                             if took and going.taken is not None:
                                 going.taken(going.reader.entry)
@@ -204,16 +206,20 @@ class Forwards:
             if not reader.entry.linked:
                 self._release(reader, pinned=waiting.pinned is not None)
                 continue
-            batch.append(Going(reader, waiting.pinned is not None, waiting.taken))
+            entry = reader.entry  # its history as it goes: lookups since its put count
+            history = None if entry.guest else self._store.shares.history(entry)
+            batch.append(Going(reader, waiting.pinned is not None, waiting.taken, history))
             size += waiting.size
         return batch
 
-    async def _send(self, owner: str, readers: list[Reader]) -> list[bool]:
+    async def _send(self, owner: str, batch: list[Going]) -> list[bool]:
         """The values to their owner: on its bulk port straight from their
-        pages, else a gRPC BatchPut of a copy each; whether it took each (one
-        refused counts in ``errors``)."""
+        pages (with their histories), else a gRPC BatchPut of a copy each;
+        whether it took each (one refused counts in ``errors``)."""
         deadline = time.monotonic() + FORWARD_TIMEOUT_S
-        taken = await self._reads.put_many(owner, readers, FORWARD_TIMEOUT_S)
+        readers = [going.reader for going in batch]
+        histories = [going.history for going in batch]
+        taken = await self._reads.put_many(owner, readers, FORWARD_TIMEOUT_S, histories)
         if taken is None:  # over gRPC
             taken = []
             for reader in readers:

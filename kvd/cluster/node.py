@@ -130,6 +130,11 @@ POOL_COUNTERS = {
         "kvd_cluster_rebalanced_from_l2",
         "Values read from L2 to be handed to their new owner after the members changed",
     ),
+    "histories_taken": (
+        "kvd_cluster_histories_taken",
+        "Values handed to this member whose history in their old owner's eviction policy "
+        "its policy took",
+    ),
     "rebalance_adopted": (
         "kvd_cluster_rebalance_adopted",
         "Copies of values this member owns since the members changed, kept as its own",

@@ -51,6 +51,7 @@ from kvd.wire.bulk import (
     OP_NIXL_PIN,
     OP_NIXL_RELEASE,
     OP_PEER_EXISTS,
+    OP_PEER_HISTORY,
     OP_PEER_PLAN,
     OP_PEER_TELL,
     OP_PUT,
@@ -153,14 +154,21 @@ class BulkConnection:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
         return BulkAnswer(size, meta, answer[1])
 
-    async def put_many(self, puts: list[tuple[str, bytes, Reader]]) -> list[bool]:
+    async def put_many(self, puts: list[tuple[str, bytes, Reader, bytes | None]]) -> list[bool]:
         """Store values on the member they belong to (puts handed on): one
         PUT frame with ``FLAG_HOP`` each (the member keeps it, never hands
         it on), sent back to back from the values' pages, then their
-        answers in order; whether it took each (an equal value there is fine)."""
+        answers in order; whether it took each (an equal value there is
+        fine). A put with a history (``EvictionPolicy.history``) goes after
+        a PEER_HISTORY frame of it."""
         self.reusable = False
         rids = [next(self._ids) for _ in puts]
-        for rid, (namespace, key, reader) in zip(rids, puts, strict=True):
+        for rid, (namespace, key, reader, history) in zip(rids, puts, strict=True):
+            if history is not None:
+                await self._send(encode_request(
+                    OP_PEER_HISTORY, next(self._ids), namespace.encode(), key, meta=history,
+                    flags=FLAG_HOP,
+                ))  # fmt: skip
             request = encode_request(
                 OP_PUT, rid, namespace.encode(), key, parent=reader.entry.parent or b"",
                 meta=reader.meta, length=reader.size, checksum=reader.checksum, flags=FLAG_HOP,

@@ -39,9 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
 from typing import TypeVar
 
 from kvd.cluster import scope
@@ -239,21 +238,31 @@ class PeerReads:
         return bool(await self._peer_op(member, "tell", timeout_s, call))
 
     async def put_many(
-        self, member: str, readers: list[Reader], timeout_s: float
-    ) -> list[bool] | None:
+        self, member: str, readers: list[Reader], timeout_s: float,
+        histories: Sequence[bytes | None] | None = None,
+    ) -> list[bool] | None:  # fmt: skip
         """Hand puts on to their owner on its bulk port, in order, on one
         connection (``BulkConnection.put_many``, the bytes sent from the
         readers' pages) within ``timeout_s``: whether it took each; None
         where they are to go over gRPC: no bulk port this daemon reaches, or
-        a member that does not take the op. A failure is a ``PeerError``."""
+        a member that does not take the op. ``histories``: each value's in
+        this daemon's eviction policy, sent where the member takes them
+        (``bulk_ops`` "history"). A failure is a ``PeerError``."""
 
         async def call(connection: BulkConnection) -> list[bool]:
             # A value over the member's max_value_bytes is not sent: there the
             # PUT would close the connection, and the batch's others with it.
-            largest = self._paths[member].max_value_bytes or None
+            paths = self._paths[member]
+            largest = paths.max_value_bytes or None
             fits = [largest is None or reader.size <= largest for reader in readers]
-            sent = compress(readers, fits)
-            puts = [(reader.entry.ns.name, reader.entry.key, reader) for reader in sent]
+            carried = histories if histories and "history" in paths.bulk_ops else None
+            puts = [
+                (reader.entry.ns.name, reader.entry.key, reader, history)
+                for reader, history, fit in zip(
+                    readers, carried or [None] * len(readers), fits, strict=True
+                )
+                if fit
+            ]
             taken = iter(await connection.put_many(puts) if puts else [])
             return [ok and next(taken) for ok in fits]
 

@@ -130,6 +130,7 @@ class PoolCounters:
     rebalanced: int = 0  # values handed to their new owner after the members changed
     rebalanced_from_l2: int = 0  # of them, values read from L2 to be handed on
     rebalance_adopted: int = 0  # copies whose key this member owns since, kept as its own
+    histories_taken: int = 0  # handed-on values' histories this member's policy took
 
 
 class PoolRouter:
@@ -386,6 +387,12 @@ class PoolRouter:
         self.store.shares.learn_chain(namespace, keys, chain.length, chain.positions, chain.untold)
         self.plans.seen(1 + chain.untold)
         self.counters.shares_learned += 1
+
+    def expect(self, namespace: str, key: bytes, history: bytes) -> None:
+        """A value another member hands on comes next, with its history in
+        that member's eviction policy (``ChainShares.expect``)."""
+        if self.store.shares.expect(namespace, key, history):
+            self.counters.histories_taken += 1
 
     def _hinted(self, namespace: str, keys: list[bytes], here: list[bool]) -> int | None:
         """``Hints.settle``, unless a member is down (its keys are misses: asked)."""

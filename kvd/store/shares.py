@@ -14,13 +14,16 @@ from typing import Any
 
 from kvd.l2 import L2Tier
 from kvd.store.entries import Entries
-from kvd.store.index import PolicyKey, StoreLimits, check_keys
+from kvd.store.index import Entry, PolicyKey, StoreLimits, check_key, check_keys
 from kvd.store.learning import DeferredPolicy
 from kvd.wire.errors import InvalidArgument
 from kvd.wire.lookup import UNTOLD_LOOKUPS_MAX
 
 
 class ChainShares:
+    """A member's learning from the other members of its pool: their
+    lookups' shares of chains, and the histories of values handed to it."""
+
     def __init__(
         self,
         entries: Entries,
@@ -85,3 +88,15 @@ class ChainShares:
             elif self._l2 is None or self._l2.lookup(ns_name, key) is None:
                 hits = position
         self._learning.defer_lookup(touched, chain, hits, None, mine, untold)
+
+    def history(self, entry: Entry) -> bytes | None:
+        """What the policy knows of ``entry``'s references, for the member
+        it is handed to (``EvictionPolicy.history``); None: nothing."""
+        return self._learning.history((entry.ns.id, entry.key))
+
+    def expect(self, ns_name: str, key: bytes, history: bytes) -> bool:
+        """The next put of ``key`` is a value another member handed on, with
+        its ``history`` there (``EvictionPolicy.expect``); False where the
+        policy takes none of it."""
+        check_key(key)
+        return self._learning.expect((self._entries.namespace(ns_name).id, key), history)

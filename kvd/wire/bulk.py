@@ -44,12 +44,18 @@ OP_PEER_PLAN = 11
 # of a chain's share: lookups of chains another member made, for this
 # member's eviction policy to learn from in order. Never answered.
 OP_PEER_TELL = 12
+# ns, key; meta: the value's history in the sender's eviction policy
+# (EvictionPolicy.history), for the PUT with FLAG_HOP of the same key that
+# follows on the connection (kvd.cluster.rebalance). Never answered.
+OP_PEER_HISTORY = 13
 PEER_OPS = frozenset(
-    {OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS, OP_PEER_PLAN, OP_PEER_TELL}
-)
+    {OP_NIXL_META, OP_NIXL_PIN, OP_NIXL_RELEASE, OP_PEER_EXISTS, OP_PEER_PLAN, OP_PEER_TELL,
+     OP_PEER_HISTORY}
+)  # fmt: skip
 # DescribePathsResponse.bulk_ops of a daemon: the peer ops beyond the NIXL ones
-# ("put": a PUT with FLAG_HOP is stored here and never handed on).
-BULK_OPS = ("exists", "plan", "tell", "put")
+# ("put": a PUT with FLAG_HOP is stored here and never handed on; "history":
+# PEER_HISTORY).
+BULK_OPS = ("exists", "plan", "tell", "put", "history")
 TCP_OPS = OPS | PEER_OPS
 # NIXL_PIN answer payload: value size, lease id, segment count; then per
 # segment its address and length in the owner's registered pool arena.

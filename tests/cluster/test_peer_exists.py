@@ -2,7 +2,9 @@
 kvd.paths.bulk.peer_ops): a real daemon answers the frame as it answers the
 gRPC Exists, to the pool token only, and refuses a malformed one without
 losing the connection; it learns from the lookups of a PEER_TELL, answers
-nothing, and closes the connection of a tell it cannot take; a real daemon
+nothing, and closes the connection of a tell it cannot take; it gives a
+PEER_HISTORY to the put that follows, answers nothing, and ignores bytes
+that are no history; a real daemon
 looking a chain up asks an owner that offers the op on its bulk port (an
 owner here that has no gRPC Exists at all), and one that does not over
 gRPC."""
@@ -18,6 +20,7 @@ import pytest
 
 from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
+from kvd.store.eviction.density import DensityPolicy
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.grpc import SERVICE
@@ -110,7 +113,7 @@ def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
             paths = describe(
                 pb.DescribePathsRequest(), metadata=[("authorization", f"Bearer {POOL_TOKEN}")]
             )
-            assert list(paths.bulk_ops) == ["exists", "plan", "tell", "put"]
+            assert list(paths.bulk_ops) == ["exists", "plan", "tell", "put", "history"]
     finally:
         for daemon in daemons:
             daemon.discard()
@@ -152,6 +155,53 @@ def test_tells_are_learned_and_never_answered(tmp_path: Path) -> None:
             _tell(sock, [(keys, ChainShare(10, [0, 3, 5, 9]))])
             assert sock.recv(1) == b""
         assert metric(owner.metrics_port, "kvd_cluster_shares_learned_total") == learned + 2
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def _history(sock: socket.socket, key: bytes, history: bytes, length: int = 0) -> None:
+    request = bulk.encode_request(
+        bulk.OP_PEER_HISTORY, 98, NS.encode(), key, meta=history, flags=bulk.FLAG_HOP,
+        length=length,
+    )  # fmt: skip
+    sock.sendall(request)  # a payload it claims is not read: the connection closes first
+
+
+def test_a_history_goes_with_the_next_put_and_is_never_answered(tmp_path: Path) -> None:
+    daemons = start_static_pool(tmp_path, 2, *pool_auth(tmp_path), peer_timeout_ms=2000)
+    owner = daemons[0]
+    try:
+        # A history as a member's density policy makes it.
+        policy = DensityPolicy[bytes]()
+        policy.on_lookup([b"handed"], 0)
+        policy.insert(b"handed", None)
+        history = policy.history(b"handed")
+        assert history is not None
+        taken = metric(owner.metrics_port, "kvd_cluster_histories_taken_total")
+        value = b"v" * 1000
+        put = bulk.encode_request(
+            bulk.OP_PUT, 2, NS.encode(), b"handed", length=len(value), flags=bulk.FLAG_HOP
+        )
+        with _connect(owner.bulk_port, POOL_TOKEN) as sock:
+            _history(sock, b"handed", history)
+            # No answer for the history: the next answer on the connection is the put's.
+            sock.sendall(put + value)
+            assert _answer(sock)[0] == bulk.CODE_OK
+            # Bytes that are no history are ignored, and the connection goes on.
+            _history(sock, b"other", history[:-1])
+            assert _exists(sock, 3, bulk.encode_exists(6, b"handed", None)) == (
+                bulk.CODE_OK, b"\x01",
+            )  # fmt: skip
+        assert metric(owner.metrics_port, "kvd_cluster_histories_taken_total") == taken + 1
+        # A payload, or a connection without the pool token: closed.
+        with _connect(owner.bulk_port, POOL_TOKEN) as sock:
+            _history(sock, b"handed", history, length=3)
+            assert sock.recv(1) == b""
+        with _connect(owner.bulk_port, ENGINE_TOKEN) as sock:
+            _history(sock, b"handed", history)
+            assert sock.recv(1) == b""
+        assert metric(owner.metrics_port, "kvd_cluster_histories_taken_total") == taken + 1
     finally:
         for daemon in daemons:
             daemon.discard()

@@ -78,6 +78,9 @@ def test_a_joining_member_gets_what_it_owns_and_gives_it_back_when_it_leaves(
         assert wait_until(
             lambda: counted(old, "kvd_cluster_rebalanced_total") == len(moved), timeout_s=20
         )
+        # Each was looked up: its history in its old owner's policy went with it.
+        histories = "kvd_cluster_histories_taken_total"
+        assert wait_until(lambda: metric(joined.metrics_port, histories) == len(moved))
         for daemon in daemons:
             with Client(daemon.target, timeout_s=10) as client:
                 assert finds_all(client, keys), handed_on(daemons)

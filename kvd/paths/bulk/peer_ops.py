@@ -29,6 +29,13 @@ member of the pool (docs/bulk-protocol.md, "Pool peer ops").
   from a PEER_EXISTS's share (op ``tell``), and nothing is answered. A frame
   that does not add up, or one on a connection without the pool token,
   closes the connection: there is no answer to refuse it with.
+- ``PEER_HISTORY`` (namespace, key; the history as meta): the value a
+  member hands on next (its PUT with ``FLAG_HOP`` follows), as its old
+  owner's eviction policy knew it (kvd.cluster.rebalance); the policy takes
+  it for that put (``EvictionPolicy.expect``) or ignores bytes it does not
+  know. Never answered: one on a connection without the pool token, with a
+  payload, or of a namespace or key the daemon refuses closes the
+  connection.
 - ``PEER_PLAN``: this daemon's eviction plan (the policy's name in the
   answer's meta, the plan as payload; NOT_FOUND while it has none), which
   the other members keep their blocks by (kvd.cluster.plans).
@@ -60,6 +67,7 @@ from kvd.wire.bulk import (
     OP_NIXL_PIN,
     OP_NIXL_RELEASE,
     OP_PEER_EXISTS,
+    OP_PEER_HISTORY,
     OP_PEER_PLAN,
     OP_PEER_TELL,
     PLAN_BYTES_MAX,
@@ -115,6 +123,9 @@ class PeerOps:
         rid = request.request_id
         if request.op == OP_PEER_TELL:
             self._tell(request, tail, payload)
+            return
+        if request.op == OP_PEER_HISTORY:
+            self._history(request, tail)
             return
         if not self.pool_peer:
             # An engine's token may read its own namespaces, but an agent's
@@ -216,6 +227,22 @@ class PeerOps:
                         pool.learn(ns, keys, chain)
             except (ValueError, KvdError) as exc:
                 raise ProtocolError(f"a tell refused: {exc}") from None
+
+    def _history(self, request: Request, tail: bytes) -> None:
+        """A PEER_HISTORY: the history of the value the member hands on next,
+        for the policy (one it does not take is ignored); no answer."""
+        if not self.pool_peer:
+            raise ProtocolError("pool peer ops take the pool token")
+        if request.length:
+            raise ProtocolError(f"a history with a payload of {request.length} bytes")
+        ns, key, _, history = split_tail(request, tail)
+        try:
+            self._authorize(ns)
+            pool = self.values.pool
+            if pool is not None:  # a daemon outside a pool is handed nothing
+                pool.expect(ns, key, history)
+        except KvdError as exc:
+            raise ProtocolError(f"a history refused: {exc}") from None
 
     def _plan(self, request: Request) -> bytes:
         """A PEER_PLAN's answer: the policy's name and its plan."""

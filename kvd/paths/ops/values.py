@@ -57,6 +57,8 @@ class PoolQueries(Protocol):
 
     def answer_exists(self, namespace: str, keys: list[bytes], found: list[bool]) -> bytes: ...
 
+    def expect(self, namespace: str, key: bytes, history: bytes) -> None: ...
+
 
 class ValueOps:
     """The value ops of one daemon and what they share: the store, the
