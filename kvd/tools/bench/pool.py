@@ -28,6 +28,9 @@ reference measured in the same run.
   killed; the engine's calls against their deadline.
 - **Join** (``kvd.tools.bench.pool_join``): a fifth member joins four whose
   membership comes from etcd; how soon lookups find every block again.
+  Then the trace replayed with a fifth member joining halfway
+  (``kvd.tools.bench.pool_join_replay``): the hit ratio after the join
+  beside the simulator's.
 
 Members run in network namespaces when this is root (``kvd.tools.bench.netns``),
 on loopback otherwise (the report says which). No L2: the figures are the
@@ -49,7 +52,7 @@ from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.config.settings import SETTINGS_BY_NAME
 from kvd.store.eviction.policy import DEFAULT_POLICY
-from kvd.tools.bench import pool_ceiling, pool_faults, pool_join, pool_puts
+from kvd.tools.bench import pool_ceiling, pool_faults, pool_join, pool_join_replay, pool_puts
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.pool_nodes import Pool, write_tokens
 from kvd.tools.replay.pool_sim import simulate_pool
@@ -565,6 +568,9 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
     ratio = hit_ratio(root, trace, options, progress)
     faults = pool_faults.run(root, options.netns, progress)
     join = pool_join.run(root, progress, options.join_chains)
+    join_replay = pool_join_replay.run(
+        root, trace, options.capacity_fraction, options.block_bytes, progress
+    )
     return {
         "trace": str(trace_path),
         "where": gets[0]["where"],
@@ -574,4 +580,5 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
         "keys_moved": keys_moved(trace),
         "faults": faults,
         "join": join,
+        "join_replay": join_replay,
     }

@@ -41,35 +41,61 @@ JOIN_WAIT_S = 60.0
 NS = "join"
 
 
+class EtcdMembers:
+    """Members whose membership comes from a fresh etcd under ``root``,
+    each with ``dram`` of L1 (values up to ``max_value``) and no L2;
+    stopped with ``stop``."""
+
+    def __init__(self, root: Path, dram: str, max_value: str | None = None) -> None:
+        self.root = root
+        (root / "etcd").mkdir()
+        self.etcd = EtcdServer(root / "etcd", *free_ports(2))
+        self.token, self._auth = write_tokens(root)
+        self._options: dict[str, Any] = {"dram": dram, "ssd": ""}
+        if max_value is not None:
+            self._options["max_value"] = max_value
+        self.members: list[Member] = []
+
+    def add(self) -> Member:
+        """A new member, started (it registers itself)."""
+        index = len(self.members)
+        (port,) = free_ports(1)
+        address = f"127.0.0.1:{port}"
+        args = ["--listen", address,
+                "--pool-members", f"etcd://{self.etcd.endpoint}{PREFIX}",
+                "--pool-etcd-ttl-ms", str(ETCD_TTL_MS), *self._auth]  # fmt: skip
+        new = Member(index, address, self.root / f"m{index}", args, self._options, None,
+                     SpawnedDaemon)  # fmt: skip
+        new.start()
+        self.members.append(new)
+        return new
+
+    def wait_members(self) -> None:
+        """Until every member counts them all."""
+        count = len(self.members)
+        _wait(lambda: all(m.metric("kvd_cluster_members") == count for m in self.members),
+              f"{count} members")  # fmt: skip
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+        self.etcd.kill()
+
+
 def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) -> dict[str, Any]:
     """The join with ``chain_count`` chains stored (module doc)."""
     if etcd_binary() is None:
         return {"skipped": "no etcd binary (apt-get install etcd-server)"}
-    root = Path(tempfile.mkdtemp(prefix="join-", dir=root))
-    (root / "etcd").mkdir()
-    etcd = EtcdServer(root / "etcd", *free_ports(2))
-    token, auth = write_tokens(root)
-    members: list[Member] = []
     # L1 of each member: what it owns (a quarter) and the copies of the
     # chains put through it (three quarters of a quarter), with room to spare.
     dram = f"{chain_count * CHAIN_BLOCKS * VALUE_BYTES * 3 // 4 // MiB + 64}MiB"
-
-    def member(index: int) -> Member:
-        (port,) = free_ports(1)
-        address = f"127.0.0.1:{port}"
-        args = ["--listen", address, "--pool-members", f"etcd://{etcd.endpoint}{PREFIX}",
-                "--pool-etcd-ttl-ms", str(ETCD_TTL_MS), *auth]  # fmt: skip
-        new = Member(index, address, root / f"m{index}", args, {"dram": dram, "ssd": ""}, None,
-                     SpawnedDaemon)  # fmt: skip
-        new.start()
-        members.append(new)
-        return new
-
+    pool = EtcdMembers(Path(tempfile.mkdtemp(prefix="join-", dir=root)), dram)
+    members, token = pool.members, pool.token
     try:
         progress(f"pool: join: {MEMBERS} members from etcd, {chain_count} chains")
-        for i in range(MEMBERS):
-            member(i)
-        _wait_members(members, MEMBERS)
+        for _ in range(MEMBERS):
+            pool.add()
+        pool.wait_members()
         positions = range(CHAIN_BLOCKS)
         chains = [[b"c%04d-b%03d" % (c, b) for b in positions] for c in range(chain_count)]
         values = {key: block_value(c * CHAIN_BLOCKS + b, VALUE_BYTES)
@@ -87,8 +113,8 @@ def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) 
             old = list(members)
             cpu_before = [cpu_s(m.running.proc.pid) for m in old]
             progress("pool: join: a fifth member joins")
-            joined = member(MEMBERS)
-            _wait_members(members, MEMBERS + 1)
+            joined = pool.add()
+            pool.wait_members()
             seen = time.perf_counter()
             first = found()
             timeline = [(0.0, first)]
@@ -120,14 +146,7 @@ def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) 
             "misses": misses,
         }
     finally:
-        for m in members:
-            m.stop()
-        etcd.kill()
-
-
-def _wait_members(members: list[Member], count: int) -> None:
-    _wait(lambda: all(m.metric("kvd_cluster_members") == count for m in members),
-          f"{count} members")  # fmt: skip
+        pool.stop()
 
 
 def _wait(done: Callable[[], bool], what: str) -> None:

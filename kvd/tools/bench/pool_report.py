@@ -18,7 +18,10 @@ The targets:
 
 Beside them (no target in numbers): a fifth member joining four from
 etcd; the values handed on to it against 1/N, and every block found
-again by lookups, with 0 wrong bytes.
+again by lookups, with 0 wrong bytes. And the trace replayed with a fifth
+member joining halfway: the hit ratio after the join within 2 % of the
+pool simulator's for the same join (the daemon and the simulator make
+the same decisions but for timing), 0 wrong blocks.
 """
 
 from __future__ import annotations
@@ -118,6 +121,25 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "goal": "all found, 0 wrong",
             "met": after is not None and join["wrong"] == 0 and join["misses"] == 0,
         })  # fmt: skip
+    replay = result.get("join_replay", {})
+    if "skipped" not in replay and replay:
+        measured, simulated = replay["after"], replay["simulated"]
+        ratio = measured["block_hit_ratio"] / max(simulated["join"]["after"], 1e-9)
+        rows.append({
+            "target": f"trace with a join at request {replay['join_at']}: hit ratio after it",
+            "measured": f"{100 * measured['block_hit_ratio']:.2f} % (the first "
+            f"{replay['window']}: {100 * replay['right_after']['block_hit_ratio']:.2f} %), "
+            f"{measured['wrong_blocks']} wrong blocks",
+            "reference": f"simulator {100 * simulated['join']['after']:.2f} % "
+            f"({100 * simulated['join']['right_after']:.2f} %); without histories "
+            f"{100 * simulated['join_without_histories']['after']:.2f} % "
+            f"({100 * simulated['join_without_histories']['right_after']:.2f} %), "
+            f"no join {100 * simulated['no_join']['after']:.2f} % "
+            f"({100 * simulated['no_join']['right_after']:.2f} %)",
+            "ratio": ratio,
+            "goal": f"{1 - HIT_RATIO_BAND:.2f}..{1 + HIT_RATIO_BAND:.2f} of the simulator, 0 wrong",
+            "met": abs(ratio - 1) <= HIT_RATIO_BAND and measured["wrong_blocks"] == 0,
+        })  # fmt: skip
     return rows
 
 
@@ -189,6 +211,16 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"Join: {join['values']} values of {join['value_bytes'] >> 10} KiB in chains, "
             f"member 0 looking every chain up until it found every block; the old members' "
             f"CPU meanwhile {cpu} ms; {join['forward_errors']:.0f} hand-offs failed."
+        )
+    replay = result.get("join_replay", {})
+    if "skipped" in replay:
+        lines.append(f"Trace with a join: skipped ({replay['skipped']}).")
+    elif replay:
+        lines.append(
+            f"Trace with a join: {replay['handed_on']:.0f} values handed on in "
+            f"{replay['handoff_s']:.1f} s, {replay['histories_taken']:.0f} with their history; "
+            f"{replay['forward_errors']:.0f} hand-offs failed; before the join the four hit "
+            f"{100 * replay['before']['block_hit_ratio']:.2f} %."
         )
     return "\n".join(lines)
 

@@ -80,7 +80,15 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert "skipped" not in join, join
     assert join["values"] == 8 * 64 and join["wrong"] == 0 and join["misses"] == 0
     assert join["found_after_s"] is not None and 0 < join["handed_on"] < join["values"]
-    assert len(result["targets"]) == 2 * len(gets) + 5 + len(faults)  # two lookup rows, a join
+    replay = result["join_replay"]  # the trace again, a fifth member joining halfway
+    assert "skipped" not in replay, replay
+    assert replay["join_at"] == 20 and replay["after"]["requests"] == 20
+    assert replay["after"]["wrong_blocks"] == 0 and replay["after"]["block_hits"] > 0
+    assert replay["handed_on"] > 0 and replay["histories_taken"] > 0
+    assert set(replay["simulated"]) == {"join", "join_without_histories", "no_join"}
+    assert "with a join at request 20" in raw.with_suffix(".md").read_text()
+    # Two lookup rows, a join, a join replay.
+    assert len(result["targets"]) == 2 * len(gets) + 6 + len(faults)
 
 
 def test_a_negative_lookup_pace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
