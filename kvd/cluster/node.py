@@ -175,8 +175,14 @@ class PoolNode:
         values["etcd_sessions"] = self.etcd.sessions if self.etcd is not None else 0
         return values
 
-    async def leave(self) -> None:
-        """Leave the membership (etcd revokes this daemon's key); first at shutdown."""
+    async def leave(self, hand_off_s: float = 0.0) -> None:
+        """Leave the membership (etcd revokes this daemon's key); first at
+        shutdown. With ``hand_off_s``, first hand the values L1 owns to the
+        members that own them once this one is gone, for at most that long
+        (``Rebalance.leave``), where membership comes from etcd or DNS: a
+        static list keeps this member, and its keys, whatever it does."""
+        if hand_off_s > 0 and (self.etcd is not None or self.dns is not None):
+            await self.router.rebalance.leave(hand_off_s)
         if self.etcd is not None:
             await self.etcd.stop()
         if self.dns is not None:

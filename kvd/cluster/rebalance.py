@@ -49,6 +49,7 @@ from collections.abc import Callable
 
 from kvd.cluster.forwards import FORWARD_TIMEOUT_S, Forwards
 from kvd.cluster.membership import Membership
+from kvd.cluster.rendezvous import Placement
 from kvd.store.index import Entry
 from kvd.store.store import Store
 
@@ -94,6 +95,7 @@ class Rebalance:
         self.read_from_l2 = 0  # of them, values read from L2 to be handed on
         self.adopted = 0  # guests this member owns now, kept as its own
         self.walks = 0  # walks begun (each round of one counts)
+        self.left_handed_on = 0  # values queued for their owner as this member left
 
     def changed(self) -> None:
         """The members changed: (re)start the walk once they settle."""
@@ -231,6 +233,47 @@ class Rebalance:
             if ahead_s > 0:
                 await asyncio.sleep(ahead_s)
         return True
+
+    async def leave(self, budget_s: float) -> None:
+        """At a graceful stop, before this member leaves the pool: hand each
+        value its L1 owns to the member that owns it once this one is gone
+        (the placement over the others), as the walk does, unpaced, within
+        ``budget_s``; values only on L2 stay there (a restart under this
+        address serves them, one under another hands them on). What is not
+        sent by then is left."""
+        self.cancel()
+        started = time.monotonic()
+        deadline = started + budget_s
+        me = self._membership.advertise
+        others = [member for member in self._membership.members if member != me]
+        if not others:
+            return
+        placement, forwards = Placement(others), self._forwards
+        before, errors, seen, left = self.left_handed_on, forwards.errors, 0, 0
+        for ns in list(self._store.entries.by_name.values()):
+            for entry in list(ns.entries.values()):
+                seen += 1
+                if seen % STEP_ENTRIES == 0:
+                    await asyncio.sleep(0)
+                while time.monotonic() < deadline and (
+                    forwards.waiting() >= QUEUED_MAX or not forwards.can_pin(entry.size)
+                ):
+                    await asyncio.sleep(DRAIN_POLL_S)
+                if time.monotonic() >= deadline:
+                    left += 1
+                    continue
+                owner = placement.owner(ns.name, entry.key)
+                if _still_own(entry) and not self._is_down(owner):
+                    forwards.put(entry, owner)
+                    self.left_handed_on += 1
+        while forwards.tasks() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.info(
+            "pool values handed on before leaving",
+            extra={"handed_on": self.left_handed_on - before, "failed": forwards.errors - errors,
+                   "unsent": forwards.waiting() + left,
+                   "ms": round((time.monotonic() - started) * 1000)},
+        )  # fmt: skip
 
 
 def _still_own(entry: Entry) -> bool:

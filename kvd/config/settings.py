@@ -375,6 +375,15 @@ class Config:
         min=0,
         max=64 * TiB,
     )
+    pool_leave_handoff_ms: int = _setting(
+        0,
+        help="at a graceful stop (SIGTERM), how long this daemon may spend, before it "
+        "leaves the pool and before shutdown_grace_ms, handing the values its L1 owns to the "
+        "members that own them once it is gone (membership from etcd or DNS); 0: none, its "
+        "keys miss until put again or until a restart under this address serves them from L2",
+        min=0,
+        max=600_000,
+    )
     pool_peer_transport: str = _setting(
         "auto",
         help="how values are read from their owner: nixl (one-sided reads into L1 pages), "

@@ -385,13 +385,13 @@ class Daemon:
 
     async def stop(self) -> None:
         grace_s = self.config.shutdown_grace_ms / 1000
-        deadline = time.monotonic() + grace_s
         log.info("kvd stopping", extra={"grace_ms": self.config.shutdown_grace_ms})
         sd_notify("STOPPING=1")
         self.metrics.up.set(0)
         await self.health.enter_graceful_shutdown()
-        if self.pool_node is not None:
-            await self.pool_node.leave()
+        if self.pool_node is not None:  # its hand-off comes before the grace
+            await self.pool_node.leave(self.config.pool_leave_handoff_ms / 1000)
+        deadline = time.monotonic() + grace_s
         # Requests in flight get half the deadline; the write-back flush the rest.
         if self._server is not None:
             await self._server.stop(grace_s / 2)

@@ -229,3 +229,51 @@ def test_a_value_the_new_owner_refuses_stays_the_old_members_own(
     finally:
         for daemon in daemons:
             daemon.discard()
+
+
+def test_a_member_stopping_hands_what_it_owns_to_the_others_before_it_leaves(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """With ``pool_leave_handoff_ms``, a member stopped (SIGTERM) first hands
+    the values its L1 owns to the members that own them once it is gone:
+    every value, each stored only at its owner, is still read right through
+    the others. Without the setting, a member's values go with it."""
+    handoff = ("--pool-leave-handoff-ms", "10000")
+    daemons = [start_member(tmp_path, etcd, "a"), start_member(tmp_path, etcd, "b"),
+               start_member(tmp_path, etcd, "c", *handoff)]  # fmt: skip
+    try:
+        assert wait_until(lambda: all(members_of(d) == 3 for d in daemons))
+        placement = Placement([d.target for d in daemons])
+        keys = [b"owned-%04d" % i for i in range(150)]
+        owned = {d.target: [k for k in keys if placement.owner(NS, k) == d.target] for d in daemons}
+        for daemon in daemons:  # through its owner: no copy anywhere else
+            with Client(daemon.target, timeout_s=10) as client:
+                client.put_many(NS, [(key, value_of(key)) for key in owned[daemon.target]])
+        a, b, leaving = daemons
+        assert all(metric(d.metrics_port, "kvd_entries") == len(owned[d.target]) for d in daemons)
+
+        daemons.remove(leaving)
+        leaving.stop()
+        assert wait_until(lambda: all(members_of(d) == 2 for d in daemons), timeout_s=15)
+        said = [line for line in leaving.log if "pool values handed on before leaving" in line]
+        assert said and f"handed_on={len(owned[leaving.target])} " in said[0], leaving.log
+        assert counted(daemons, "kvd_entries") == len(keys)  # each value once
+        for daemon in daemons:
+            with Client(daemon.target, timeout_s=10) as client:
+                assert [client.get(NS, key) for key in keys] == [value_of(key) for key in keys]
+
+        # b stops without the setting: what it owned goes with it (misses through a).
+        placement = Placement([a.target, b.target])
+        fresh = [
+            k for k in (b"fresh-%04d" % i for i in range(100)) if placement.owner(NS, k) == b.target
+        ]
+        with Client(b.target, timeout_s=10) as client:
+            client.put_many(NS, [(key, value_of(key)) for key in fresh])
+        daemons.remove(b)
+        b.stop()
+        assert wait_until(lambda: members_of(a) == 1, timeout_s=15)
+        with Client(a.target, timeout_s=10) as client:
+            assert fresh and all(client.get(NS, key) is None for key in fresh)
+    finally:
+        for daemon in daemons:
+            daemon.discard()

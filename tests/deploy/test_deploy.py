@@ -143,8 +143,9 @@ def test_daemonset() -> None:
     annotations = template["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == ports["metrics"]
-    # Drain fits in the termination grace period.
-    assert pod["terminationGracePeriodSeconds"] * 1000 > config["shutdown_grace_ms"]
+    # The hand-off to the other pods and the drain fit in the termination grace period.
+    stopping_ms = config["pool_leave_handoff_ms"] + config["shutdown_grace_ms"]
+    assert pod["terminationGracePeriodSeconds"] * 1000 > stopping_ms
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
 
