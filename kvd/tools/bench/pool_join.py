@@ -9,12 +9,22 @@ member 0's lookups find at the first look after every member saw the
 fifth, how long after that they find every block again, the values the
 old members handed on (and the share of all values), the old members' CPU
 meanwhile, and every value then read back through the new member and
+checked.
+
+Then two leaves (``leave``): fresh chains, each value put through its
+owner, so no other member keeps a copy (as when the others' L1s have
+evicted theirs); the fifth member, started with ``pool_leave_handoff_ms``,
+stops (SIGTERM), and then member 3, without it. Reported for each: the
+share of the blocks member 0's lookups find once every member left saw
+it go, the values handed on before it left and how long that took, and
+every value read back through its owner (no copy made elsewhere) and
 checked. The members run on loopback (etcd with them); without the etcd
 binary (Debian's ``etcd-server``) the case is skipped and says so.
 """
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.client import Client
+from kvd.cluster.rendezvous import Placement
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.etcd import EtcdServer, etcd_binary
 from kvd.tools.bench.pool_nodes import Member, free_ports, write_tokens
@@ -38,6 +49,10 @@ ETCD_TTL_MS = 2000
 # Member 0 looks every chain up this often until it finds every block.
 POLL_S = 0.05
 JOIN_WAIT_S = 60.0
+# The fifth member's hand-off before it leaves: time enough here for its
+# fifth of the leave's chains (1 GiB in all by default) to go.
+LEAVE_HANDOFF_MS = 20_000
+LEAVE_NS = "leave"
 NS = "join"
 
 
@@ -56,14 +71,14 @@ class EtcdMembers:
             self._options["max_value"] = max_value
         self.members: list[Member] = []
 
-    def add(self) -> Member:
-        """A new member, started (it registers itself)."""
+    def add(self, *extra: str) -> Member:
+        """A new member, started (it registers itself), with ``extra`` flags."""
         index = len(self.members)
         (port,) = free_ports(1)
         address = f"127.0.0.1:{port}"
         args = ["--listen", address,
                 "--pool-members", f"etcd://{self.etcd.endpoint}{PREFIX}",
-                "--pool-etcd-ttl-ms", str(ETCD_TTL_MS), *self._auth]  # fmt: skip
+                "--pool-etcd-ttl-ms", str(ETCD_TTL_MS), *self._auth, *extra]  # fmt: skip
         new = Member(index, address, self.root / f"m{index}", args, self._options, None,
                      SpawnedDaemon)  # fmt: skip
         new.start()
@@ -113,7 +128,7 @@ def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) 
             old = list(members)
             cpu_before = [cpu_s(m.running.proc.pid) for m in old]
             progress("pool: join: a fifth member joins")
-            joined = pool.add()
+            joined = pool.add("--pool-leave-handoff-ms", str(LEAVE_HANDOFF_MS))
             pool.wait_members()
             seen = time.perf_counter()
             first = found()
@@ -131,6 +146,7 @@ def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) 
                 got = engine.get(NS, key)
                 misses += got is None
                 wrong += got is not None and got != value
+        leaves = _leaves(pool, chain_count, progress)
         return {
             "members": MEMBERS,
             "values": len(values),
@@ -144,9 +160,73 @@ def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) 
             "old_members_cpu_ms": cpu_ms,
             "wrong": wrong,
             "misses": misses,
+            "leave": leaves,
         }
     finally:
         pool.stop()
+
+
+def _leaves(
+    pool: EtcdMembers, chain_count: int, progress: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """The fifth member leaving with its hand-off, then member 3 without
+    (module doc); the pool's members are the five."""
+    members = pool.members
+    placement = Placement([m.address for m in members])
+    positions = range(CHAIN_BLOCKS)
+    chains = [[b"l%04d-b%03d" % (c, b) for b in positions] for c in range(chain_count)]
+    values = {key: block_value(c * CHAIN_BLOCKS + b, VALUE_BYTES)
+              for c, chain in enumerate(chains) for b, key in enumerate(chain)}  # fmt: skip
+    for member in members:  # each value through its owner: no copy elsewhere
+        mine = [(key, value) for key, value in values.items()
+                if placement.owner(LEAVE_NS, key) == member.address]  # fmt: skip
+        with Client(member.socket_target, token=pool.token, timeout_s=60) as client:
+            client.put_many(LEAVE_NS, mine)
+    rows = []
+    with Client(members[0].socket_target, token=pool.token, timeout_s=60) as looker:
+
+        def found() -> float:
+            blocks = sum(looker.lookup(LEAVE_NS, chain) for chain in chains)
+            return blocks / (chain_count * CHAIN_BLOCKS)
+
+        _wait(lambda: found() == 1.0, "the leave's chains stored")
+        for leaving, handoff_ms in ((members[MEMBERS], LEAVE_HANDOFF_MS), (members[3], 0)):
+            progress(f"pool: leave: member {leaving.index} stops, hand-off {handoff_ms} ms")
+            owned = sum(1 for key in values if placement.owner(LEAVE_NS, key) == leaving.address)
+            started = time.perf_counter()
+            leaving.stop()  # SIGTERM: the hand-off, then its lease revoked
+            stop_s = time.perf_counter() - started
+            members.remove(leaving)
+            pool.wait_members()
+            share = found()
+            said = next((line for line in leaving.running.log
+                         if "pool values handed on before leaving" in line), "")  # fmt: skip
+            handed = re.search(r"handed_on=(\d+)", said)
+            took = re.search(r" ms=(\d+)", said)
+            placement = Placement([m.address for m in members])
+            clients = {m.address: Client(m.socket_target, token=pool.token, timeout_s=60)
+                       for m in members}  # fmt: skip
+            wrong = misses = 0
+            try:
+                for key, value in values.items():  # through its owner now: no copy made
+                    got = clients[placement.owner(LEAVE_NS, key)].get(LEAVE_NS, key)
+                    misses += got is None
+                    wrong += got is not None and got != value
+            finally:
+                for client in clients.values():
+                    client.close()
+            rows.append({
+                "member": leaving.index,
+                "handoff_ms_allowed": handoff_ms,
+                "owned": owned,
+                "handed_on": int(handed.group(1)) if handed else 0,
+                "handoff_ms": int(took.group(1)) if took else None,
+                "stop_s": stop_s,
+                "found_after": share,
+                "wrong": wrong,
+                "misses": misses,
+            })  # fmt: skip
+    return rows
 
 
 def _wait(done: Callable[[], bool], what: str) -> None:

@@ -18,7 +18,9 @@ The targets:
 
 Beside them (no target in numbers): a fifth member joining four from
 etcd; the values handed on to it against 1/N, and every block found
-again by lookups, with 0 wrong bytes. And the trace replayed with a fifth
+again by lookups, with 0 wrong bytes; a member leaving with
+``pool_leave_handoff_ms`` (every block found after, 0 wrong), beside one
+leaving without it. And the trace replayed with a fifth
 member joining halfway: the hit ratio after the join within 2 % of the
 pool simulator's for the same join (the daemon and the simulator make
 the same decisions but for timing), 0 wrong blocks.
@@ -121,6 +123,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "goal": "all found, 0 wrong",
             "met": after is not None and join["wrong"] == 0 and join["misses"] == 0,
         })  # fmt: skip
+        if join.get("leave"):
+            rows.append(_leave_row(join["leave"]))
     replay = result.get("join_replay", {})
     if "skipped" not in replay and replay:
         measured, simulated = replay["after"], replay["simulated"]
@@ -141,6 +145,23 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "met": abs(ratio - 1) <= HIT_RATIO_BAND and measured["wrong_blocks"] == 0,
         })  # fmt: skip
     return rows
+
+
+def _leave_row(leaves: list[dict[str, Any]]) -> dict[str, Any]:
+    """A member leaving with ``pool_leave_handoff_ms``, and one without."""
+    handed, bare = leaves
+    took = f"in {handed['handoff_ms']} ms" if handed["handoff_ms"] is not None else "(no log line)"
+    return {
+        "target": "a member leaving (SIGTERM) with pool_leave_handoff_ms: blocks found after",
+        "measured": f"{100 * handed['found_after']:.1f} %; {handed['handed_on']} values "
+        f"handed on {took} (its {handed['owned']} of these chains and the join's it owned), "
+        f"{handed['wrong']} wrong, {handed['misses']} missing",
+        "reference": f"a member leaving without it: {100 * bare['found_after']:.1f} %, "
+        f"{bare['misses']} of its {bare['owned']} values missing",
+        "ratio": handed["found_after"],
+        "goal": "all found, 0 wrong, 0 missing",
+        "met": handed["found_after"] == 1.0 and handed["wrong"] == 0 and handed["misses"] == 0,
+    }
 
 
 def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:

@@ -80,6 +80,10 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert "skipped" not in join, join
     assert join["values"] == 8 * 64 and join["wrong"] == 0 and join["misses"] == 0
     assert join["found_after_s"] is not None and 0 < join["handed_on"] < join["values"]
+    handed, bare = join["leave"]  # the fifth member leaves with its hand-off, member 3 without
+    assert handed["found_after"] == 1.0 and handed["misses"] == handed["wrong"] == 0
+    assert handed["handed_on"] >= handed["owned"] > 0  # the join's values it owns go too
+    assert bare["found_after"] < 1.0 and bare["misses"] == bare["owned"] > 0
     replay = result["join_replay"]  # the trace again, a fifth member joining halfway
     assert "skipped" not in replay, replay
     assert replay["join_at"] == 20 and replay["after"]["requests"] == 20
@@ -87,8 +91,8 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert replay["handed_on"] > 0 and replay["histories_taken"] > 0
     assert set(replay["simulated"]) == {"join", "join_without_histories", "no_join"}
     assert "with a join at request 20" in raw.with_suffix(".md").read_text()
-    # Two lookup rows, a join, a join replay.
-    assert len(result["targets"]) == 2 * len(gets) + 6 + len(faults)
+    # Two lookup rows, a join, a leave, a join replay.
+    assert len(result["targets"]) == 2 * len(gets) + 7 + len(faults)
 
 
 def test_a_negative_lookup_pace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
