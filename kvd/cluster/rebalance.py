@@ -38,6 +38,10 @@ stays this member's own; the walk then runs again ``RETRY_S`` later, up
 to ``WALK_ROUNDS`` times (a walk again hands on only what is still this
 member's). A walk during which a forward failed (a value its owner did
 not take stays this member's own) runs again as well.
+
+At a graceful stop with ``pool_leave_handoff_ms`` (``leave``), a member
+hands what its L1 owns to the members that own it once this one is gone,
+the same way, unpaced, within that time, before it leaves the pool.
 """
 
 from __future__ import annotations
@@ -255,15 +259,16 @@ class Rebalance:
                 seen += 1
                 if seen % STEP_ENTRIES == 0:
                     await asyncio.sleep(0)
+                if not _still_own(entry):
+                    continue  # a copy of another member's value, or gone
                 while time.monotonic() < deadline and (
                     forwards.waiting() >= QUEUED_MAX or not forwards.can_pin(entry.size)
                 ):
                     await asyncio.sleep(DRAIN_POLL_S)
+                owner = placement.owner(ns.name, entry.key)
                 if time.monotonic() >= deadline:
                     left += 1
-                    continue
-                owner = placement.owner(ns.name, entry.key)
-                if _still_own(entry) and not self._is_down(owner):
+                elif _still_own(entry) and not self._is_down(owner):
                     forwards.put(entry, owner)
                     self.left_handed_on += 1
         while forwards.tasks() and time.monotonic() < deadline:

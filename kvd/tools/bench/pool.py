@@ -446,18 +446,6 @@ def _replay(clients: list[Client], trace: Trace, block_bytes: int,
     return stats
 
 
-def _replay_figures(stats: ReplayStats) -> dict[str, Any]:
-    return {
-        "requests": stats.requests,
-        "block_refs": stats.block_refs,
-        "block_hits": stats.block_hits,
-        "block_hit_ratio": stats.block_hits / stats.block_refs if stats.block_refs else 0.0,
-        "lost_after_lookup": stats.lost_after_lookup,
-        "wrong_blocks": stats.wrong_blocks,
-        "seconds": round(stats.elapsed_s, 1),
-    }
-
-
 def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) -> dict[str, Any]:
     """The trace over MEMBERS members of capacity C/MEMBERS each, and over one
     daemon of capacity C."""
@@ -533,8 +521,8 @@ def hit_ratio(root: Path, trace: Trace, options: Options, progress: Progress) ->
         "peer_errors": peer_errors,
         "guests_at_end": guests,
         "plans": plans,
-        "pool": _replay_figures(spread),
-        "single": _replay_figures(alone),
+        "pool": spread.figures(),
+        "single": alone.figures(),
         "simulated": simulated,
     }
 

@@ -100,9 +100,9 @@ def run(
         "handed_on": handed_on,
         "histories_taken": histories,
         "forward_errors": errors,
-        "before": _figures(before),
-        "right_after": _figures(right_after),
-        "after": _figures(after),
+        "before": before.figures(),
+        "right_after": right_after.figures(),
+        "after": after.figures(),
         "simulated": _simulated(trace, addresses, per_member, at, window),
     }
 
@@ -122,17 +122,6 @@ def _handed_off(old: list[Member]) -> float:
         if now - started > JOIN_WAIT_S:
             raise RuntimeError(f"pool join replay: the hand-off went on past {JOIN_WAIT_S:g} s")
         time.sleep(0.05)
-
-
-def _figures(stats: ReplayStats) -> dict[str, Any]:
-    return {
-        "requests": stats.requests,
-        "block_refs": stats.block_refs,
-        "block_hits": stats.block_hits,
-        "block_hit_ratio": stats.block_hits / stats.block_refs if stats.block_refs else 0.0,
-        "wrong_blocks": stats.wrong_blocks,
-        "lost_after_lookup": stats.lost_after_lookup,
-    }
 
 
 def _simulated(

@@ -135,6 +135,18 @@ class ReplayStats:
     get: Samples = field(default_factory=Samples)
     put: Samples = field(default_factory=Samples)
 
+    def figures(self) -> dict[str, float]:
+        """The block counts, their hit ratio, what went wrong, the seconds."""
+        return {
+            "requests": self.requests,
+            "block_refs": self.block_refs,
+            "block_hits": self.block_hits,
+            "block_hit_ratio": self.block_hits / self.block_refs if self.block_refs else 0.0,
+            "lost_after_lookup": self.lost_after_lookup,
+            "wrong_blocks": self.wrong_blocks,
+            "seconds": round(self.elapsed_s, 1),
+        }
+
     def merge(self, other: ReplayStats) -> None:
         for name in ("requests", "block_refs", "block_hits", "l1_hits", "l2_hits", "token_refs",
                      "token_hits", "bytes_got", "bytes_put", "blocks_put", "lost_after_lookup",
