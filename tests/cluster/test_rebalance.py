@@ -9,12 +9,15 @@ to the keys' owners now. Membership from a real etcd."""
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
 from kvd.client import Client
+from kvd.cluster.forwards import FORWARD_TIMEOUT_S
 from kvd.cluster.rendezvous import Placement
 from kvd.tools.bench.daemon import written_back
 from tests.cluster.etcd_server import EtcdServer, etcd_binary, start_member
@@ -275,5 +278,38 @@ def test_a_member_stopping_hands_what_it_owns_to_the_others_before_it_leaves(
         with Client(a.target, timeout_s=10) as client:
             assert fresh and all(client.get(NS, key) is None for key in fresh)
     finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
+def test_a_stop_waits_for_its_hand_off_no_longer_than_it_is_allowed(
+    tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """A member stopping while the member its values go to is stopped
+    (SIGSTOP: its calls hang) exits after its hand-off time and its grace,
+    not after the forwards' own timeout; nothing it held was lost for
+    having tried."""
+    handoff = ("--pool-leave-handoff-ms", "1500", "--shutdown-grace-ms", "1000")
+    leaving = start_member(tmp_path, etcd, "a", *handoff)
+    stuck = start_member(tmp_path, etcd, "b")
+    daemons = [leaving, stuck]
+    try:
+        assert wait_until(lambda: all(members_of(d) == 2 for d in daemons))
+        placement = Placement([d.target for d in daemons])
+        mine = [k for k in (b"held-%04d" % i for i in range(200))
+                if placement.owner(NS, k) == leaving.target]  # fmt: skip
+        with Client(leaving.target, timeout_s=10) as client:
+            client.put_many(NS, [(key, value_of(key)) for key in mine])
+        os.kill(stuck.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        leaving.stop()
+        took_s = time.monotonic() - started
+        # Its 1.5 s of hand-off, then at most its grace and a margin: not
+        # the 10 s a forward may take (FORWARD_TIMEOUT_S).
+        assert 1.4 <= took_s < FORWARD_TIMEOUT_S - 1.0, took_s
+        said = [line for line in leaving.log if "pool values handed on before leaving" in line]
+        assert said and f"handed_on={len(mine)} " in said[0], leaving.log
+    finally:
+        os.kill(stuck.proc.pid, signal.SIGCONT)
         for daemon in daemons:
             daemon.discard()

@@ -143,6 +143,19 @@ def _hand_off(nodes: list[_Member], owner: list[int], histories: bool) -> None:
                 node.guests[key] = None
 
 
+def _hand_over(leaving: _Member, nodes: list[_Member], owner: list[int], histories: bool) -> None:
+    """A member leaving hands each value it owns to its owner among the
+    others (``kvd.cluster.rebalance``'s ``leave``), with its history."""
+    for key in sorted(leaving.held):
+        if key in leaving.guests:
+            continue
+        to = nodes[owner[key]]
+        history = leaving.policy.history(key) if histories else None
+        if history is not None and key not in to.held:
+            to.policy.expect(key, history)
+        to.store(key, None, guest=False)
+
+
 def owners_of(trace: Trace, members: Sequence[str], namespace: str) -> list[int]:
     """Each block's owner, an index into ``members``."""
     placement = Placement(members)
@@ -160,7 +173,9 @@ def simulate_pool(
     wrap: Callable[[EvictionPolicy[int]], EvictionPolicy[int]] | None = None,
     in_step: bool = True,
     join: tuple[int, str] | None = None,
+    leave: tuple[int, str] | None = None,
     hand_off: bool = True,
+    leave_hand_off: bool = True,
     histories: bool = True,
     counted_from: int = 0,
 ) -> SimResult:
@@ -173,8 +188,14 @@ def simulate_pool(
     hand it the values it owns now, as ``kvd.cluster.rebalance`` does (in
     the order they came, a copy staying as a guest); without, they keep
     them where lookups do not look, as the daemon did before;
-    ``histories``: with their history in the old owner's policy. Hits
-    count from request ``counted_from`` on."""
+    ``histories``: with their history in the old owner's policy.
+
+    ``leave`` ``(request, member)``: that member leaves before that request
+    (after a join at the same request); with ``leave_hand_off`` it first
+    hands the values it owns to their owners among the others
+    (``pool_leave_handoff_ms``), and with ``hand_off`` the others keep the
+    copies they hold of its values as their own. Hits count from request
+    ``counted_from`` on."""
     if policy_name not in POLICIES:
         raise SimError(f"unknown policy {policy_name!r}; expected one of {POLICIES}")
     if not members or len(set(members)) != len(members):
@@ -203,6 +224,21 @@ def simulate_pool(
             holder = nodes[members.index(min(members))] if in_step else None
             untold = [[*row, 0] for row in untold] + [[0] * n_members]
             owner = owners_of(trace, members, namespace)
+            if hand_off:
+                _hand_off(nodes, owner, histories)
+        if leave is not None and request == leave[0]:
+            if leave[1] not in members or len(members) == 1:
+                raise SimError(f"the member leaving is none of several: {leave[1]}")
+            gone = members.index(leave[1])
+            members = [m for m in members if m != leave[1]]
+            leaving = nodes.pop(gone)
+            n_members = len(nodes)
+            holder = nodes[members.index(min(members))] if in_step else None
+            untold = [[n for j, n in enumerate(row) if j != gone]
+                      for i, row in enumerate(untold) if i != gone]  # fmt: skip
+            owner = owners_of(trace, members, namespace)
+            if leave_hand_off:
+                _hand_over(leaving, nodes, owner, histories)
             if hand_off:
                 _hand_off(nodes, owner, histories)
         chain = blocks[offsets[request] : offsets[request + 1]]

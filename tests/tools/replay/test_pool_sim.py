@@ -65,6 +65,26 @@ def test_a_join_with_the_values_handed_on_loses_no_hit_where_nothing_is_evicted(
         simulate_pool(trace, "lru", MEMBERS, 4, join=(1, MEMBERS[0]))
 
 
+def test_a_leave_with_the_values_handed_on_loses_no_hit_where_nothing_is_evicted() -> None:
+    """With room for every block, a member that hands what it owns to the
+    others before it leaves costs no hit after; one that takes its values
+    with it does (a chain stops at its first key only the leaver held)."""
+    trace = trace_from_words([[i % 7, 100 + i % 11, 200 + i % 13, 300 + i] for i in range(300)])
+    leaver, at, room = MEMBERS[3], 150, 10_000
+    kept = simulate_pool(trace, "density", MEMBERS, room, counted_from=at)
+    handed = simulate_pool(trace, "density", MEMBERS, room, leave=(at, leaver), counted_from=at)
+    lost = simulate_pool(
+        trace, "density", MEMBERS, room, leave=(at, leaver), leave_hand_off=False,
+        counted_from=at,
+    )  # fmt: skip
+    assert handed.block_hits == kept.block_hits > 0
+    assert lost.block_hits < handed.block_hits
+    with pytest.raises(SimError, match="leaving is none of several"):
+        simulate_pool(trace, "lru", MEMBERS, 4, leave=(1, "10.0.0.9:50051"))
+    with pytest.raises(SimError, match="leaving is none of several"):
+        simulate_pool(trace, "lru", MEMBERS[:1], 4, leave=(1, MEMBERS[0]))
+
+
 def test_bad_parameters_are_refused() -> None:
     trace = trace_from_words([[1, 2], [1, 3]])
     with pytest.raises(SimError, match="unknown policy"):
