@@ -28,9 +28,9 @@ reference measured in the same run.
   killed; the engine's calls against their deadline.
 - **Join** (``kvd.tools.bench.pool_join``): a fifth member joins four whose
   membership comes from etcd; how soon lookups find every block again.
-  Then the trace replayed with a fifth member joining halfway
-  (``kvd.tools.bench.pool_join_replay``): the hit ratio after the join
-  beside the simulator's.
+  Then the trace replayed with a fifth member joining halfway, and with
+  the fifth of five leaving halfway (``kvd.tools.bench.pool_join_replay``):
+  the hit ratio after the change beside the simulator's.
 
 Members run in network namespaces when this is root (``kvd.tools.bench.netns``),
 on loopback otherwise (the report says which). No L2: the figures are the
@@ -559,6 +559,9 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
     join_replay = pool_join_replay.run(
         root, trace, options.capacity_fraction, options.block_bytes, progress
     )
+    leave_replay = pool_join_replay.run_leave(
+        root, trace, options.capacity_fraction, options.block_bytes, progress
+    )
     return {
         "trace": str(trace_path),
         "where": gets[0]["where"],
@@ -569,4 +572,5 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
         "faults": faults,
         "join": join,
         "join_replay": join_replay,
+        "leave_replay": leave_replay,
     }

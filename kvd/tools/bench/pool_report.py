@@ -21,8 +21,9 @@ etcd; the values handed on to it against 1/N, and every block found
 again by lookups, with 0 wrong bytes; a member leaving with
 ``pool_leave_handoff_ms`` (every block found after, 0 wrong), beside one
 leaving without it. And the trace replayed with a fifth
-member joining halfway: the hit ratio after the join within 2 % of the
-pool simulator's for the same join (the daemon and the simulator make
+member joining halfway, and with the fifth of five leaving halfway (its
+values handed on first): the hit ratio after the change within 2 % of the
+pool simulator's for the same change (the daemon and the simulator make
 the same decisions but for timing), 0 wrong blocks.
 """
 
@@ -144,7 +145,34 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "goal": f"{1 - HIT_RATIO_BAND:.2f}..{1 + HIT_RATIO_BAND:.2f} of the simulator, 0 wrong",
             "met": abs(ratio - 1) <= HIT_RATIO_BAND and measured["wrong_blocks"] == 0,
         })  # fmt: skip
+    leave = result.get("leave_replay", {})
+    if "skipped" not in leave and leave:
+        rows.append(_leave_replay_row(leave))
     return rows
+
+
+def _leave_replay_row(leave: dict[str, Any]) -> dict[str, Any]:
+    """The trace with the fifth of five members leaving halfway."""
+    measured, simulated = leave["after"], leave["simulated"]
+    ratio = measured["block_hit_ratio"] / max(simulated["leave"]["after"], 1e-9)
+
+    def both(case: str) -> str:
+        return (f"{100 * simulated[case]['after']:.2f} % "
+                f"({100 * simulated[case]['right_after']:.2f} %)")  # fmt: skip
+
+    return {
+        "target": f"trace with a leave (hand-off) at request {leave['leave_at']}: "
+        "hit ratio after it",
+        "measured": f"{100 * measured['block_hit_ratio']:.2f} % (the first "
+        f"{leave['window']}: {100 * leave['right_after']['block_hit_ratio']:.2f} %), "
+        f"{measured['wrong_blocks']} wrong blocks",
+        "reference": f"simulator {both('leave')}; without histories "
+        f"{both('leave_without_histories')}, without the hand-off "
+        f"{both('leave_without_hand_off')}, no leave {both('no_leave')}",
+        "ratio": ratio,
+        "goal": f"{1 - HIT_RATIO_BAND:.2f}..{1 + HIT_RATIO_BAND:.2f} of the simulator, 0 wrong",
+        "met": abs(ratio - 1) <= HIT_RATIO_BAND and measured["wrong_blocks"] == 0,
+    }
 
 
 def _leave_row(leaves: list[dict[str, Any]]) -> dict[str, Any]:
@@ -242,6 +270,17 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{replay['handoff_s']:.1f} s, {replay['histories_taken']:.0f} with their history; "
             f"{replay['forward_errors']:.0f} hand-offs failed; before the join the four hit "
             f"{100 * replay['before']['block_hit_ratio']:.2f} %."
+        )
+    leave = result.get("leave_replay", {})
+    if "skipped" in leave:
+        lines.append(f"Trace with a leave: skipped ({leave['skipped']}).")
+    elif leave:
+        lines.append(
+            f"Trace with a leave: the member stopped in {leave['stop_s']:.1f} s "
+            f"({leave['hand_off_log'].partition('msg=')[2] or 'no hand-off logged'}); the four "
+            f"kept {leave['adopted']:.0f} copies as their own, "
+            f"{leave['histories_taken']:.0f} values taken with their history; before the "
+            f"leave the five hit {100 * leave['before']['block_hit_ratio']:.2f} %."
         )
     return "\n".join(lines)
 

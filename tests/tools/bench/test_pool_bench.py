@@ -91,8 +91,15 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert replay["handed_on"] > 0 and replay["histories_taken"] > 0
     assert set(replay["simulated"]) == {"join", "join_without_histories", "no_join"}
     assert "with a join at request 20" in raw.with_suffix(".md").read_text()
-    # Two lookup rows, a join, a leave, a join replay.
-    assert len(result["targets"]) == 2 * len(gets) + 7 + len(faults)
+    leave = result["leave_replay"]  # the fifth of five leaving halfway, its values handed on
+    assert "skipped" not in leave, leave
+    assert leave["leave_at"] == 20 and leave["after"]["requests"] == 20
+    assert leave["after"]["wrong_blocks"] == 0 and leave["after"]["block_hits"] > 0
+    assert "handed_on=" in leave["hand_off_log"]
+    assert {"leave", "leave_without_hand_off", "no_leave"} <= set(leave["simulated"])
+    assert "with a leave (hand-off) at request 20" in raw.with_suffix(".md").read_text()
+    # Two lookup rows, a join, a leave, a join replay, a leave replay.
+    assert len(result["targets"]) == 2 * len(gets) + 8 + len(faults)
 
 
 def test_a_negative_lookup_pace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
