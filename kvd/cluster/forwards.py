@@ -120,6 +120,9 @@ class Forwards:
         self.sent = 0
         self.errors = 0
         self.dropped = 0
+        # This member is leaving the pool: every owner keeps what it is sent
+        # as its own (it owns it once this one is gone).
+        self.leaving = False
 
     def start(self) -> None:
         """Nothing to start: a sender starts with its owner's first put."""
@@ -219,7 +222,9 @@ class Forwards:
         deadline = time.monotonic() + FORWARD_TIMEOUT_S
         readers = [going.reader for going in batch]
         histories = [going.history for going in batch]
-        taken = await self._reads.put_many(owner, readers, FORWARD_TIMEOUT_S, histories)
+        taken = await self._reads.put_many(
+            owner, readers, FORWARD_TIMEOUT_S, histories, keep=self.leaving
+        )
         if taken is None:  # over gRPC
             taken = []
             for reader in readers:

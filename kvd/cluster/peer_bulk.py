@@ -40,6 +40,7 @@ from kvd.wire.bulk import (
     CODE_NOT_FOUND,
     CODE_OK,
     FLAG_HOP,
+    FLAG_KEEP,
     MESSAGE_BYTES_MAX,
     NIXL_META_BYTES_MAX,
     NIXL_PIN,
@@ -154,13 +155,17 @@ class BulkConnection:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
         return BulkAnswer(size, meta, answer[1])
 
-    async def put_many(self, puts: list[tuple[str, bytes, Reader, bytes | None]]) -> list[bool]:
+    async def put_many(
+        self, puts: list[tuple[str, bytes, Reader, bytes | None]], keep: bool = False
+    ) -> list[bool]:
         """Store values on the member they belong to (puts handed on): one
         PUT frame with ``FLAG_HOP`` each (the member keeps it, never hands
         it on), sent back to back from the values' pages, then their
         answers in order; whether it took each (an equal value there is
         fine). A put with a history (``EvictionPolicy.history``) goes after
-        a PEER_HISTORY frame of it."""
+        a PEER_HISTORY frame of it; with ``keep`` (``FLAG_KEEP``) the member
+        keeps each as its own, whoever its placement names."""
+        flags = FLAG_HOP | (FLAG_KEEP if keep else 0)
         self.reusable = False
         rids = [next(self._ids) for _ in puts]
         for rid, (namespace, key, reader, history) in zip(rids, puts, strict=True):
@@ -171,7 +176,7 @@ class BulkConnection:
                 ))  # fmt: skip
             request = encode_request(
                 OP_PUT, rid, namespace.encode(), key, parent=reader.entry.parent or b"",
-                meta=reader.meta, length=reader.size, checksum=reader.checksum, flags=FLAG_HOP,
+                meta=reader.meta, length=reader.size, checksum=reader.checksum, flags=flags,
             )  # fmt: skip
             await self._send(request)
             for view in reader.views:

@@ -239,7 +239,7 @@ class PeerReads:
 
     async def put_many(
         self, member: str, readers: list[Reader], timeout_s: float,
-        histories: Sequence[bytes | None] | None = None,
+        histories: Sequence[bytes | None] | None = None, keep: bool = False,
     ) -> list[bool] | None:  # fmt: skip
         """Hand puts on to their owner on its bulk port, in order, on one
         connection (``BulkConnection.put_many``, the bytes sent from the
@@ -247,7 +247,8 @@ class PeerReads:
         where they are to go over gRPC: no bulk port this daemon reaches, or
         a member that does not take the op. ``histories``: each value's in
         this daemon's eviction policy, sent where the member takes them
-        (``bulk_ops`` "history"). A failure is a ``PeerError``."""
+        (``bulk_ops`` "history"); ``keep``: the member keeps them as its own
+        (this one is leaving). A failure is a ``PeerError``."""
 
         async def call(connection: BulkConnection) -> list[bool]:
             # A value over the member's max_value_bytes is not sent: there the
@@ -263,7 +264,7 @@ class PeerReads:
                 )
                 if fit
             ]
-            taken = iter(await connection.put_many(puts) if puts else [])
+            taken = iter(await connection.put_many(puts, keep) if puts else [])
             return [ok and next(taken) for ok in fits]
 
         return await self._peer_op(member, "put", timeout_s, call)

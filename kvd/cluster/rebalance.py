@@ -253,6 +253,7 @@ class Rebalance:
         if not others:
             return
         placement, forwards = Placement(others), self._forwards
+        forwards.leaving = True  # kept as their own, before the others see this one go
         before, errors, seen, left = self.left_handed_on, forwards.errors, 0, 0
         for ns in list(self._store.entries.by_name.values()):
             for entry in list(ns.entries.values()):

@@ -280,6 +280,8 @@ class PoolRouter:
         return None if owner == self.membership.advertise else owner
 
     def _is_guest(self, namespace: str, key: bytes) -> bool:
+        if scope.current().kept:  # handed on by a member leaving: this one's own
+            return False
         return self._remote_owner(namespace, key) is not None
 
     def _is_down(self, member: str) -> bool:

@@ -30,6 +30,9 @@ RESERVE_S_MIN = 0.002
 class Scope:
     deadline: float | None = None  # time.monotonic() by which the caller wants an answer
     hop: bool = False
+    # A value a member leaving the pool handed on: this daemon's own,
+    # whichever member its placement names (kvd.wire.bulk.FLAG_KEEP).
+    kept: bool = False
 
 
 _NONE = Scope()  # a call from no transport: no deadline, not a hop
@@ -56,9 +59,10 @@ def leave(token: contextvars.Token[Scope | None]) -> None:
 
 
 @contextmanager
-def as_hop() -> Iterator[None]:
-    """Run work that must stay on this daemon (storing a value a peer sent)."""
-    token = _current.set(Scope(current().deadline, True))
+def as_hop(kept: bool = False) -> Iterator[None]:
+    """Run work that must stay on this daemon (storing a value a peer sent;
+    ``kept``: as its own)."""
+    token = _current.set(Scope(current().deadline, True, kept))
     try:
         yield
     finally:

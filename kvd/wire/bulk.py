@@ -91,6 +91,11 @@ FLAG_EXISTED = 1  # response: the put's key already held these bytes
 # daemon answers it from what it holds and never asks a peer in turn. Bit 2
 # is the shm socket's DEADLINE (kvd.wire.shm).
 FLAG_HOP = 8
+# Request, a PUT with FLAG_HOP: kept as this daemon's own, whichever member
+# its placement names (a member leaving the pool hands its values on with
+# it; the receiver owns them once the member is gone). Bit 4 is the shm
+# socket's NO_ANSWER.
+FLAG_KEEP = 32
 
 TOKEN_BYTES_MAX = 4096
 MESSAGE_BYTES_MAX = 1024

@@ -261,6 +261,7 @@ def test_a_member_stopping_hands_what_it_owns_to_the_others_before_it_leaves(
         said = [line for line in leaving.log if "pool values handed on before leaving" in line]
         assert said and f"handed_on={len(owned[leaving.target])} " in said[0], leaving.log
         assert counted(daemons, "kvd_entries") == len(keys)  # each value once
+        assert counted(daemons, "kvd_guest_entries") == 0  # kept as their own, not as copies
         for daemon in daemons:
             with Client(daemon.target, timeout_s=10) as client:
                 assert [client.get(NS, key) for key in keys] == [value_of(key) for key in keys]

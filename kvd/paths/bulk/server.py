@@ -78,6 +78,7 @@ from kvd.wire.bulk import (
     FLAG_DURABLE,
     FLAG_EXISTED,
     FLAG_HOP,
+    FLAG_KEEP,
     MESSAGE_BYTES_MAX,
     NAME_BY_CODE,
     OP_GET,
@@ -350,7 +351,12 @@ class _Connection:
             else:
                 for view in ticket.views:
                     await recv_into_exact(self.loop, self.sock, view, hasher)
-            hop = scope.as_hop() if request.flags & FLAG_HOP else contextlib.nullcontext()
+            flags = request.flags  # KEEP: from a member leaving, this daemon's own
+            hop = (
+                scope.as_hop(bool(flags & FLAG_KEEP))
+                if flags & FLAG_HOP
+                else contextlib.nullcontext()
+            )
             try:
                 with hop:  # a put a pool member handed on: kept here, never handed on
                     result = await values.publish("bulk_put", ticket, hasher.value(), durable)
