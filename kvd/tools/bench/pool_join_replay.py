@@ -80,6 +80,17 @@ class _Replay:
         )
         return member
 
+    def first_half(self, *more: tuple[str, ...]) -> list[Member]:
+        """``MEMBERS`` members, then one more per ``more`` (its flags); the
+        trace's first half through them. The members, in order."""
+        for _ in range(MEMBERS):
+            self.add()
+        for extra in more:
+            self.add(*extra)
+        self.pool.wait_members()
+        self.requests(0, self.at)
+        return list(self.pool.members)
+
     def stop(self, member: Member) -> None:
         self.pool.members.remove(member)
         self.clients.pop(member.address).close()
@@ -141,19 +152,14 @@ def run(
     root: Path, trace: Trace, capacity_fraction: float, block_bytes: int, progress: Progress
 ) -> dict[str, Any]:
     """The replay with a fifth member joining halfway (module doc)."""
-    if etcd_binary() is None:
-        return {"skipped": "no etcd binary (apt-get install etcd-server)"}
-    if len(trace) < 2:
-        return {"skipped": f"a trace of {len(trace)} requests"}
+    skipped = _skipped(trace)
+    if skipped:
+        return skipped
     replay = _Replay(root, trace, capacity_fraction, block_bytes, "join")
     pool = replay.pool
     try:
         progress(f"pool: join replay: {replay.at} requests over {MEMBERS} members from etcd")
-        for _ in range(MEMBERS):
-            replay.add()
-        pool.wait_members()
-        replay.requests(0, replay.at)
-        old = list(pool.members)
+        old = replay.first_half()
         joined = replay.add()
         pool.wait_members()
         handoff_s = _handed_off(old)
@@ -185,20 +191,15 @@ def run_leave(
     root: Path, trace: Trace, capacity_fraction: float, block_bytes: int, progress: Progress
 ) -> dict[str, Any]:
     """The replay with the fifth of five members leaving halfway (module doc)."""
-    if etcd_binary() is None:
-        return {"skipped": "no etcd binary (apt-get install etcd-server)"}
-    if len(trace) < 2:
-        return {"skipped": f"a trace of {len(trace)} requests"}
+    skipped = _skipped(trace)
+    if skipped:
+        return skipped
     replay = _Replay(root, trace, capacity_fraction, block_bytes, "leave")
     pool = replay.pool
     try:
         progress(f"pool: leave replay: {replay.at} requests over {MEMBERS + 1} members")
-        for _ in range(MEMBERS):
-            replay.add()
-        leaving = replay.add("--pool-leave-handoff-ms", str(LEAVE_HANDOFF_MS))
-        pool.wait_members()
-        addresses = [m.address for m in pool.members]
-        replay.requests(0, replay.at)
+        members = replay.first_half(("--pool-leave-handoff-ms", str(LEAVE_HANDOFF_MS)))
+        leaving, addresses = members[-1], [m.address for m in members]
         started = time.perf_counter()
         replay.stop(leaving)
         stop_s = time.perf_counter() - started
@@ -228,6 +229,15 @@ def run_leave(
         "adopted": adopted,
         "histories_taken": histories,
     }
+
+
+def _skipped(trace: Trace) -> dict[str, Any]:
+    """Why the replay cannot run here; empty where it can."""
+    if etcd_binary() is None:
+        return {"skipped": "no etcd binary (apt-get install etcd-server)"}
+    if len(trace) < 2:
+        return {"skipped": f"a trace of {len(trace)} requests"}
+    return {}
 
 
 def _handed_off(members: list[Member]) -> float:

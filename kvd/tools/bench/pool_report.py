@@ -251,38 +251,45 @@ def markdown(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"lookup and gone at its get: {hits['pool']['lost_after_lookup']}; guests held at the end: "
         f"{hits.get('guests_at_end', 0):.0f}. Wrong bytes or blocks: {wrong}.",
     ]
-    join = result.get("join", {})
-    if "skipped" in join:
-        lines.append(f"Join: skipped ({join['skipped']}).")
-    elif join:
-        cpu = ", ".join(f"{ms:.0f}" for ms in join["old_members_cpu_ms"])
-        lines.append(
-            f"Join: {join['values']} values of {join['value_bytes'] >> 10} KiB in chains, "
-            f"member 0 looking every chain up until it found every block; the old members' "
-            f"CPU meanwhile {cpu} ms; {join['forward_errors']:.0f} hand-offs failed."
-        )
-    replay = result.get("join_replay", {})
-    if "skipped" in replay:
-        lines.append(f"Trace with a join: skipped ({replay['skipped']}).")
-    elif replay:
-        lines.append(
-            f"Trace with a join: {replay['handed_on']:.0f} values handed on in "
-            f"{replay['handoff_s']:.1f} s, {replay['histories_taken']:.0f} with their history; "
-            f"{replay['forward_errors']:.0f} hand-offs failed; before the join the four hit "
-            f"{100 * replay['before']['block_hit_ratio']:.2f} %."
-        )
-    leave = result.get("leave_replay", {})
-    if "skipped" in leave:
-        lines.append(f"Trace with a leave: skipped ({leave['skipped']}).")
-    elif leave:
-        lines.append(
-            f"Trace with a leave: the member stopped in {leave['stop_s']:.1f} s "
-            f"({leave['hand_off_log'].partition('msg=')[2] or 'no hand-off logged'}); the four "
-            f"kept {leave['adopted']:.0f} copies as their own, "
-            f"{leave['histories_taken']:.0f} values taken with their history; before the "
-            f"leave the five hit {100 * leave['before']['block_hit_ratio']:.2f} %."
-        )
+    for key, name, describe in (
+        ("join", "Join", _join_line),
+        ("join_replay", "Trace with a join", _join_replay_line),
+        ("leave_replay", "Trace with a leave", _leave_replay_line),
+    ):
+        section = result.get(key, {})
+        if "skipped" in section:
+            lines.append(f"{name}: skipped ({section['skipped']}).")
+        elif section:
+            lines.append(describe(section))
     return "\n".join(lines)
+
+
+def _join_line(join: dict[str, Any]) -> str:
+    cpu = ", ".join(f"{ms:.0f}" for ms in join["old_members_cpu_ms"])
+    return (
+        f"Join: {join['values']} values of {join['value_bytes'] >> 10} KiB in chains, "
+        f"member 0 looking every chain up until it found every block; the old members' "
+        f"CPU meanwhile {cpu} ms; {join['forward_errors']:.0f} hand-offs failed."
+    )
+
+
+def _join_replay_line(replay: dict[str, Any]) -> str:
+    return (
+        f"Trace with a join: {replay['handed_on']:.0f} values handed on in "
+        f"{replay['handoff_s']:.1f} s, {replay['histories_taken']:.0f} with their history; "
+        f"{replay['forward_errors']:.0f} hand-offs failed; before the join the four hit "
+        f"{100 * replay['before']['block_hit_ratio']:.2f} %."
+    )
+
+
+def _leave_replay_line(leave: dict[str, Any]) -> str:
+    return (
+        f"Trace with a leave: the member stopped in {leave['stop_s']:.1f} s "
+        f"({leave['hand_off_log'].partition('msg=')[2] or 'no hand-off logged'}); the four "
+        f"kept {leave['adopted']:.0f} copies as their own, "
+        f"{leave['histories_taken']:.0f} values taken with their history; before the "
+        f"leave the five hit {100 * leave['before']['block_hit_ratio']:.2f} %."
+    )
 
 
 def _handed_on(get: dict[str, Any]) -> str:
