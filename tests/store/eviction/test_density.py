@@ -278,6 +278,16 @@ def test_a_block_handed_on_keeps_its_history_at_its_new_owner() -> None:
         pack(0, 0, 0, 1, _AGE_EDGES[-1] + 1),
     ):
         assert not new.expect(("bad", 0), bad)
+    # Gaps and ages past 32 bits are said as the longest there is.
+    long_lived = DensityPolicy[Any]()
+    long_lived.on_lookup(["k"], 0)
+    long_lived.insert("k", None)
+    ancient = long_lived._nodes["k"]
+    assert isinstance(ancient, _DensityNode)
+    ancient.gap, long_lived._now = 1 << 40, 1 << 41
+    said = long_lived.history("k")
+    assert said is not None
+    assert struct.unpack("<IIIIq", said)[1:3] == ((1 << 32) - 1, (1 << 32) - 1)
     # A deadline long past and a reference older than this policy's clock:
     # due at lookup 0, made at lookup 0; it goes before a block due now,
     # and it is not held back as a chain being put.
