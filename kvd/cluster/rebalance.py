@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from kvd.cluster.forwards import FORWARD_TIMEOUT_S, Forwards
 from kvd.cluster.membership import Membership
@@ -124,7 +125,8 @@ class Rebalance:
             self.walks += 1
             errors = self._forwards.errors
             passed_over = await self.walk()
-            await self._sent()  # what is on its way is not sent twice
+            # What is on its way is not sent twice.
+            await self._sent(time.monotonic() + FORWARD_TIMEOUT_S)
             if not passed_over and self._forwards.errors == errors:
                 break
             await asyncio.sleep(RETRY_S)
@@ -155,30 +157,27 @@ class Rebalance:
         # before the L2 walk reaches them, they are not read and sent again
         # (at most this member's L1 entries / members).
         handed: set[tuple[str, bytes]] = set()
-        seen = passed_over = 0
-        for ns in list(entries.by_name.values()):
-            for entry in list(ns.entries.values()):
-                seen += 1
-                if seen % STEP_ENTRIES == 0:
-                    await asyncio.sleep(0)
-                if not entry.linked:
-                    continue  # gone while the walk yielded
-                owner = placement.owner(ns.name, entry.key)
-                if owner == me:
-                    if entry.guest:
-                        entries.set_guest(entry, False)
-                        self.adopted += 1
-                    continue
+        passed_over = 0
+        async for entry in self._l1_entries():
+            if not entry.linked:
+                continue  # gone while the walk yielded
+            owner = placement.owner(entry.ns.name, entry.key)
+            if owner == me:
                 if entry.guest:
-                    continue  # a copy already
-                if self._is_down(owner):
-                    passed_over += 1
-                    continue
-                if await self._hand_on(entry, owner) and entry.l2 is not None:
-                    handed.add((ns.name, entry.key))
+                    entries.set_guest(entry, False)
+                    self.adopted += 1
+                continue
+            if entry.guest:
+                continue  # a copy already
+            if self._is_down(owner):
+                passed_over += 1
+                continue
+            if await self._hand_on(entry, owner) and entry.l2 is not None:
+                handed.add((entry.ns.name, entry.key))
         l2, promoting = self._store.l2, self._store.placement
         if l2 is None or promoting is None:
             return passed_over
+        seen = 0
         for namespace in l2.namespaces():
             for key in l2.keys_of(namespace):
                 seen += 1
@@ -202,10 +201,29 @@ class Rebalance:
                     await self._hand_on(promoted, owner)
         return passed_over
 
-    async def _sent(self) -> None:
-        """Wait until every queued forward went (or failed), at most
-        ``FORWARD_TIMEOUT_S`` (engines' puts may keep the senders busy)."""
-        deadline = time.monotonic() + FORWARD_TIMEOUT_S
+    async def _l1_entries(self) -> AsyncIterator[Entry]:
+        """Each value in L1, namespace by namespace in the order they came,
+        with a turn of the event loop every ``STEP_ENTRIES``."""
+        seen = 0
+        for ns in list(self._store.entries.by_name.values()):
+            for entry in list(ns.entries.values()):
+                seen += 1
+                if seen % STEP_ENTRIES == 0:
+                    await asyncio.sleep(0)
+                yield entry
+
+    async def _room(self, size: int, deadline: float = math.inf) -> None:
+        """Wait, until ``deadline`` at most, until the forward queue has room
+        for a value of ``size`` bytes and can pin it while it waits."""
+        forwards = self._forwards
+        while time.monotonic() < deadline and (
+            forwards.waiting() >= QUEUED_MAX or not forwards.can_pin(size)
+        ):
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def _sent(self, deadline: float) -> None:
+        """Wait until every queued forward went (or failed), until
+        ``deadline`` at most (engines' puts may keep the senders busy)."""
         while self._forwards.tasks() and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
 
@@ -221,15 +239,13 @@ class Rebalance:
         """Queue ``entry`` for ``owner`` once the queue has room; once the
         owner took it, it stays here as a guest (``_taken``). False when it
         went meanwhile (deleted, evicted)."""
-        forwards = self._forwards
         # Queued only once it will be pinned while it waits: a guest not
         # pinned is the first value evicted, and the walk's own reads from
         # L2 would evict the values it queued before them.
-        while forwards.waiting() >= QUEUED_MAX or not forwards.can_pin(entry.size):
-            await asyncio.sleep(DRAIN_POLL_S)
+        await self._room(entry.size)
         if not _still_own(entry):
             return False
-        forwards.put(entry, owner, self._taken)
+        self._forwards.put(entry, owner, self._taken)
         self.handed_on += 1
         self._walk_bytes += entry.size
         if self._bytes_per_s:
@@ -254,26 +270,18 @@ class Rebalance:
             return
         placement, forwards = Placement(others), self._forwards
         forwards.leaving = True  # kept as their own, before the others see this one go
-        before, errors, seen, left = self.left_handed_on, forwards.errors, 0, 0
-        for ns in list(self._store.entries.by_name.values()):
-            for entry in list(ns.entries.values()):
-                seen += 1
-                if seen % STEP_ENTRIES == 0:
-                    await asyncio.sleep(0)
-                if not _still_own(entry):
-                    continue  # a copy of another member's value, or gone
-                while time.monotonic() < deadline and (
-                    forwards.waiting() >= QUEUED_MAX or not forwards.can_pin(entry.size)
-                ):
-                    await asyncio.sleep(DRAIN_POLL_S)
-                owner = placement.owner(ns.name, entry.key)
-                if time.monotonic() >= deadline:
-                    left += 1
-                elif _still_own(entry) and not self._is_down(owner):
-                    forwards.put(entry, owner)
-                    self.left_handed_on += 1
-        while forwards.tasks() and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
+        before, errors, left = self.left_handed_on, forwards.errors, 0
+        async for entry in self._l1_entries():
+            if not _still_own(entry):
+                continue  # a copy of another member's value, or gone
+            await self._room(entry.size, deadline)
+            owner = placement.owner(entry.ns.name, entry.key)
+            if time.monotonic() >= deadline:
+                left += 1
+            elif _still_own(entry) and not self._is_down(owner):
+                forwards.put(entry, owner)
+                self.left_handed_on += 1
+        await self._sent(deadline)
         log.info(
             "pool values handed on before leaving",
             extra={"handed_on": self.left_handed_on - before, "failed": forwards.errors - errors,
