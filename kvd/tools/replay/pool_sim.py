@@ -135,10 +135,7 @@ def _hand_off(nodes: list[_Member], owner: list[int], histories: bool) -> None:
                     del node.guests[key]
                     node.policy.insert(key, None)
             elif to != i:
-                history = node.policy.history(key) if histories else None
-                if history is not None and key not in nodes[to].held:
-                    nodes[to].policy.expect(key, history)
-                nodes[to].store(key, None, guest=False)
+                _give(node, nodes[to], key, histories)
                 node.policy.remove(key)
                 node.guests[key] = None
 
@@ -147,13 +144,16 @@ def _hand_over(leaving: _Member, nodes: list[_Member], owner: list[int], histori
     """A member leaving hands each value it owns to its owner among the
     others (``kvd.cluster.rebalance``'s ``leave``), with its history."""
     for key in sorted(leaving.held):
-        if key in leaving.guests:
-            continue
-        to = nodes[owner[key]]
-        history = leaving.policy.history(key) if histories else None
-        if history is not None and key not in to.held:
-            to.policy.expect(key, history)
-        to.store(key, None, guest=False)
+        if key not in leaving.guests:
+            _give(leaving, nodes[owner[key]], key, histories)
+
+
+def _give(giver: _Member, to: _Member, key: int, histories: bool) -> None:
+    """``key`` put at ``to`` as its own (with its history at ``giver``)."""
+    history = giver.policy.history(key) if histories else None
+    if history is not None and key not in to.held:
+        to.policy.expect(key, history)
+    to.store(key, None, guest=False)
 
 
 def owners_of(trace: Trace, members: Sequence[str], namespace: str) -> list[int]:
@@ -180,7 +180,8 @@ def simulate_pool(
     counted_from: int = 0,
 ) -> SimResult:
     """Replay ``trace`` over ``members`` of ``capacity_blocks`` each (module doc);
-    the result's capacity is the pool's total (before a join).
+    the result's capacity is the pool's total at the end (after a join or
+    a leave).
 
     ``join`` ``(request, member)``: that member (``capacity_blocks`` more)
     joins before that request; from then on request ``i`` goes through
