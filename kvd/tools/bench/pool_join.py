@@ -28,6 +28,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -111,18 +112,14 @@ def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) 
         for _ in range(MEMBERS):
             pool.add()
         pool.wait_members()
-        positions = range(CHAIN_BLOCKS)
-        chains = [[b"c%04d-b%03d" % (c, b) for b in positions] for c in range(chain_count)]
-        values = {key: block_value(c * CHAIN_BLOCKS + b, VALUE_BYTES)
-                  for c, chain in enumerate(chains) for b, key in enumerate(chain)}  # fmt: skip
+        chains, values = _chains(b"c", chain_count)
         for c, chain in enumerate(chains):
             with Client(members[c % MEMBERS].socket_target, token=token, timeout_s=60) as client:
                 client.put_many(NS, [(key, values[key]) for key in chain], chained=True)
         with Client(members[0].socket_target, token=token, timeout_s=60) as looker:
 
             def found() -> float:
-                blocks = sum(looker.lookup(NS, chain) for chain in chains)
-                return blocks / (chain_count * CHAIN_BLOCKS)
+                return _found(looker, NS, chains)
 
             _wait(lambda: found() == 1.0, "the chains stored")
             old = list(members)
@@ -140,12 +137,8 @@ def run(root: Path, progress: Callable[[str], None], chain_count: int = CHAINS) 
                       for m, before in zip(old, cpu_before, strict=True)]  # fmt: skip
         handed_on = sum(m.metric("kvd_cluster_rebalanced_total") for m in old)
         errors = sum(m.metric("kvd_cluster_forward_errors_total") for m in members)
-        wrong = misses = 0
         with Client(joined.socket_target, token=token, timeout_s=60) as engine:
-            for key, value in values.items():
-                got = engine.get(NS, key)
-                misses += got is None
-                wrong += got is not None and got != value
+            wrong, misses = _checked(values, lambda key: engine.get(NS, key))
         leaves = _leaves(pool, chain_count, progress)
         return {
             "members": MEMBERS,
@@ -173,10 +166,7 @@ def _leaves(
     (module doc); the pool's members are the five."""
     members = pool.members
     placement = Placement([m.address for m in members])
-    positions = range(CHAIN_BLOCKS)
-    chains = [[b"l%04d-b%03d" % (c, b) for b in positions] for c in range(chain_count)]
-    values = {key: block_value(c * CHAIN_BLOCKS + b, VALUE_BYTES)
-              for c, chain in enumerate(chains) for b, key in enumerate(chain)}  # fmt: skip
+    chains, values = _chains(b"l", chain_count)
     for member in members:  # each value through its owner: no copy elsewhere
         mine = [(key, value) for key, value in values.items()
                 if placement.owner(LEAVE_NS, key) == member.address]  # fmt: skip
@@ -186,8 +176,7 @@ def _leaves(
     with Client(members[0].socket_target, token=pool.token, timeout_s=60) as looker:
 
         def found() -> float:
-            blocks = sum(looker.lookup(LEAVE_NS, chain) for chain in chains)
-            return blocks / (chain_count * CHAIN_BLOCKS)
+            return _found(looker, LEAVE_NS, chains)
 
         _wait(lambda: found() == 1.0, "the leave's chains stored")
         for leaving, handoff_ms in ((members[MEMBERS], LEAVE_HANDOFF_MS), (members[3], 0)):
@@ -199,19 +188,14 @@ def _leaves(
             members.remove(leaving)
             pool.wait_members()
             share = found()
-            said = next((line for line in leaving.running.log
-                         if "pool values handed on before leaving" in line), "")  # fmt: skip
+            said = handoff_line(leaving)
             handed = re.search(r"handed_on=(\d+)", said)
             took = re.search(r" ms=(\d+)", said)
             placement = Placement([m.address for m in members])
             clients = {m.address: Client(m.socket_target, token=pool.token, timeout_s=60)
                        for m in members}  # fmt: skip
-            wrong = misses = 0
-            try:
-                for key, value in values.items():  # through its owner now: no copy made
-                    got = clients[placement.owner(LEAVE_NS, key)].get(LEAVE_NS, key)
-                    misses += got is None
-                    wrong += got is not None and got != value
+            try:  # each through its owner now: no copy made
+                wrong, misses = _checked(values, partial(_at_owner, clients, placement))
             finally:
                 for client in clients.values():
                     client.close()
@@ -227,6 +211,45 @@ def _leaves(
                 "misses": misses,
             })  # fmt: skip
     return rows
+
+
+def handoff_line(member: Member) -> str:
+    """The log line of a stopped member's hand-off before it left; empty
+    where it made none."""
+    return next(
+        (line for line in member.running.log if "pool values handed on before leaving" in line), ""
+    )
+
+
+def _at_owner(clients: dict[str, Client], placement: Placement, key: bytes) -> bytes | None:
+    """The leave's value of ``key``, read through its owner."""
+    return clients[placement.owner(LEAVE_NS, key)].get(LEAVE_NS, key)
+
+
+def _chains(tag: bytes, chain_count: int) -> tuple[list[list[bytes]], dict[bytes, bytes]]:
+    """``chain_count`` chains of CHAIN_BLOCKS keys starting with ``tag``, and
+    each key's value."""
+    positions = range(CHAIN_BLOCKS)
+    chains = [[tag + b"%04d-b%03d" % (c, b) for b in positions] for c in range(chain_count)]
+    values = {key: block_value(c * CHAIN_BLOCKS + b, VALUE_BYTES)
+              for c, chain in enumerate(chains) for b, key in enumerate(chain)}  # fmt: skip
+    return chains, values
+
+
+def _found(looker: Client, namespace: str, chains: list[list[bytes]]) -> float:
+    """The share of the chains' blocks ``looker``'s lookups find."""
+    blocks = sum(looker.lookup(namespace, chain) for chain in chains)
+    return blocks / sum(map(len, chains))
+
+
+def _checked(values: dict[bytes, bytes], get: Callable[[bytes], bytes | None]) -> tuple[int, int]:
+    """Every value read back with ``get``: (wrong, missing)."""
+    wrong = misses = 0
+    for key, value in values.items():
+        got = get(key)
+        misses += got is None
+        wrong += got is not None and got != value
+    return wrong, misses
 
 
 def _wait(done: Callable[[], bool], what: str) -> None:

@@ -37,7 +37,13 @@ from kvd.client import Client
 from kvd.cluster.rebalance import SETTLE_S
 from kvd.store.eviction.policy import DEFAULT_POLICY
 from kvd.tools.bench.etcd import etcd_binary
-from kvd.tools.bench.pool_join import JOIN_WAIT_S, LEAVE_HANDOFF_MS, MEMBERS, EtcdMembers
+from kvd.tools.bench.pool_join import (
+    JOIN_WAIT_S,
+    LEAVE_HANDOFF_MS,
+    MEMBERS,
+    EtcdMembers,
+    handoff_line,
+)
 from kvd.tools.bench.pool_nodes import Member
 from kvd.tools.replay.pool_sim import simulate_pool
 from kvd.tools.replay.report import head
@@ -207,8 +213,7 @@ def run_leave(
         handoff_s = _handed_off(pool.members)
         progress(f"pool: leave replay: stopped in {stop_s:.1f} s; the rest over four")
         replay.requests(replay.at, len(trace))
-        said = next((line for line in leaving.running.log
-                     if "pool values handed on before leaving" in line), "")  # fmt: skip
+        said = handoff_line(leaving)
         adopted = sum(m.metric("kvd_cluster_rebalance_adopted_total") for m in pool.members)
         histories = sum(m.metric("kvd_cluster_histories_taken_total") for m in pool.members)
     finally:
