@@ -128,47 +128,39 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_leave_row(join["leave"]))
     replay = result.get("join_replay", {})
     if "skipped" not in replay and replay:
-        measured, simulated = replay["after"], replay["simulated"]
-        ratio = measured["block_hit_ratio"] / max(simulated["join"]["after"], 1e-9)
-        rows.append({
-            "target": f"trace with a join at request {replay['join_at']}: hit ratio after it",
-            "measured": f"{100 * measured['block_hit_ratio']:.2f} % (the first "
-            f"{replay['window']}: {100 * replay['right_after']['block_hit_ratio']:.2f} %), "
-            f"{measured['wrong_blocks']} wrong blocks",
-            "reference": f"simulator {100 * simulated['join']['after']:.2f} % "
-            f"({100 * simulated['join']['right_after']:.2f} %); without histories "
-            f"{100 * simulated['join_without_histories']['after']:.2f} % "
-            f"({100 * simulated['join_without_histories']['right_after']:.2f} %), "
-            f"no join {100 * simulated['no_join']['after']:.2f} % "
-            f"({100 * simulated['no_join']['right_after']:.2f} %)",
-            "ratio": ratio,
-            "goal": f"{1 - HIT_RATIO_BAND:.2f}..{1 + HIT_RATIO_BAND:.2f} of the simulator, 0 wrong",
-            "met": abs(ratio - 1) <= HIT_RATIO_BAND and measured["wrong_blocks"] == 0,
-        })  # fmt: skip
+        rows.append(_change_replay_row(
+            replay, "join", f"trace with a join at request {replay['join_at']}",
+            (("without histories", "join_without_histories"), ("no join", "no_join")),
+        ))  # fmt: skip
     leave = result.get("leave_replay", {})
     if "skipped" not in leave and leave:
-        rows.append(_leave_replay_row(leave))
+        rows.append(_change_replay_row(
+            leave, "leave", f"trace with a leave (hand-off) at request {leave['leave_at']}",
+            (("without histories", "leave_without_histories"),
+             ("without the hand-off", "leave_without_hand_off"), ("no leave", "no_leave")),
+        ))  # fmt: skip
     return rows
 
 
-def _leave_replay_row(leave: dict[str, Any]) -> dict[str, Any]:
-    """The trace with the fifth of five members leaving halfway."""
-    measured, simulated = leave["after"], leave["simulated"]
-    ratio = measured["block_hit_ratio"] / max(simulated["leave"]["after"], 1e-9)
+def _change_replay_row(
+    replay: dict[str, Any], change: str, target: str, others: tuple[tuple[str, str], ...]
+) -> dict[str, Any]:
+    """A trace replayed with a change of members: the hit ratio after it
+    against the simulator's ``change`` case, the ``others`` beside it."""
+    measured, simulated = replay["after"], replay["simulated"]
+    ratio = measured["block_hit_ratio"] / max(simulated[change]["after"], 1e-9)
 
     def both(case: str) -> str:
         return (f"{100 * simulated[case]['after']:.2f} % "
                 f"({100 * simulated[case]['right_after']:.2f} %)")  # fmt: skip
 
     return {
-        "target": f"trace with a leave (hand-off) at request {leave['leave_at']}: "
-        "hit ratio after it",
+        "target": f"{target}: hit ratio after it",
         "measured": f"{100 * measured['block_hit_ratio']:.2f} % (the first "
-        f"{leave['window']}: {100 * leave['right_after']['block_hit_ratio']:.2f} %), "
+        f"{replay['window']}: {100 * replay['right_after']['block_hit_ratio']:.2f} %), "
         f"{measured['wrong_blocks']} wrong blocks",
-        "reference": f"simulator {both('leave')}; without histories "
-        f"{both('leave_without_histories')}, without the hand-off "
-        f"{both('leave_without_hand_off')}, no leave {both('no_leave')}",
+        "reference": f"simulator {both(change)}; "
+        + ", ".join(f"{label} {both(case)}" for label, case in others),
         "ratio": ratio,
         "goal": f"{1 - HIT_RATIO_BAND:.2f}..{1 + HIT_RATIO_BAND:.2f} of the simulator, 0 wrong",
         "met": abs(ratio - 1) <= HIT_RATIO_BAND and measured["wrong_blocks"] == 0,
