@@ -29,9 +29,12 @@ value is queued only when the forwards can pin it while it waits (within
 their share of L1: a guest not pinned would be the first value evicted,
 by the walk's own reads from L2 among others), L2 values are read one at
 a time, the walk yields to the event loop every ``STEP_ENTRIES``
-values, and it hands on at most ``pool_rebalance_bytes_per_s`` (256 MiB
-by default; a node holding terabytes on L2 sends its share over hours,
-not at the NIC's full rate). A change of members during a walk starts it
+values, and a member receives at most ``pool_rebalance_bytes_per_s`` of
+hand-offs a second from all walks together (256 MiB by default; a node
+holding terabytes on L2 sends its share over hours, not at the NIC's full
+rate): each member hands each new owner at most that rate divided by the
+other members, the most that may hand it values at once (every old member
+after a join). A change of members during a walk starts it
 again under the new placement. A value whose new owner is failing just
 then (a call to it failed within the last second) is passed over and
 stays this member's own; the walk then runs again ``RETRY_S`` later, up
@@ -40,8 +43,9 @@ member's). A walk during which a forward failed (a value its owner did
 not take stays this member's own) runs again as well.
 
 At a graceful stop with ``pool_leave_handoff_ms`` (``leave``), a member
-hands what its L1 owns to the members that own it once this one is gone,
-the same way, unpaced, within that time, before it leaves the pool.
+hands what it owns to the members that own it once this one is gone, the
+same way, unpaced, within that time, before it leaves the pool: what its
+L1 holds, then what only its L2 holds, the newest first, read in batches.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from collections.abc import AsyncIterator, Callable
 from kvd.cluster.forwards import FORWARD_TIMEOUT_S, Forwards
 from kvd.cluster.membership import Membership
 from kvd.cluster.rendezvous import Placement
-from kvd.store.index import Entry
+from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
 
 log = logging.getLogger("kvd.cluster")
@@ -73,6 +77,9 @@ DRAIN_POLL_S = 0.005
 # WALK_ROUNDS times in all.
 RETRY_S = 2.0
 WALK_ROUNDS = 5
+# A leaving member reads the values only its L2 holds this many bytes at a
+# time (one L2 batch, pinned in L1 until queued for their owners).
+LEAVE_READ_BYTES = 16 << 20
 
 
 class Rebalance:
@@ -86,12 +93,12 @@ class Rebalance:
         is_down: Callable[[str], bool],
         bytes_per_s: int = 0,
     ) -> None:
-        """``bytes_per_s``: the most a walk hands on a second (0: as fast
-        as the forward queue drains)."""
+        """``bytes_per_s``: the most a member receives from all walks a
+        second (0: as fast as the forward queue drains)."""
         self._store = store
         self._bytes_per_s = bytes_per_s
         self._began = 0.0  # when the walk began
-        self._walk_bytes = 0  # bytes the walk handed on
+        self._walk_bytes: dict[str, int] = {}  # bytes the walk handed each new owner
         self._membership = membership
         self._forwards = forwards
         self._is_down = is_down
@@ -101,6 +108,7 @@ class Rebalance:
         self.adopted = 0  # guests this member owns now, kept as its own
         self.walks = 0  # walks begun (each round of one counts)
         self.left_handed_on = 0  # values queued for their owner as this member left
+        self.left_from_l2 = 0  # of them, values read from L2 to be handed on
 
     def changed(self) -> None:
         """The members changed: (re)start the walk once they settle."""
@@ -152,7 +160,7 @@ class Rebalance:
         if len(placement.members) == 1:
             return 0
         entries = self._store.entries
-        self._began, self._walk_bytes = time.monotonic(), 0
+        self._began, self._walk_bytes = time.monotonic(), {}
         # Values handed on from L1 that also have an L2 record: evicted here
         # before the L2 walk reaches them, they are not read and sent again
         # (at most this member's L1 entries / members).
@@ -247,20 +255,28 @@ class Rebalance:
             return False
         self._forwards.put(entry, owner, self._taken)
         self.handed_on += 1
-        self._walk_bytes += entry.size
+        sent = self._walk_bytes[owner] = self._walk_bytes.get(owner, 0) + entry.size
         if self._bytes_per_s:
-            ahead_s = self._walk_bytes / self._bytes_per_s - (time.monotonic() - self._began)
+            ahead_s = sent / self.owner_rate() - (time.monotonic() - self._began)
             if ahead_s > 0:
                 await asyncio.sleep(ahead_s)
         return True
 
+    def owner_rate(self) -> float:
+        """Bytes a second this member hands one new owner: the rate a member
+        receives, shared by every other member (each may be handing it
+        values at once)."""
+        senders = max(1, len(self._membership.members) - 1)
+        return self._bytes_per_s / senders
+
     async def leave(self, budget_s: float) -> None:
         """At a graceful stop, before this member leaves the pool: hand each
-        value its L1 owns to the member that owns it once this one is gone
-        (the placement over the others), as the walk does, unpaced, within
-        ``budget_s``; values only on L2 stay there (a restart under this
-        address serves them, one under another hands them on). What is not
-        sent by then is left."""
+        value it owns to the member that owns it once this one is gone (the
+        placement over the others), as the walk does, unpaced, within
+        ``budget_s``: first what its L1 holds, then what only its L2 holds,
+        the newest first, read ``LEAVE_READ_BYTES`` at a time. What is not
+        sent by then is left (a restart under this address serves it, one
+        under another hands it on)."""
         self.cancel()
         started = time.monotonic()
         deadline = started + budget_s
@@ -272,22 +288,87 @@ class Rebalance:
         forwards.leaving = True  # kept as their own, before the others see this one go
         before, errors, left = self.left_handed_on, forwards.errors, 0
         async for entry in self._l1_entries():
-            if not _still_own(entry):
-                continue  # a copy of another member's value, or gone
-            await self._room(entry.size, deadline)
-            owner = placement.owner(entry.ns.name, entry.key)
-            if time.monotonic() >= deadline:
+            if _still_own(entry) and not await self._leave_one(entry, placement, deadline):
                 left += 1
-            elif _still_own(entry) and not self._is_down(owner):
-                forwards.put(entry, owner)
-                self.left_handed_on += 1
+        from_l2 = self.left_from_l2
+        async for readers in self._l2_owned(deadline):
+            try:
+                for reader in readers:
+                    if await self._leave_one(reader.entry, placement, deadline):
+                        self.left_from_l2 += 1
+                    else:
+                        left += 1
+            finally:
+                for reader in readers:
+                    reader.close()
         await self._sent(deadline)
         log.info(
             "pool values handed on before leaving",
-            extra={"handed_on": self.left_handed_on - before, "failed": forwards.errors - errors,
+            extra={"handed_on": self.left_handed_on - before,
+                   "from_l2": self.left_from_l2 - from_l2, "failed": forwards.errors - errors,
                    "unsent": forwards.waiting() + left,
                    "ms": round((time.monotonic() - started) * 1000)},
         )  # fmt: skip
+
+    async def _leave_one(self, entry: Entry, placement: Placement, deadline: float) -> bool:
+        """Queue a value this member owns for its owner once this one is
+        gone (``leave``); False when the time is up first."""
+        await self._room(entry.size, deadline)
+        if time.monotonic() >= deadline:
+            return False
+        owner = placement.owner(entry.ns.name, entry.key)
+        if _still_own(entry) and not self._is_down(owner):
+            self._forwards.put(entry, owner)
+            self.left_handed_on += 1
+        return True
+
+    async def _l2_owned(self, deadline: float) -> AsyncIterator[list[Reader]]:
+        """The values this member owns that only its L2 holds, read into L1
+        a batch at a time (``LEAVE_READ_BYTES``, at most an eighth of L1),
+        the newest first, until ``deadline``: pinned readers, closed by the
+        caller."""
+        l2 = self._store.l2
+        if l2 is None or self._store.placement is None:
+            return
+        owner, me = self._membership.placement.owner, self._membership.advertise
+        entries = self._store.entries
+        most = min(LEAVE_READ_BYTES, self._store.pool.capacity_bytes // 8)
+        for namespace in l2.namespaces():
+            batch: list[bytes] = []
+            size = 0
+            for key in reversed(l2.keys_of(namespace)):
+                record = l2.lookup(namespace, key)
+                if record is None or owner(namespace, key) != me:
+                    continue  # gone, or a copy of another member's value
+                if entries.get(namespace, key) is not None:
+                    continue  # in L1: handed on above, or put since
+                if batch and size + record.size > most:
+                    if time.monotonic() >= deadline:
+                        return
+                    yield await self._promoted(namespace, batch)
+                    batch, size = [], 0
+                batch.append(key)
+                size += record.size
+            if batch and time.monotonic() < deadline:
+                yield await self._promoted(namespace, batch)
+
+    async def _promoted(self, namespace: str, keys: list[bytes]) -> list[Reader]:
+        """``keys``' values read from L2 into L1 in one batch (pinned
+        readers of those read); one the batch left out (L1 pinned full just
+        then, a get reading it) is read on its own."""
+        promoting = self._store.placement
+        assert promoting is not None, "an L2 tier has its placement"
+        readers = await promoting.promote_many(namespace, keys)
+        pinned = [reader for reader in readers.values() if reader is not None]
+        for index, key in enumerate(keys):
+            if index in readers:
+                continue
+            record = self._store.l2.lookup(namespace, key) if self._store.l2 else None
+            if record is not None and await promoting.promote(record) is not None:
+                reader = self._store.peek(namespace, key)
+                if reader is not None:
+                    pinned.append(reader)
+        return pinned
 
 
 def _still_own(entry: Entry) -> bool:

@@ -369,18 +369,20 @@ class Config:
     )
     pool_rebalance_bytes_per_s: int = _setting(
         256 * MiB,
-        help="after the pool's members change, the rate at which this daemon hands the "
-        "values whose owner changed (from L1, then L2) to their new owner; 0: as fast as "
-        "the forward queue drains",
+        help="after the pool's members change, the most a member receives a second of the "
+        "values whose owner changed (from L1, then L2), from all the others together: each "
+        "hands each new owner this divided by the other members; 0: as fast as the forward "
+        "queue drains",
         min=0,
         max=64 * TiB,
     )
     pool_leave_handoff_ms: int = _setting(
         0,
         help="at a graceful stop (SIGTERM), how long this daemon may spend, before it "
-        "leaves the pool and before shutdown_grace_ms, handing the values its L1 owns to the "
-        "members that own them once it is gone (membership from etcd or DNS); 0: none, its "
-        "keys miss until put again or until a restart under this address serves them from L2",
+        "leaves the pool and before shutdown_grace_ms, handing the values it owns (those in "
+        "L1, then those only on L2, the newest first) to the members that own them once it "
+        "is gone (membership from etcd or DNS); 0: none, its keys miss until put again or "
+        "until a restart under this address serves them from L2",
         min=0,
         max=600_000,
     )
