@@ -1,0 +1,103 @@
+"""Rules that tie several settings together, checked once every setting
+passed its own (``Config.__post_init__``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvd.config.addresses import is_loopback_host, parse_address
+from kvd.config.setting import ConfigError
+from kvd.config.sizes import format_size
+
+if TYPE_CHECKING:
+    from kvd.config.settings import Config
+
+
+def validate_together(config: Config) -> None:
+    """Rules that tie several settings together."""
+    if config.ssd_path:
+        _validate_l2(config)
+    if config.max_value_bytes > config.dram_bytes:
+        raise ConfigError(
+            f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in "
+            f"dram_bytes {format_size(config.dram_bytes)} (every value passes through L1): "
+            "lower max_value_bytes or raise dram_bytes",
+            key="max_value_bytes",
+        )
+    if config.max_message_bytes > config.max_inflight_bytes:
+        raise ConfigError(
+            f"max_message_bytes: {format_size(config.max_message_bytes)} is more than "
+            f"max_inflight_bytes {format_size(config.max_inflight_bytes)}: "
+            "lower max_message_bytes or raise max_inflight_bytes",
+            key="max_message_bytes",
+        )
+    _validate_tls(config)
+    if config.pool_members and config.tls_cert_file:
+        raise ConfigError(
+            "pool_members: peers call each other over plaintext gRPC for now; "
+            "a pool with tls_cert_file is not supported yet",
+            key="pool_members",
+        )
+    if config.pool_members and config.auth_tokens_file and not config.pool_token_file:
+        raise ConfigError(
+            "pool_token_file: with auth_tokens_file, peers refuse calls without a token; "
+            "give the pool a token file (admitted to every namespace by each member)",
+            key="pool_token_file",
+        )
+    if config.auth_tokens_file:
+        return  # every request carries a checked token: any address may listen
+    if config.bulk_listen:
+        bulk_host, _ = parse_address(config.bulk_listen)
+        if not is_loopback_host(bulk_host):
+            raise ConfigError(
+                f"bulk_listen: refusing to listen on {config.bulk_listen} without auth; "
+                "set auth_tokens_file, use a loopback address (127.0.0.1) or leave it empty",
+                key="bulk_listen",
+            )
+    host, _ = parse_address(config.listen)
+    if not is_loopback_host(host):
+        # Without auth any reachable TCP listener would serve anyone.
+        raise ConfigError(
+            f"listen: refusing to listen on {config.listen} without auth; "
+            "set auth_tokens_file, or use a loopback address (127.0.0.1) or the unix socket",
+            key="listen",
+        )
+
+
+def _validate_tls(config: Config) -> None:
+    if bool(config.tls_cert_file) != bool(config.tls_key_file):
+        raise ConfigError(
+            "tls_cert_file: TLS needs both tls_cert_file and tls_key_file", key="tls_cert_file"
+        )
+    if config.tls_client_ca_file and not config.tls_cert_file:
+        raise ConfigError(
+            "tls_client_ca_file: client certificates need TLS: set tls_cert_file and tls_key_file",
+            key="tls_client_ca_file",
+        )
+
+
+def _validate_l2(config: Config) -> None:
+    page = 64 << 10
+    for name in ("ssd_segment_bytes", "ssd_stripe_bytes"):
+        if getattr(config, name) % page:
+            raise ConfigError(f"{name}: must be a multiple of 64KiB", key=name)
+    if config.ssd_segment_bytes % config.ssd_stripe_bytes:
+        raise ConfigError(
+            "ssd_segment_bytes: must be a multiple of ssd_stripe_bytes", key="ssd_segment_bytes"
+        )
+    if config.ssd_bytes < 2 * config.ssd_segment_bytes:
+        raise ConfigError(
+            f"ssd_bytes: {format_size(config.ssd_bytes)} holds fewer than 2 segments of "
+            f"{format_size(config.ssd_segment_bytes)}: raise ssd_bytes or lower ssd_segment_bytes",
+            key="ssd_bytes",
+        )
+    # A record is a header (<= 8 KiB) plus the value, padded to 64 KiB, and must
+    # fit in a segment after the segment's own 64 KiB marker record.
+    segment_room = config.ssd_segment_bytes * len(config.ssd_path) - 2 * page
+    if config.max_value_bytes > segment_room:
+        raise ConfigError(
+            f"max_value_bytes: {format_size(config.max_value_bytes)} does not fit in an L2 "
+            f"segment ({format_size(config.ssd_segment_bytes)} x {len(config.ssd_path)} paths): "
+            "raise ssd_segment_bytes or lower max_value_bytes",
+            key="max_value_bytes",
+        )
