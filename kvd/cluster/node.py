@@ -17,6 +17,7 @@ from kvd.cluster.membership import Membership
 from kvd.cluster.nixl_node import NixlNode
 from kvd.cluster.peer_bulk import BulkPeers
 from kvd.cluster.peer_reads import PeerReads
+from kvd.cluster.peer_tls import PeerTls
 from kvd.cluster.peers import Peers
 from kvd.cluster.router import PoolRouter
 from kvd.config.addresses import parse_address
@@ -152,12 +153,25 @@ class PoolNode:
         etcd: EtcdMembers | None,
         dns: DnsMembers | None = None,
         joined: dict[str, str] | None = None,
+        tls_config: Config | None = None,
     ) -> None:
+        """``tls_config``: the settings whose files the peers' TLS is read
+        from again on SIGHUP (``reload``); None: no TLS."""
         self.membership = membership
         self.router = router
         self.etcd = etcd
         self.dns = dns
         self._joined = joined or {}
+        self._tls_config = tls_config
+
+    def reload(self) -> None:
+        """SIGHUP: read the peers' TLS files again; calls from now on use
+        them. ConfigError (a file missing, a key not matching its
+        certificate) keeps the old ones."""
+        if self._tls_config is not None:
+            tls = PeerTls.from_config(self._tls_config)
+            assert tls is not None, "a pool with TLS has pool_tls_ca_file"
+            self.router.peers.use_tls(tls)
 
     async def join(self) -> None:
         """Start the membership source (etcd registers this daemon), once
@@ -236,13 +250,19 @@ def _start_nixl(config: Config, store: Store, advertise: str) -> NixlNode | str 
     starts it only beside an RDMA device: over UCX's TCP transport it moved
     no more than the bulk port between namespaces on the development VM, with
     more round trips per value (22 ms for a member's first read)."""
-    if config.pool_peer_transport not in ("auto", "nixl"):
+    if _transport(config) not in ("auto", "nixl"):
         return None
     if config.pool_peer_transport == "auto" and not _rdma_devices():
         return f"no RDMA device in {RDMA_DEVICES}: bulk TCP"
     pool = store.pool
     (arena,) = pool.views([(0, pool.page_count)], pool.capacity_bytes)
     return NixlNode.start(arena, advertise)
+
+
+def _transport(config: Config) -> str:
+    """``pool_peer_transport``, gRPC where the members talk over TLS (the
+    bulk port and NIXL carry values in clear)."""
+    return "grpc" if config.pool_tls_ca_file else config.pool_peer_transport
 
 
 def _rdma_devices() -> list[str]:
@@ -261,8 +281,8 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
         return None
     membership = Membership(advertise_address(config, port))
     token = _read_token(config.pool_token_file)
-    peers = Peers(token, config.max_message_bytes)
-    reads = PeerReads(store, peers, BulkPeers(token), config.pool_peer_transport,
+    peers = Peers(token, config.max_message_bytes, PeerTls.from_config(config))
+    reads = PeerReads(store, peers, BulkPeers(token), _transport(config),
                       _start_nixl(config, store, membership.advertise))  # fmt: skip
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000,
                         config.pool_lookup_hint_ms / 1000,
@@ -291,6 +311,7 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
         "source": spec.kind,
         "advertise": membership.advertise,
         "peer_token": "on" if config.pool_token_file else "off",
+        "peer_tls": "on" if peers.tls is not None else "off",
         "peer_transport": reads.describe(),
     }
-    return PoolNode(membership, router, etcd, dns, joined)
+    return PoolNode(membership, router, etcd, dns, joined, config if peers.tls else None)

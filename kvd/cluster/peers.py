@@ -8,7 +8,8 @@ Every call carries the hop header (kvd.cluster.scope) and, with
 the time it is given: the gRPC deadline and an asyncio timeout both, so a
 stopped peer (SIGSTOP) costs the budget and no more. Any failure is a
 ``PeerError``, which the router turns into a miss. One channel per member,
-opened on first use and closed when the member leaves.
+opened on first use and closed when the member leaves; with
+``pool_tls_ca_file``, a TLS channel (``kvd.cluster.peer_tls``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from kvd.cluster.peer_tls import PeerTls
 from kvd.cluster.scope import HOP_HEADER
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import KVStoreStub
@@ -29,6 +31,9 @@ log = logging.getLogger("kvd.cluster.peers")
 
 # Room over max_message_bytes for framing, as the server allows (kvd.daemon.server).
 _MESSAGE_SLACK_BYTES = 1 << 20
+# After new TLS files, the old channels are closed this much later: calls on
+# them end within their own time, which is shorter.
+CHANNEL_DRAIN_S = 30.0
 
 
 # The kinds of peer failure the metrics count (kvd_cluster_peer_call_errors' kind label).
@@ -82,29 +87,43 @@ class PeerValue:
 class Peers:
     """gRPC channels to the members; every method takes the seconds it may use."""
 
-    def __init__(self, token: str, max_message_bytes: int) -> None:
+    def __init__(self, token: str, max_message_bytes: int, tls: PeerTls | None = None) -> None:
+        """``tls``: the channels' TLS (``kvd.cluster.peer_tls``); None: in clear."""
         self._metadata: tuple[tuple[str, str], ...] = ((HOP_HEADER, "1"),)
         if token:
             self._metadata += (("authorization", f"Bearer {token}"),)
         self._limit = max_message_bytes + _MESSAGE_SLACK_BYTES
         self._channels: dict[str, tuple[Any, KVStoreStub]] = {}
+        self.tls = tls
 
     def _stub(self, member: str) -> KVStoreStub:
         found = self._channels.get(member)
         if found is None:
-            channel = grpc.aio.insecure_channel(
-                member,
-                options=[
-                    ("grpc.max_receive_message_length", self._limit),
-                    ("grpc.max_send_message_length", self._limit),
-                    # A peer that went away is retried soon after it is back.
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 2000),
-                ],
-            )
+            options: list[tuple[str, Any]] = [
+                ("grpc.max_receive_message_length", self._limit),
+                ("grpc.max_send_message_length", self._limit),
+                # A peer that went away is retried soon after it is back.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ]
+            if self.tls is None:
+                channel = grpc.aio.insecure_channel(member, options=options)
+            else:
+                options += self.tls.options()
+                channel = grpc.aio.secure_channel(member, self.tls.credentials(), options=options)
             found = (channel, KVStoreStub(channel))
             self._channels[member] = found
         return found[1]
+
+    def use_tls(self, tls: PeerTls) -> None:
+        """New files (SIGHUP): calls from now on open new channels with them;
+        the old channels are closed once the calls on them had their time
+        (``CHANNEL_DRAIN_S``)."""
+        self.tls = tls
+        old, self._channels = list(self._channels.values()), {}
+        if old:
+            loop = asyncio.get_running_loop()
+            loop.call_later(CHANNEL_DRAIN_S, _close_later, loop, [c for c, _ in old])
 
     async def retain(self, members: tuple[str, ...]) -> None:
         """Close the channels of members no longer in the pool."""
@@ -200,6 +219,11 @@ class Peers:
         if status is None or status.code not in (0, grpc.StatusCode.ALREADY_EXISTS.value[0]):
             detail = status.message if status is not None else "no status"
             raise PeerError(f"{member}: BatchPut refused: {detail}", "refused")
+
+
+def _close_later(loop: asyncio.AbstractEventLoop, channels: list[Any]) -> None:
+    for channel in channels:
+        loop.create_task(channel.close())
 
 
 async def _read_value(stream: Any) -> PeerValue | None:

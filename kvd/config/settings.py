@@ -392,6 +392,19 @@ class Config:
         "starts, else bulk",
         choices=("auto", "nixl", "bulk", "grpc"),
     )
+    pool_tls_ca_file: str = _setting(
+        "",
+        help="PEM CA bundle that signs the members' certificates: with it, members call each "
+        "other over gRPC with TLS (checking each other's certificate against it, presenting "
+        "tls_cert_file as their own) and not over their bulk ports or NIXL, which carry values "
+        "in clear; needs tls_cert_file; empty: members talk in clear, and tls_cert_file is "
+        "refused in a pool",
+    )
+    pool_tls_server_name: str = _setting(
+        "",
+        help="the name (SAN) every member's certificate carries, where it is not each "
+        "member's own host (pool_advertise); empty: the member's host",
+    )
     pool_etcd_ttl_ms: int = _setting(
         10_000,
         help="lease of this daemon's etcd registration: a daemon gone leaves the pool within it "

@@ -32,12 +32,7 @@ def validate_together(config: Config) -> None:
             key="max_message_bytes",
         )
     _validate_tls(config)
-    if config.pool_members and config.tls_cert_file:
-        raise ConfigError(
-            "pool_members: peers call each other over plaintext gRPC for now; "
-            "a pool with tls_cert_file is not supported yet",
-            key="pool_members",
-        )
+    _validate_pool_tls(config)
     if config.pool_members and config.auth_tokens_file and not config.pool_token_file:
         raise ConfigError(
             "pool_token_file: with auth_tokens_file, peers refuse calls without a token; "
@@ -73,6 +68,39 @@ def _validate_tls(config: Config) -> None:
         raise ConfigError(
             "tls_client_ca_file: client certificates need TLS: set tls_cert_file and tls_key_file",
             key="tls_client_ca_file",
+        )
+
+
+def _validate_pool_tls(config: Config) -> None:
+    if config.pool_tls_server_name and not config.pool_tls_ca_file:
+        raise ConfigError(
+            "pool_tls_server_name: names the members' certificates: set pool_tls_ca_file too",
+            key="pool_tls_server_name",
+        )
+    if config.pool_tls_ca_file and not config.pool_members:
+        raise ConfigError(
+            "pool_tls_ca_file: is for the calls between pool members: set pool_members",
+            key="pool_tls_ca_file",
+        )
+    if not config.pool_members:
+        return
+    if config.tls_cert_file and not config.pool_tls_ca_file:
+        raise ConfigError(
+            "pool_tls_ca_file: with tls_cert_file the members' listeners take TLS only: "
+            "give the CA bundle that signs their certificates",
+            key="pool_tls_ca_file",
+        )
+    if config.pool_tls_ca_file and not config.tls_cert_file:
+        raise ConfigError(
+            "pool_tls_ca_file: a member with TLS serves it too: set tls_cert_file and "
+            "tls_key_file (its certificate, signed by that CA)",
+            key="pool_tls_ca_file",
+        )
+    if config.pool_tls_ca_file and config.pool_peer_transport in ("bulk", "nixl"):
+        raise ConfigError(
+            f"pool_peer_transport: {config.pool_peer_transport} carries values in clear; "
+            "with pool_tls_ca_file members read each other's values over gRPC (auto or grpc)",
+            key="pool_peer_transport",
         )
 
 

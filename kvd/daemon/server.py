@@ -356,7 +356,8 @@ class Daemon:
                     "settings changed; they apply at the next restart",
                     extra={"settings": ",".join(later)},
                 )
-        for what, part in (("auth_tokens_file", self.auth), ("tls", self.tls)):
+        parts = (("auth_tokens_file", self.auth), ("tls", self.tls), ("pool_tls", self.pool_node))
+        for what, part in parts:
             if part is None:
                 continue
             try:

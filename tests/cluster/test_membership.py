@@ -40,15 +40,33 @@ def test_bad_specs_are_refused_by_the_config(text: str) -> None:
         load_config(overrides={"pool_members": text})
 
 
-def test_pool_with_tls_is_refused() -> None:
-    with pytest.raises(ConfigError, match="pool_members"):
-        load_config(
-            overrides={
-                "pool_members": "static:127.0.0.1:7070",
-                "tls_cert_file": "c.pem",
-                "tls_key_file": "k.pem",
-            }
-        )
+POOL = {"pool_members": "static:127.0.0.1:7070"}
+TLS = {"tls_cert_file": "c.pem", "tls_key_file": "k.pem"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({**POOL, **TLS}, "pool_tls_ca_file"),  # TLS listeners: the peers need the CA
+        ({**POOL, "pool_tls_ca_file": "ca.pem"}, "pool_tls_ca_file"),  # and a certificate
+        ({"pool_tls_ca_file": "ca.pem", **TLS}, "pool_tls_ca_file"),  # no pool
+        ({**POOL, **TLS, "pool_tls_server_name": "kvd"}, "pool_tls_server_name"),
+        ({**POOL, **TLS, "pool_tls_ca_file": "ca.pem", "pool_peer_transport": "bulk"},
+         "pool_peer_transport"),  # values in clear
+        ({**POOL, **TLS, "pool_tls_ca_file": "ca.pem", "pool_peer_transport": "nixl"},
+         "pool_peer_transport"),
+    ],
+)  # fmt: skip
+def test_pool_tls_settings_that_cannot_work_are_refused(
+    overrides: dict[str, str], key: str
+) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_config(overrides=overrides)
+
+
+def test_pool_tls_settings_that_work_are_taken() -> None:
+    config = load_config(overrides={**POOL, **TLS, "pool_tls_ca_file": "ca.pem"})
+    assert config.pool_tls_ca_file == "ca.pem"
 
 
 def test_pool_with_auth_needs_a_pool_token() -> None:

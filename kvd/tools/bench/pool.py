@@ -3,7 +3,8 @@ reference measured in the same run.
 
 - **Remote get**: an engine on node A reads values that node B owns, through
   A's daemon (its Unix socket and shared memory), once per peer transport the
-  daemon offers (``pool_peer_transport``); beside each, the TCP ceiling between
+  daemon offers (``pool_peer_transport``, and gRPC with TLS between the
+  members: ``kvd.tools.bench.pool_tls``); beside each, the TCP ceiling between
   the same two nodes measured just before it (``kvd.tools.bench.pool_ceiling``:
   on this loaded 2-core VM a ceiling moves by 2x within minutes). Each value is read
   once (a second read is local: A keeps it in L1, reported beside). Then
@@ -52,7 +53,14 @@ from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.config.settings import SETTINGS_BY_NAME
 from kvd.store.eviction.policy import DEFAULT_POLICY
-from kvd.tools.bench import pool_ceiling, pool_faults, pool_join, pool_join_replay, pool_puts
+from kvd.tools.bench import (
+    pool_ceiling,
+    pool_faults,
+    pool_join,
+    pool_join_replay,
+    pool_puts,
+    pool_tls,
+)
 from kvd.tools.bench.daemon import SpawnedDaemon
 from kvd.tools.bench.pool_nodes import Pool, write_tokens
 from kvd.tools.replay.pool_sim import simulate_pool
@@ -123,14 +131,18 @@ def peer_transports() -> tuple[str, ...]:
     setting = SETTINGS_BY_NAME.get("pool_peer_transport")
     if setting is None or not setting.choices:
         return ("",)
-    return tuple(choice for choice in setting.choices if choice != "auto")
+    choices = tuple(choice for choice in setting.choices if choice != "auto")
+    if "pool_tls_ca_file" in SETTINGS_BY_NAME and pool_tls.available():
+        choices += (pool_tls.TLS_TRANSPORT,)
+    return choices
 
 
 def _transport_used(log: list[str]) -> str:
     for line in log:
         found = re.search(r'pool joined.* peer_transport=("[^"]*"|\S+)', line)
         if found:
-            return found.group(1).strip('"').split()[0]  # "bulk (nixl asked)": bulk
+            used = found.group(1).strip('"').split()[0]  # "bulk (nixl asked)": bulk
+            return used + ("+tls" if " peer_tls=on" in line else "")
     return "grpc"
 
 
@@ -254,7 +266,10 @@ def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, 
 def remote_get(root: Path, transport: str, options: Options, progress: Progress) -> dict[str, Any]:
     """Values owned by B read through A's daemon, after the TCP ceiling
     between the same two nodes; then the remote chain (``remote_chain``)."""
-    extra = ["--pool-peer-transport", transport] if transport else []
+    if transport == pool_tls.TLS_TRANSPORT:
+        extra = pool_tls.member_flags(root / "get-tls-files")
+    else:
+        extra = ["--pool-peer-transport", transport] if transport else []
     chain_bytes = 2 * CHAIN_ROUNDS * CHAIN_VALUES * CHAIN_VALUE_BYTES
     batched = max(REMOTE_BATCH, REMOTE_BATCHED_PER_VALUE * options.values)
     warm_values = REMOTE_WARM_CALLS * REMOTE_BATCH

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.tools.bench import main, netns, pool
+from kvd.tools.bench import main, netns, pool, pool_tls
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -27,9 +27,11 @@ def tiny_trace(path: Path, requests: int) -> Path:
 
 def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     """In network namespaces where this is root (CI), else on loopback; one
-    peer transport (each has its own tests; one pool of two per transport)."""
+    peer transport (each has its own tests; one pool of two per transport):
+    gRPC with TLS between the members, the last the bench offers."""
     out = tmp_path / "results"
     transport = pool.peer_transports()[-1]
+    assert transport == pool_tls.TLS_TRANSPORT
     argv = [
         "--out", str(out), "pool", "--values", "2", "--value-bytes", "1MiB",
         "--chain-keys", "40", "--lookups", "5", "--lookup-pace-ms", "1", "--requests", "40",
@@ -43,7 +45,7 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     reason = netns.unavailable()
     assert result["where"] == (f"loopback: {reason}" if reason else "network namespaces")
     gets = result["remote_get"]
-    assert [g["transport_asked"] for g in gets] == [transport or "default"]
+    assert [(g["transport_asked"], g["transport_used"]) for g in gets] == [(transport, transport)]
     assert all(g["wrong_bytes"] == 0 and g["misses"] == 0 and g["bytes_per_s"] > 0 for g in gets)
     assert all(g["batch_bytes_per_s"] > 0 and g["batch_values"] == pool.REMOTE_BATCH for g in gets)
     assert gets[0]["tcp_ceiling"]["bytes"] == 2 * 2**20

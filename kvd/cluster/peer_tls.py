@@ -1,0 +1,87 @@
+"""TLS between the pool's members (``pool_tls_ca_file``).
+
+With it, a member calls the others over gRPC with TLS: it checks each
+member's certificate against the pool's CA (and the name in it against the
+member's host, or ``pool_tls_server_name``), and presents its own
+``tls_cert_file`` as its client certificate, which a member whose listener
+asks for one (``tls_client_ca_file``, mTLS) checks in turn. The bulk port
+and NIXL carry values in clear, so members with TLS do not use them with
+each other (``pool_peer_transport`` is gRPC).
+
+The files are read at start and again on SIGHUP (``reload``): calls after a
+reload open new channels with the new files; a reload that fails keeps the
+old ones.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import grpc
+
+from kvd.config.settings import Config, ConfigError
+
+# A PEM chain or CA bundle is a few KiB; 1 MiB stops a wrong path.
+PEM_FILE_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PeerTls:
+    """What a member's channels to the others are opened with."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    server_name: str  # the name the members' certificates carry; "": each member's host
+
+    @classmethod
+    def from_config(cls, config: Config) -> PeerTls | None:
+        """The files ``config`` names, checked; None without ``pool_tls_ca_file``."""
+        if not config.pool_tls_ca_file:
+            return None
+        _check(config.tls_cert_file, config.tls_key_file, config.pool_tls_ca_file)
+        return cls(
+            _read(config.pool_tls_ca_file, "pool_tls_ca_file"),
+            _read(config.tls_cert_file, "tls_cert_file"),
+            _read(config.tls_key_file, "tls_key_file"),
+            config.pool_tls_server_name,
+        )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+    def options(self) -> list[tuple[str, str]]:
+        """The channel options that name the certificates' name, where set."""
+        if not self.server_name:
+            return []
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+
+def _read(path: str, setting: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(PEM_FILE_MAX_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"{setting}: cannot read {path}: {error.strerror}", key=setting) from None
+    if len(data) > PEM_FILE_MAX_BYTES:
+        raise ConfigError(f"{setting}: {path} is over {PEM_FILE_MAX_BYTES} bytes", key=setting)
+    return data
+
+
+def _check(cert_file: str, key_file: str, ca_file: str) -> None:
+    """Parse the files the way a TLS client would: the key must match the
+    certificate, the CA bundle must hold a certificate."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError) as error:
+        raise ConfigError(
+            f"tls_cert_file: {cert_file} with {key_file}: {error}", key="tls_cert_file"
+        ) from None
+    try:
+        context.load_verify_locations(cafile=ca_file)
+    except (ssl.SSLError, OSError) as error:
+        raise ConfigError(f"pool_tls_ca_file: {ca_file}: {error}", key="pool_tls_ca_file") from None
