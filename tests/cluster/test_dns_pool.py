@@ -4,6 +4,7 @@ name at a real DNS server (dnsmasq) and place keys over what it answers. A
 member taken out of the records leaves the others' pool (and refuses a list
 without itself); a name with no records is refused; the DNS server going
 away keeps the last members (kvd_cluster_membership_stale) until it is back.
+A pod that stops with ``pool_leave_handoff_ms`` hands on what it owns first.
 
 What this does not run is Kubernetes itself: the records here come from a
 hosts file, where in a cluster CoreDNS answers the Service's name with the
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvd.client import Client
+from kvd.cluster.rendezvous import Placement
 from kvd.config.pool_members import parse_spec
 from tests.cluster.cluster import free_ports
 from tests.cluster.dns_server import DnsServer, dnsmasq_binary, port_free_on
@@ -52,13 +54,39 @@ def target(daemon: DaemonProcess) -> str:
     return args[args.index("--pool-advertise") + 1]
 
 
-def shared_port() -> int:
+def shared_port(hosts: list[str]) -> int:
     """One port free on every member's address (a DaemonSet's pods share it)."""
     for _ in range(20):
         (port,) = free_ports(1)
-        if port_free_on(HOSTS, port):
+        if port_free_on(hosts, port):
             return port
     raise AssertionError("no port free on every loopback address")
+
+
+def start_members(
+    root: Path, server: DnsServer, hosts: list[str], *last: str
+) -> list[DaemonProcess]:
+    """A daemon on each of ``hosts`` (one port for all), members of the pool
+    ``server`` answers ``NAME`` with; ``last``: the last one's flags of its own."""
+    port = shared_port(hosts)
+    daemons: list[DaemonProcess] = []
+    try:
+        for i, host in enumerate(hosts):
+            where = root / f"m{i}"
+            where.mkdir()
+            args = [
+                "--listen", f"{host}:{port}", "--pool-advertise", f"{host}:{port}",
+                "--pool-members", f"dns://{NAME}:{port}",
+                "--pool-dns-server", server.address, "--pool-dns-refresh-ms", "200",
+                "--bulk-listen", f"{host}:0",  # peers read values from the member's own address
+                *(last if i == len(hosts) - 1 else ()),
+            ]  # fmt: skip
+            daemons.append(DaemonProcess(where, args, ssd=""))
+    except BaseException:
+        for daemon in daemons:
+            daemon.discard()
+        raise
+    return daemons
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +96,9 @@ def pool(
     root = tmp_path_factory.mktemp("dnspool")
     server = DnsServer(root)
     server.serve(NAME, HOSTS)
-    port = shared_port()
     daemons: list[DaemonProcess] = []
     try:
-        for i, host in enumerate(HOSTS):
-            where = root / f"m{i}"
-            where.mkdir()
-            args = [
-                "--listen", f"{host}:{port}", "--pool-advertise", f"{host}:{port}",
-                "--pool-members", f"dns://{NAME}:{port}",
-                "--pool-dns-server", server.address, "--pool-dns-refresh-ms", "200",
-                "--bulk-listen", f"{host}:0",  # peers read values from the member's own address
-            ]  # fmt: skip
-            daemons.append(DaemonProcess(where, args, ssd=""))
+        daemons = start_members(root, server, HOSTS)
         yield server, daemons
     finally:
         for daemon in daemons:
@@ -129,6 +147,41 @@ def test_a_member_out_of_the_records_leaves_and_dns_away_keeps_the_last(
     server.serve(NAME, HOSTS)
     assert all(wait_until(lambda d=d: stale(d) == 0 and members_of(d) == 3, WAIT_S)
                for d in (a, b, c))  # fmt: skip
+
+
+def test_a_pod_stopping_hands_on_what_it_owns_before_it_goes(tmp_path: Path) -> None:
+    """As the DaemonSet's pods do (``pool_leave_handoff_ms``): a member taken
+    out of the Service's records and stopped (SIGTERM) first hands the
+    values it owns to the members that own them once it is gone; every
+    value, each stored only at its owner, is read right through the others."""
+    hosts = ["127.0.0.21", "127.0.0.22", "127.0.0.23"]
+    server = DnsServer(tmp_path)
+    server.serve(NAME, hosts)
+    daemons: list[DaemonProcess] = []
+    try:
+        daemons = start_members(tmp_path, server, hosts, "--pool-leave-handoff-ms", "10000")
+        assert all(wait_until(lambda d=d: members_of(d) == 3, WAIT_S) for d in daemons)
+        placement = Placement([target(d) for d in daemons])
+        keys = [b"pod-%03d" % i for i in range(120)]
+        values = {key: hashlib.sha256(key).digest() * 64 for key in keys}
+        for daemon in daemons:  # through its owner: no copy anywhere else
+            with Client(target(daemon), timeout_s=5) as client:
+                mine = [key for key in keys if placement.owner("dns", key) == target(daemon)]
+                client.put_many("dns", [(key, values[key]) for key in mine])
+        leaving = daemons.pop()
+        owned = sum(placement.owner("dns", key) == target(leaving) for key in keys)
+        server.serve(NAME, hosts[:2])  # the pod is terminating: out of the records
+        leaving.stop()
+        said = [line for line in leaving.log if "pool values handed on before leaving" in line]
+        assert said and f"handed_on={owned} " in said[0], leaving.log
+        assert all(wait_until(lambda d=d: members_of(d) == 2, WAIT_S) for d in daemons)
+        for daemon in daemons:
+            with Client(target(daemon), timeout_s=5) as client:
+                assert [client.get("dns", key) for key in keys] == [values[k] for k in keys]
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+        server.kill()
 
 
 def test_a_dns_server_that_is_not_an_address_is_refused_at_start(tmp_path: Path) -> None:
