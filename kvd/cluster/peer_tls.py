@@ -15,15 +15,12 @@ old ones.
 
 from __future__ import annotations
 
-import ssl
 from dataclasses import dataclass
 
 import grpc
 
-from kvd.config.settings import Config, ConfigError
-
-# A PEM chain or CA bundle is a few KiB; 1 MiB stops a wrong path.
-PEM_FILE_MAX_BYTES = 1 << 20
+from kvd.config.pem import check_pem, read_pem
+from kvd.config.settings import Config
 
 
 @dataclass(frozen=True)
@@ -40,11 +37,13 @@ class PeerTls:
         """The files ``config`` names, checked; None without ``pool_tls_ca_file``."""
         if not config.pool_tls_ca_file:
             return None
-        _check(config.tls_cert_file, config.tls_key_file, config.pool_tls_ca_file)
+        ca_file = config.pool_tls_ca_file
+        check_pem(config.tls_cert_file, config.tls_key_file, ca_file, "pool_tls_ca_file",
+                  server=False)  # fmt: skip
         return cls(
-            _read(config.pool_tls_ca_file, "pool_tls_ca_file"),
-            _read(config.tls_cert_file, "tls_cert_file"),
-            _read(config.tls_key_file, "tls_key_file"),
+            read_pem(ca_file, "pool_tls_ca_file"),
+            read_pem(config.tls_cert_file, "tls_cert_file"),
+            read_pem(config.tls_key_file, "tls_key_file"),
             config.pool_tls_server_name,
         )
 
@@ -58,30 +57,3 @@ class PeerTls:
         if not self.server_name:
             return []
         return [("grpc.ssl_target_name_override", self.server_name)]
-
-
-def _read(path: str, setting: str) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            data = file.read(PEM_FILE_MAX_BYTES + 1)
-    except OSError as error:
-        raise ConfigError(f"{setting}: cannot read {path}: {error.strerror}", key=setting) from None
-    if len(data) > PEM_FILE_MAX_BYTES:
-        raise ConfigError(f"{setting}: {path} is over {PEM_FILE_MAX_BYTES} bytes", key=setting)
-    return data
-
-
-def _check(cert_file: str, key_file: str, ca_file: str) -> None:
-    """Parse the files the way a TLS client would: the key must match the
-    certificate, the CA bundle must hold a certificate."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        context.load_cert_chain(cert_file, key_file)
-    except (ssl.SSLError, OSError) as error:
-        raise ConfigError(
-            f"tls_cert_file: {cert_file} with {key_file}: {error}", key="tls_cert_file"
-        ) from None
-    try:
-        context.load_verify_locations(cafile=ca_file)
-    except (ssl.SSLError, OSError) as error:
-        raise ConfigError(f"pool_tls_ca_file: {ca_file}: {error}", key="pool_tls_ca_file") from None

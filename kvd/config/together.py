@@ -41,21 +41,19 @@ def validate_together(config: Config) -> None:
         )
     if config.auth_tokens_file:
         return  # every request carries a checked token: any address may listen
+    # Without auth any reachable TCP listener would serve anyone.
     if config.bulk_listen:
-        bulk_host, _ = parse_address(config.bulk_listen)
-        if not is_loopback_host(bulk_host):
-            raise ConfigError(
-                f"bulk_listen: refusing to listen on {config.bulk_listen} without auth; "
-                "set auth_tokens_file, use a loopback address (127.0.0.1) or leave it empty",
-                key="bulk_listen",
-            )
-    host, _ = parse_address(config.listen)
+        _loopback_only("bulk_listen", config.bulk_listen, "or leave it empty")
+    _loopback_only("listen", config.listen, "or the unix socket")
+
+
+def _loopback_only(setting: str, address: str, otherwise: str) -> None:
+    host, _ = parse_address(address)
     if not is_loopback_host(host):
-        # Without auth any reachable TCP listener would serve anyone.
         raise ConfigError(
-            f"listen: refusing to listen on {config.listen} without auth; "
-            "set auth_tokens_file, or use a loopback address (127.0.0.1) or the unix socket",
-            key="listen",
+            f"{setting}: refusing to listen on {address} without auth; "
+            f"set auth_tokens_file, use a loopback address (127.0.0.1) {otherwise}",
+            key=setting,
         )
 
 

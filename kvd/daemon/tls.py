@@ -15,46 +15,14 @@ its HELLO frame).
 from __future__ import annotations
 
 import logging
-import ssl
 import threading
 
 import grpc
 
-from kvd.config.settings import Config, ConfigError
+from kvd.config.pem import check_pem, read_pem
+from kvd.config.settings import Config
 
 log = logging.getLogger("kvd.daemon.tls")
-
-# A PEM chain or CA bundle is a few KiB; 1 MiB stops a wrong path.
-PEM_FILE_MAX_BYTES = 1 << 20
-
-
-def _read(path: str, setting: str) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            data = file.read(PEM_FILE_MAX_BYTES + 1)
-    except OSError as error:
-        raise ConfigError(f"{setting}: cannot read {path}: {error.strerror}", key=setting) from None
-    if len(data) > PEM_FILE_MAX_BYTES:
-        raise ConfigError(f"{setting}: {path} is over {PEM_FILE_MAX_BYTES} bytes", key=setting)
-    return data
-
-
-def _check(cert_file: str, key_file: str, ca_file: str) -> None:
-    """Parse the files the way a TLS server would: the key must match the certificate."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(cert_file, key_file)
-    except (ssl.SSLError, OSError) as error:
-        raise ConfigError(
-            f"tls_cert_file: {cert_file} with {key_file}: {error}", key="tls_cert_file"
-        ) from None
-    if ca_file:
-        try:
-            context.load_verify_locations(cafile=ca_file)
-        except (ssl.SSLError, OSError) as error:
-            raise ConfigError(
-                f"tls_client_ca_file: {ca_file}: {error}", key="tls_client_ca_file"
-            ) from None
 
 
 class ServerTls:
@@ -80,9 +48,9 @@ class ServerTls:
         return "mtls" if self.require_client_cert else "tls"
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
-        _check(self.cert_file, self.key_file, self.ca_file)
-        pair = (_read(self.key_file, "tls_key_file"), _read(self.cert_file, "tls_cert_file"))
-        ca = _read(self.ca_file, "tls_client_ca_file") if self.ca_file else None
+        check_pem(self.cert_file, self.key_file, self.ca_file, "tls_client_ca_file", server=True)
+        pair = (read_pem(self.key_file, "tls_key_file"), read_pem(self.cert_file, "tls_cert_file"))
+        ca = read_pem(self.ca_file, "tls_client_ca_file") if self.ca_file else None
         return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
     def credentials(self) -> grpc.ServerCredentials:
