@@ -12,6 +12,7 @@ from typing import Any
 from kvd.config.setting import ENV_PREFIX, ConfigError, convert
 from kvd.config.settings import SETTINGS, SETTINGS_BY_NAME, Config
 from kvd.config.sizes import SizeError, format_size
+from kvd.config.together import validate_together
 
 # KVD_* variables read by something other than the settings table: the config
 # file path for `kvd serve`, the default target and token of the client commands.
@@ -81,7 +82,9 @@ def load_config(
         except (ValueError, SizeError) as error:
             raise ConfigError(f"{name}: {error} (from {source})", key=name) from None
     try:
-        return Config(**values)  # type: ignore[arg-type]  # checked against the table
+        config = Config(**values)  # type: ignore[arg-type]  # checked against the table
+        validate_together(config)
+        return config
     except ConfigError as error:
         # Name where each setting the message mentions came from, if not a default.
         given = [f"{name} from {raw[name][1]}" for name in raw if name in str(error)]

@@ -26,7 +26,6 @@ from kvd.config.rules import (
     check_socket_path,
 )
 from kvd.config.setting import ConfigError, Setting, kind_of, validate
-from kvd.config.together import validate_together
 
 # The configuration's public face: the table and the error its checks raise
 # (defined with the table's rows, in kvd.config.setting); the loaders are
@@ -474,7 +473,6 @@ class Config:
             if setting.kind == "list" and isinstance(value, list):
                 object.__setattr__(self, setting.name, tuple(value))  # frozen: only here
             validate(setting, getattr(self, setting.name))
-        validate_together(self)
 
     def describe(self) -> dict[str, str | int]:
         """Every setting in short form (sizes as ``1GiB``), for the start-up log line."""

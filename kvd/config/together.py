@@ -1,16 +1,12 @@
-"""Rules that tie several settings together, checked once every setting
-passed its own (``Config.__post_init__``)."""
+"""Rules that tie several settings together, checked by ``load_config``
+once every setting passed its own (``Config.__post_init__``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvd.config.addresses import is_loopback_host, parse_address
 from kvd.config.setting import ConfigError
+from kvd.config.settings import Config
 from kvd.config.sizes import format_size
-
-if TYPE_CHECKING:
-    from kvd.config.settings import Config
 
 
 def validate_together(config: Config) -> None:
