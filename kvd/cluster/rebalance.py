@@ -287,11 +287,19 @@ class Rebalance:
         placement, forwards = Placement(others), self._forwards
         forwards.leaving = True  # kept as their own, before the others see this one go
         before, errors, left = self.left_handed_on, forwards.errors, 0
+        # Values handed on from L1 that also have an L2 record: evicted here
+        # before the L2 pass reaches them (its reads need room), they are not
+        # read and sent again.
+        handed: set[tuple[str, bytes]] = set()
         async for entry in self._l1_entries():
-            if _still_own(entry) and not await self._leave_one(entry, placement, deadline):
+            if not _still_own(entry):
+                continue
+            if not await self._leave_one(entry, placement, deadline):
                 left += 1
+            elif entry.l2 is not None:
+                handed.add((entry.ns.name, entry.key))
         from_l2 = self.left_from_l2
-        async for readers in self._l2_owned(deadline):
+        async for readers in self._l2_owned(deadline, handed):
             try:
                 for reader in readers:
                     if await self._leave_one(reader.entry, placement, deadline):
@@ -322,11 +330,13 @@ class Rebalance:
             self.left_handed_on += 1
         return True
 
-    async def _l2_owned(self, deadline: float) -> AsyncIterator[list[Reader]]:
-        """The values this member owns that only its L2 holds, read into L1
-        a batch at a time (``LEAVE_READ_BYTES``, at most an eighth of L1),
-        the newest first, until ``deadline``: pinned readers, closed by the
-        caller."""
+    async def _l2_owned(
+        self, deadline: float, handed: set[tuple[str, bytes]]
+    ) -> AsyncIterator[list[Reader]]:
+        """The values this member owns that only its L2 holds (and are not
+        in ``handed``), read into L1 a batch at a time (``LEAVE_READ_BYTES``,
+        at most an eighth of L1), the newest first, until ``deadline``:
+        pinned readers, closed by the caller."""
         l2 = self._store.l2
         if l2 is None or self._store.placement is None:
             return
@@ -340,8 +350,8 @@ class Rebalance:
                 record = l2.lookup(namespace, key)
                 if record is None or owner(namespace, key) != me:
                     continue  # gone, or a copy of another member's value
-                if entries.get(namespace, key) is not None:
-                    continue  # in L1: handed on above, or put since
+                if entries.get(namespace, key) is not None or (namespace, key) in handed:
+                    continue  # handed on above (in L1 then), or put since
                 if batch and size + record.size > most:
                     if time.monotonic() >= deadline:
                         return
