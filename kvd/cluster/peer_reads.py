@@ -53,6 +53,7 @@ from kvd.store.store import Store
 from kvd.wire.bulk import VERSION as BULK_VERSION
 from kvd.wire.checksum import Hasher, checksum, checksum_views
 from kvd.wire.errors import DataLoss, KvdError
+from kvd.wire.grpc import POOL_VERSION
 from kvd.wire.lookup import ChainShare
 from kvd.wire.shm import join_keys
 
@@ -315,19 +316,28 @@ class PeerReads:
         self._grpc_logged.add(member)
 
     async def _way(self, member: str, timeout_s: float) -> tuple[str, int] | None:
-        """The member's bulk address, or None to read over gRPC."""
-        if self.transport == "grpc":
-            return None
+        """The member's bulk address, or None to read over gRPC; a
+        ``PeerError`` ("version") for a member whose pool calls are another
+        version's (asked once, then again after any failure)."""
         paths = self._paths.get(member)
         if paths is None:
             paths = await self.peers.describe(member, timeout_s)
-            if paths.bulk_port and paths.bulk_version != BULK_VERSION:
+            if paths.pool_version != POOL_VERSION:
+                raise PeerError(
+                    f"{member}: speaks pool protocol version {paths.pool_version}, "
+                    f"this daemon speaks {POOL_VERSION}; refused",
+                    "version",
+                )
+            over_bulk = self.transport != "grpc" and paths.bulk_port
+            if over_bulk and paths.bulk_version != BULK_VERSION:
                 raise PeerError(
                     f"{member}: speaks bulk protocol version {paths.bulk_version}, "
                     f"this daemon speaks {BULK_VERSION}; refused",
                     "version",
                 )
             self._paths[member] = paths
+        if self.transport == "grpc":
+            return None
         if not paths.bulk_port:
             if member not in self._grpc_logged:
                 self._grpc_logged.add(member)

@@ -24,7 +24,7 @@ import grpc
 from kvd.cluster.peer_tls import PeerTls
 from kvd.cluster.scope import HOP_HEADER
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire.grpc import KVStoreStub
+from kvd.wire.grpc import POOL_VERSION, KVStoreStub
 from kvd.wire.lookup import ChainShare
 
 log = logging.getLogger("kvd.cluster.peers")
@@ -68,13 +68,15 @@ def _kind(code: grpc.StatusCode) -> str:
 class PeerPaths:
     """What a member's DescribePaths says of its data paths: its bulk TCP
     port (0: none), the bulk protocol version spoken there, the peer ops
-    it takes beyond the NIXL ones (``kvd.wire.bulk.BULK_OPS``) and the
-    largest value it takes (0: not said)."""
+    it takes beyond the NIXL ones (``kvd.wire.bulk.BULK_OPS``), the
+    largest value it takes (0: not said) and the version of the calls
+    members make to each other (``kvd.wire.grpc.POOL_VERSION``)."""
 
     bulk_port: int
     bulk_version: int
     bulk_ops: tuple[str, ...] = ()
     max_value_bytes: int = 0
+    pool_version: int = POOL_VERSION
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,9 @@ class Peers:
                 return PeerPaths(0, 0)
             raise
         return PeerPaths(
-            reply.bulk_port, reply.bulk_version, tuple(reply.bulk_ops), reply.max_value_bytes
-        )
+            reply.bulk_port, reply.bulk_version, tuple(reply.bulk_ops), reply.max_value_bytes,
+            reply.pool_version or 1,  # not said: a daemon from before the field
+        )  # fmt: skip
 
     async def exists(
         self, member: str, namespace: str, keys: list[bytes], timeout_s: float,

@@ -23,6 +23,10 @@ from google.protobuf.message import DecodeError, Message
 from kvd.v1 import kvd_pb2
 
 SERVICE = "kvd.v1.KVStore"
+# The version of the calls pool members make to each other, over gRPC and
+# their bulk ports (DescribePathsResponse.pool_version): a member calls no
+# peer that says another. A daemon that says none (0) speaks version 1.
+POOL_VERSION = 1
 
 
 def _bad_request(name: str, exc: Exception) -> tuple[grpc.StatusCode, str]:

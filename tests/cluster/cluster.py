@@ -17,7 +17,7 @@ import grpc
 from kvd.cluster.rendezvous import Placement
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
-from kvd.wire.grpc import SERVICE
+from kvd.wire.grpc import POOL_VERSION, SERVICE
 from tests.sockets import scrape
 from tests.support import DaemonProcess, free_ports
 
@@ -98,7 +98,8 @@ def recv_all(sock: socket.socket, size: int) -> bytes:
 class FakeMember:
     """A pool member played by this process, for a member that misbehaves or
     is old: kvd's gRPC methods in ``handlers`` and DescribePaths (naming its
-    bulk port, ``bulk_version`` and ``bulk_ops``) on ``grpc_port``, and a
+    bulk port, ``bulk_version``, ``bulk_ops`` and ``pool_version``) on
+    ``grpc_port``, and a
     bulk TCP port whose every connection ``serve`` answers on a thread.
     ``named_bulk_port``: the port DescribePaths names instead, where nothing
     listens (a loopback bulk_listen seen from another node)."""
@@ -106,14 +107,16 @@ class FakeMember:
     def __init__(
         self, grpc_port: int, handlers: dict[str, Any] | None = None, *,
         bulk_version: int = bulk.VERSION, named_bulk_port: int = 0, bulk_ops: Sequence[str] = (),
+        pool_version: int = POOL_VERSION,
     ) -> None:  # fmt: skip
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.bulk_port = named_bulk_port or self.listener.getsockname()[1]
         self.stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
         paths = pb.DescribePathsResponse(
-            bulk_port=self.bulk_port, bulk_version=bulk_version, bulk_ops=list(bulk_ops)
-        )
+            bulk_port=self.bulk_port, bulk_version=bulk_version, bulk_ops=list(bulk_ops),
+            pool_version=pool_version,
+        )  # fmt: skip
         describe = grpc.unary_unary_rpc_method_handler(
             lambda request, context: paths,
             request_deserializer=pb.DescribePathsRequest.FromString,

@@ -24,6 +24,7 @@ from kvd.cluster.rendezvous import Placement
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import bulk
 from kvd.wire.checksum import checksum
+from kvd.wire.grpc import POOL_VERSION
 from tests.cluster.cluster import (
     FakeMember,
     free_ports,
@@ -183,8 +184,9 @@ class BadOwner(FakeMember):
     (for a ``named_bulk_port`` where nothing listens)."""
 
     def __init__(
-        self, grpc_port: int, bulk_version: int = bulk.VERSION, named_bulk_port: int = 0
-    ) -> None:
+        self, grpc_port: int, bulk_version: int = bulk.VERSION, named_bulk_port: int = 0,
+        pool_version: int = POOL_VERSION,
+    ) -> None:  # fmt: skip
         def get(request: pb.GetRequest, context: Any) -> Any:
             value = request.key * 1000
             header = pb.GetHeader(found=True, size=len(value), checksum=checksum(value))
@@ -197,7 +199,7 @@ class BadOwner(FakeMember):
             response_serializer=pb.GetResponse.SerializeToString,
         )
         super().__init__(grpc_port, {"Get": get_handler}, bulk_version=bulk_version,
-                         named_bulk_port=named_bulk_port)  # fmt: skip
+                         named_bulk_port=named_bulk_port, pool_version=pool_version)  # fmt: skip
 
     def serve(self, sock: socket.socket) -> None:
         while True:
@@ -298,6 +300,36 @@ def test_owner_with_another_protocol_version_is_refused(tmp_path: Path) -> None:
         assert wait_until(
             lambda: any(f"bulk protocol version {bulk.VERSION + 1}" in line for line in daemon.log)
         )
+        mine = keys_owned(placement, daemon.target, 1, b"-mine")[0]
+        client.put("ns", mine, b"here")
+        assert client.get("ns", mine) == b"here"
+    finally:
+        client.close()
+        daemon.discard()
+        bad.close()
+
+
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
+def test_a_member_of_another_pool_version_is_not_called(tmp_path: Path, transport: str) -> None:
+    """Whatever the transport, a member whose DescribePaths says another pool
+    version is refused before any call: its keys are misses, counted and
+    logged; this member's own keys are served."""
+    port, bad_port = free_ports(2)
+    bad = BadOwner(bad_port, pool_version=POOL_VERSION + 1)
+    peer = f"127.0.0.1:{bad_port}"
+    args = ["--listen", f"127.0.0.1:{port}", "--pool-members", f"static:127.0.0.1:{port},{peer}",
+            "--pool-peer-transport", transport]  # fmt: skip
+    daemon = DaemonProcess(tmp_path, args, ssd="")
+    client = Client(daemon.target, timeout_s=5)
+    try:
+        placement = Placement([daemon.target, peer])
+        key = keys_owned(placement, peer, 1)[0]
+        assert client.get("ns", key) is None  # its Get would have served it
+        assert client.exists("ns", [key]) == [False]
+        mport = daemon.metrics_port
+        assert labelled(mport, "kvd_cluster_peer_call_errors_total", kind="version") >= 1
+        said = f"pool protocol version {POOL_VERSION + 1}, this daemon speaks {POOL_VERSION}"
+        assert wait_until(lambda: any(said in line for line in daemon.log))
         mine = keys_owned(placement, daemon.target, 1, b"-mine")[0]
         client.put("ns", mine, b"here")
         assert client.get("ns", mine) == b"here"

@@ -62,6 +62,7 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.bulk import BULK_OPS
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import DeadlineExceeded, InvalidArgument, KvdError
+from kvd.wire.grpc import POOL_VERSION
 from kvd.wire.lookup import ChainShare
 from kvd.wire.shm import pid_namespace, shm_ops
 
@@ -355,6 +356,7 @@ class KVStoreService:
                 bulk_version=BULK_PROTOCOL_VERSION if ops.bulk_port else 0,
                 bulk_ops=BULK_OPS if ops.bulk_port else (),
                 max_value_bytes=max_value_bytes,
+                pool_version=POOL_VERSION,
             )
         return pb.DescribePathsResponse(
             shm_dir=os.path.dirname(ops.shm_socket),
@@ -371,6 +373,7 @@ class KVStoreService:
             shm_ops=shm_ops(ops.pool_reads),
             bulk_ops=BULK_OPS if ops.bulk_port else (),
             max_value_bytes=max_value_bytes,
+            pool_version=POOL_VERSION,
         )
 
     @_unary("shm_put", pooled=False)
