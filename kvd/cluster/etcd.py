@@ -21,6 +21,7 @@ from typing import Any
 
 import aetcd
 
+from kvd.cluster.etcd_tls import EtcdTls, TlsClient
 from kvd.cluster.membership import Membership, parse_member
 from kvd.config.pool_members import PoolSpec
 
@@ -38,9 +39,13 @@ GARBAGE_KEYS_MAX = 1024
 class EtcdMembers:
     """Registers this daemon in etcd and feeds ``membership`` from the prefix."""
 
-    def __init__(self, spec: PoolSpec, membership: Membership, ttl_s: int) -> None:
+    def __init__(
+        self, spec: PoolSpec, membership: Membership, ttl_s: int, tls: EtcdTls | None = None
+    ) -> None:
+        """``tls``: etcd over TLS (``kvd.cluster.etcd_tls``); None: in clear."""
         assert spec.kind == "etcd"
         self.spec = spec
+        self.tls = tls
         self.membership = membership
         self.ttl_s = ttl_s
         self.key = f"{spec.prefix}/members/{membership.advertise}".encode()
@@ -94,7 +99,10 @@ class EtcdMembers:
         while True:
             host, port = self.spec.endpoints[attempt % len(self.spec.endpoints)]
             attempt += 1
-            self._client = aetcd.Client(host, port, timeout=CALL_TIMEOUT_S)
+            if self.tls is None:
+                self._client = aetcd.Client(host, port, timeout=CALL_TIMEOUT_S)
+            else:
+                self._client = TlsClient(host, port, self.tls, timeout=CALL_TIMEOUT_S)
             try:
                 await self._session()
             except asyncio.CancelledError:

@@ -305,8 +305,10 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
             ) from None
     else:
         from kvd.cluster.etcd import EtcdMembers  # aetcd loads only for an etcd pool
+        from kvd.cluster.etcd_tls import EtcdTls
 
-        etcd = EtcdMembers(spec, membership, math.ceil(config.pool_etcd_ttl_ms / 1000))
+        ttl_s = math.ceil(config.pool_etcd_ttl_ms / 1000)
+        etcd = EtcdMembers(spec, membership, ttl_s, EtcdTls.from_config(config))
     joined = {
         "source": spec.kind,
         "advertise": membership.advertise,
@@ -314,4 +316,6 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
         "peer_tls": "on" if peers.tls is not None else "off",
         "peer_transport": reads.describe(),
     }
+    if etcd is not None:
+        joined["etcd_tls"] = "on" if etcd.tls is not None else "off"
     return PoolNode(membership, router, etcd, dns, joined, config if peers.tls else None)

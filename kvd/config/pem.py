@@ -24,18 +24,20 @@ def read_pem(path: str, setting: str) -> bytes:
 
 
 def check_pem(
-    cert_file: str, key_file: str, ca_file: str, ca_setting: str, *, server: bool
-) -> None:
-    """Parse the files as a TLS server (``server``) or client would: the key
-    must match the certificate (``tls_cert_file``); ``ca_file``, where set,
-    must hold a certificate (``ca_setting``)."""
+    cert_file: str, key_file: str, ca_file: str, ca_setting: str, *, server: bool,
+    cert_setting: str = "tls_cert_file",
+) -> None:  # fmt: skip
+    """Parse the files as a TLS server (``server``) or client would: the key,
+    where there is a certificate, must match it (``cert_setting``);
+    ``ca_file``, where set, must hold a certificate (``ca_setting``)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
-    try:
-        context.load_cert_chain(cert_file, key_file)
-    except (ssl.SSLError, OSError) as error:
-        raise ConfigError(
-            f"tls_cert_file: {cert_file} with {key_file}: {error}", key="tls_cert_file"
-        ) from None
+    if cert_file:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (ssl.SSLError, OSError) as error:
+            raise ConfigError(
+                f"{cert_setting}: {cert_file} with {key_file}: {error}", key=cert_setting
+            ) from None
     if ca_file:
         try:
             context.load_verify_locations(cafile=ca_file)

@@ -404,6 +404,17 @@ class Config:
         help="the name (SAN) every member's certificate carries, where it is not each "
         "member's own host (pool_advertise); empty: the member's host",
     )
+    pool_etcd_ca_file: str = _setting(
+        "",
+        help="PEM CA bundle that signs etcd's certificate: with it, this daemon talks to etcd "
+        "(an etcd:// pool_members) over TLS; empty: in clear",
+    )
+    pool_etcd_cert_file: str = _setting(
+        "",
+        help="PEM client certificate this daemon presents to etcd (one started with "
+        "--client-cert-auth); needs pool_etcd_key_file and pool_etcd_ca_file",
+    )
+    pool_etcd_key_file: str = _setting("", help="PEM private key of pool_etcd_cert_file")
     pool_etcd_ttl_ms: int = _setting(
         10_000,
         help="lease of this daemon's etcd registration: a daemon gone leaves the pool within it "

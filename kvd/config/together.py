@@ -29,6 +29,7 @@ def validate_together(config: Config) -> None:
         )
     _validate_tls(config)
     _validate_pool_tls(config)
+    _validate_etcd_tls(config)
     if config.pool_members and config.auth_tokens_file and not config.pool_token_file:
         raise ConfigError(
             "pool_token_file: with auth_tokens_file, peers refuse calls without a token; "
@@ -95,6 +96,27 @@ def _validate_pool_tls(config: Config) -> None:
             f"pool_peer_transport: {config.pool_peer_transport} carries values in clear; "
             "with pool_tls_ca_file members read each other's values over gRPC (auto or grpc)",
             key="pool_peer_transport",
+        )
+
+
+def _validate_etcd_tls(config: Config) -> None:
+    cert, key, ca = config.pool_etcd_cert_file, config.pool_etcd_key_file, config.pool_etcd_ca_file
+    if bool(cert) != bool(key):
+        raise ConfigError(
+            "pool_etcd_cert_file: a client certificate for etcd needs both "
+            "pool_etcd_cert_file and pool_etcd_key_file",
+            key="pool_etcd_cert_file",
+        )
+    if cert and not ca:
+        raise ConfigError(
+            "pool_etcd_ca_file: a client certificate for etcd goes over TLS: give the CA "
+            "bundle that signs etcd's certificate",
+            key="pool_etcd_ca_file",
+        )
+    if ca and not config.pool_members.startswith("etcd://"):
+        raise ConfigError(
+            "pool_etcd_ca_file: is for an etcd membership: pool_members must be etcd://...",
+            key="pool_etcd_ca_file",
         )
 
 

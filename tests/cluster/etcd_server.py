@@ -6,17 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvd.tools.bench.etcd import EtcdServer, etcd_binary
+from kvd.tools.bench.etcd import EtcdServer, EtcdTlsFiles, etcd_binary
 from tests.cluster.cluster import free_ports
 from tests.support import DaemonProcess
 
-__all__ = ["PREFIX", "EtcdServer", "etcd_binary", "start_etcd", "start_member"]
+__all__ = ["PREFIX", "EtcdServer", "EtcdTlsFiles", "etcd_binary", "start_etcd", "start_member"]
 
 PREFIX = "/kvd-test/pool"
 
 
-def start_etcd(workdir: Path) -> EtcdServer:
-    return EtcdServer(workdir, *free_ports(2))
+def start_etcd(workdir: Path, tls: EtcdTlsFiles | None = None) -> EtcdServer:
+    client_port, peer_port = free_ports(2)
+    return EtcdServer(workdir, client_port, peer_port, tls)
 
 
 def start_member(

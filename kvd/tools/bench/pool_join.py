@@ -65,7 +65,8 @@ class EtcdMembers:
     def __init__(self, root: Path, dram: str, max_value: str | None = None) -> None:
         self.root = root
         (root / "etcd").mkdir()
-        self.etcd = EtcdServer(root / "etcd", *free_ports(2))
+        client_port, peer_port = free_ports(2)
+        self.etcd = EtcdServer(root / "etcd", client_port, peer_port)
         self.token, self._auth = write_tokens(root)
         self._options: dict[str, Any] = {"dram": dram, "ssd": ""}
         if max_value is not None:

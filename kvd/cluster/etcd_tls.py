@@ -1,0 +1,89 @@
+"""TLS to etcd (``pool_etcd_ca_file``, and a client certificate with
+``pool_etcd_cert_file`` and ``pool_etcd_key_file`` for an etcd started with
+``--client-cert-auth``).
+
+aetcd 1.0 opens plaintext channels only (its ``Client.connect`` calls
+``grpc.aio.insecure_channel``, and it takes no credentials), so
+``TlsClient`` repeats that connect with a TLS channel; everything else is
+aetcd's. The files are read once, at start: a daemon reads them again when
+it restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aetcd
+import grpc
+from aetcd import rpc, watcher
+
+from kvd.config.pem import check_pem, read_pem
+from kvd.config.settings import Config
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """The CA that signs etcd's certificate, and this daemon's client
+    certificate and key (empty: none asked for)."""
+
+    ca: bytes
+    cert: bytes = b""
+    key: bytes = b""
+
+    @classmethod
+    def from_config(cls, config: Config) -> EtcdTls | None:
+        """The files ``config`` names, checked; None without ``pool_etcd_ca_file``."""
+        ca_file = config.pool_etcd_ca_file
+        if not ca_file:
+            return None
+        cert_file, key_file = config.pool_etcd_cert_file, config.pool_etcd_key_file
+        check_pem(cert_file, key_file, ca_file, "pool_etcd_ca_file", server=False,
+                  cert_setting="pool_etcd_cert_file")  # fmt: skip
+        if not cert_file:
+            return cls(read_pem(ca_file, "pool_etcd_ca_file"))
+        return cls(
+            read_pem(ca_file, "pool_etcd_ca_file"),
+            read_pem(cert_file, "pool_etcd_cert_file"),
+            read_pem(key_file, "pool_etcd_key_file"),
+        )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca,
+            private_key=self.key or None,
+            certificate_chain=self.cert or None,
+        )
+
+
+class TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no types
+    """aetcd's client over a TLS channel (module doc)."""
+
+    def __init__(self, host: str, port: int, tls: EtcdTls, **options: Any) -> None:
+        super().__init__(host, port, **options)
+        self._credentials = tls.credentials()
+
+    async def connect(self) -> None:
+        """``aetcd.Client.connect``, with a TLS channel (and no etcd user)."""
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]  # another task connects: wait
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = grpc.aio.secure_channel(
+                target, self._credentials, options=list(self._options.items())
+            )
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
