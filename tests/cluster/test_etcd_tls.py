@@ -2,8 +2,9 @@
 certificates (``--client-cert-auth``), as production etcds are run: daemons
 with ``pool_etcd_ca_file`` and a client certificate the etcd's CA signed
 register and see each other; one without a client certificate is refused
-by etcd, says so, and serves alone; settings that cannot work are refused
-at start. A real etcd (Debian's etcd-server) on loopback ports."""
+by etcd, says so, and serves alone; a CA file that is not one is refused
+at start (the settings' rules: tests/cluster/test_membership.py). A real
+etcd (Debian's etcd-server) on loopback ports."""
 
 from __future__ import annotations
 
@@ -89,23 +90,6 @@ def test_members_register_and_see_each_other_over_tls(tmp_path: Path) -> None:
 
 
 ETCD = {"pool_members": "etcd://127.0.0.1:2379/kvd"}
-
-
-@pytest.mark.parametrize(
-    ("overrides", "key"),
-    [
-        ({**ETCD, "pool_etcd_cert_file": "c.crt"}, "pool_etcd_cert_file"),  # no key
-        ({**ETCD, "pool_etcd_cert_file": "c.crt", "pool_etcd_key_file": "c.key"},
-         "pool_etcd_ca_file"),  # a client certificate, no TLS
-        ({"pool_members": "static:127.0.0.1:7070", "pool_etcd_ca_file": "ca.crt"},
-         "pool_etcd_ca_file"),  # not an etcd pool
-    ],
-)  # fmt: skip
-def test_etcd_tls_settings_that_cannot_work_are_refused(
-    overrides: dict[str, str], key: str
-) -> None:
-    with pytest.raises(ConfigError, match=key):
-        load_config(overrides=overrides)
 
 
 def test_an_etcd_ca_file_that_is_not_one_is_refused_at_start(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ def test_bad_specs_are_refused_by_the_config(text: str) -> None:
 
 
 POOL = {"pool_members": "static:127.0.0.1:7070"}
+ETCD = {"pool_members": "etcd://127.0.0.1:2379/kvd"}
 TLS = {"tls_cert_file": "c.pem", "tls_key_file": "k.pem"}
 
 
@@ -55,6 +56,10 @@ TLS = {"tls_cert_file": "c.pem", "tls_key_file": "k.pem"}
          "pool_peer_transport"),  # values in clear
         ({**POOL, **TLS, "pool_tls_ca_file": "ca.pem", "pool_peer_transport": "nixl"},
          "pool_peer_transport"),
+        ({**ETCD, "pool_etcd_cert_file": "c.crt"}, "pool_etcd_cert_file"),  # no key
+        ({**ETCD, "pool_etcd_cert_file": "c.crt", "pool_etcd_key_file": "c.key"},
+         "pool_etcd_ca_file"),  # a client certificate, no TLS
+        ({**POOL, "pool_etcd_ca_file": "ca.crt"}, "pool_etcd_ca_file"),  # not an etcd pool
     ],
 )  # fmt: skip
 def test_pool_tls_settings_that_cannot_work_are_refused(

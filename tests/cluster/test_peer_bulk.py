@@ -283,39 +283,26 @@ def test_bad_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
         bad.close()
 
 
-def test_owner_with_another_protocol_version_is_refused(tmp_path: Path) -> None:
-    port, bad_port = free_ports(2)
-    bad = BadOwner(bad_port, bulk_version=bulk.VERSION + 1)
-    peer = f"127.0.0.1:{bad_port}"
-    members = f"static:127.0.0.1:{port},{peer}"
-    daemon = DaemonProcess(tmp_path, ["--listen", f"127.0.0.1:{port}", "--pool-members", members],
-                           ssd="")  # fmt: skip
-    client = Client(daemon.target, timeout_s=5)
-    try:
-        placement = Placement([daemon.target, peer])
-        key = keys_owned(placement, peer, 1)[0]
-        assert client.get("ns", key) is None
-        mport = daemon.metrics_port
-        assert labelled(mport, "kvd_cluster_peer_call_errors_total", kind="version") == 1
-        assert wait_until(
-            lambda: any(f"bulk protocol version {bulk.VERSION + 1}" in line for line in daemon.log)
-        )
-        mine = keys_owned(placement, daemon.target, 1, b"-mine")[0]
-        client.put("ns", mine, b"here")
-        assert client.get("ns", mine) == b"here"
-    finally:
-        client.close()
-        daemon.discard()
-        bad.close()
+POOL_VERSION_SAID = f"pool protocol version {POOL_VERSION + 1}, this daemon speaks {POOL_VERSION}"
 
 
-@pytest.mark.parametrize("transport", ["bulk", "grpc"])
-def test_a_member_of_another_pool_version_is_not_called(tmp_path: Path, transport: str) -> None:
-    """Whatever the transport, a member whose DescribePaths says another pool
-    version is refused before any call: its keys are misses, counted and
-    logged; this member's own keys are served."""
+@pytest.mark.parametrize(
+    ("versions", "transport", "said"),
+    [
+        ({"bulk_version": bulk.VERSION + 1}, "bulk", f"bulk protocol version {bulk.VERSION + 1}"),
+        ({"pool_version": POOL_VERSION + 1}, "bulk", POOL_VERSION_SAID),
+        ({"pool_version": POOL_VERSION + 1}, "grpc", POOL_VERSION_SAID),
+    ],
+)
+def test_a_member_of_another_version_is_not_called(
+    tmp_path: Path, versions: dict[str, int], transport: str, said: str
+) -> None:
+    """A member whose DescribePaths says another bulk protocol version, or
+    another pool version (whatever the transport), is refused before any
+    call: its keys are misses (its gRPC Get would have served them), counted
+    and logged; this member's own keys are served."""
     port, bad_port = free_ports(2)
-    bad = BadOwner(bad_port, pool_version=POOL_VERSION + 1)
+    bad = BadOwner(bad_port, **versions)
     peer = f"127.0.0.1:{bad_port}"
     args = ["--listen", f"127.0.0.1:{port}", "--pool-members", f"static:127.0.0.1:{port},{peer}",
             "--pool-peer-transport", transport]  # fmt: skip
@@ -324,11 +311,10 @@ def test_a_member_of_another_pool_version_is_not_called(tmp_path: Path, transpor
     try:
         placement = Placement([daemon.target, peer])
         key = keys_owned(placement, peer, 1)[0]
-        assert client.get("ns", key) is None  # its Get would have served it
+        assert client.get("ns", key) is None
         assert client.exists("ns", [key]) == [False]
         mport = daemon.metrics_port
         assert labelled(mport, "kvd_cluster_peer_call_errors_total", kind="version") >= 1
-        said = f"pool protocol version {POOL_VERSION + 1}, this daemon speaks {POOL_VERSION}"
         assert wait_until(lambda: any(said in line for line in daemon.log))
         mine = keys_owned(placement, daemon.target, 1, b"-mine")[0]
         client.put("ns", mine, b"here")
