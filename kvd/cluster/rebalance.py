@@ -364,20 +364,23 @@ class Rebalance:
 
     async def _promoted(self, namespace: str, keys: list[bytes]) -> list[Reader]:
         """``keys``' values read from L2 into L1 in one batch (pinned
-        readers of those read); one the batch left out (L1 pinned full just
-        then, a get reading it) is read on its own."""
-        promoting = self._store.placement
-        assert promoting is not None, "an L2 tier has its placement"
+        readers of those read). One the batch left out is taken from L1 if
+        it is there now, passed over if a get is reading it just then, and
+        else read on its own (L1 was pinned full for the batch)."""
+        store, promoting = self._store, self._store.placement
+        assert promoting is not None and store.l2 is not None, "an L2 tier has its placement"
         readers = await promoting.promote_many(namespace, keys)
         pinned = [reader for reader in readers.values() if reader is not None]
         for index, key in enumerate(keys):
-            if index in readers:
-                continue
-            record = self._store.l2.lookup(namespace, key) if self._store.l2 else None
-            if record is not None and await promoting.promote(record) is not None:
-                reader = self._store.peek(namespace, key)
-                if reader is not None:
-                    pinned.append(reader)
+            if index in readers or (namespace, key) in promoting.promotions:
+                continue  # read (or failed: a miss), or a get reads it
+            if store.entries.get(namespace, key) is None:
+                record = store.l2.lookup(namespace, key)
+                if record is None or await promoting.promote(record) is None:
+                    continue
+            reader = store.peek(namespace, key)
+            if reader is not None:
+                pinned.append(reader)
         return pinned
 
 
