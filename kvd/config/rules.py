@@ -58,6 +58,12 @@ def check_paths(value: object) -> None:
         raise ValueError("lists a path twice")
 
 
+def check_patterns(value: object) -> None:
+    assert isinstance(value, tuple)
+    if any(not pattern for pattern in value):
+        raise ValueError("contains an empty pattern")
+
+
 def check_io_faults(value: object) -> None:
     parse_fault_spec(str(value))
 

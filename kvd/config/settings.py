@@ -22,6 +22,7 @@ from kvd.config.rules import (
     check_io_faults,
     check_nonempty,
     check_paths,
+    check_patterns,
     check_pool_members,
     check_socket_path,
 )
@@ -451,6 +452,14 @@ class Config:
     kv_events_topic: str = _setting(
         "",
         help="topic of every event message (llm-d's indexer reads kv@<pod>@<model>)",
+    )
+    kv_events_namespaces: tuple[str, ...] = _setting(
+        (),
+        help="namespaces whose blocks the events name: a namespace, or a prefix ending in * "
+        "(team-a/*); repeat the flag for several; empty: every namespace",
+        min=0,
+        max=64,
+        check=check_patterns,
     )
     kv_events_encoding: str = _setting(
         "map",

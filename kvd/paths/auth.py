@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.config.settings import ConfigError
+from kvd.util.namespaces import matches
 from kvd.wire.errors import PermissionDenied, Unauthenticated
 
 log = logging.getLogger("kvd.paths.auth")
@@ -71,15 +72,7 @@ class Principal:
     patterns: tuple[str, ...] = ()
 
     def allows(self, namespace: str) -> bool:
-        if self.admin:
-            return True
-        for pattern in self.patterns:
-            if pattern.endswith("*"):
-                if namespace.startswith(pattern[:-1]):
-                    return True
-            elif namespace == pattern:
-                return True
-        return False
+        return self.admin or matches(self.patterns, namespace)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ AllBlocksCleared for puts, write-back to L2, eviction and delete, numbered
 without gaps, and a replay request returns the batches it missed. The
 payloads decode into vLLM's structs, declared here as vLLM declares them
 (and, where the engine environment is built, into vLLM's own classes). A
-publisher whose queue is full drops and counts, and never waits."""
+publisher whose queue is full drops and counts, and never waits; with
+``kv_events_namespaces`` only those namespaces' blocks are published."""
 
 from __future__ import annotations
 
@@ -257,6 +258,49 @@ def test_payloads_decode_with_vllms_own_classes(stream: Stream, tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-2000:]
     kinds = json.loads(done.stdout.strip().splitlines()[-1])
     assert kinds.get("BlockStored") and kinds.get("BlockRemoved") and kinds.get("AllBlocksCleared")
+
+
+def test_only_the_namespaces_named_are_published(tmp_path: Path) -> None:
+    """With ``kv_events_namespaces``, a router sees the blocks of those
+    namespaces only: another tenant's keys never appear in the events."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.bind("tcp://127.0.0.1:0")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    daemon = DaemonProcess(tmp_path, ["--kv-events-endpoint", endpoint,
+                                      "--kv-events-namespaces", "team-a/*",
+                                      "--kv-events-namespaces", "shared"])  # fmt: skip
+    seen: list[bytes] = []
+
+    def receive_until(key: bytes) -> bool:
+        deadline = time.monotonic() + WAIT_S
+        while key not in seen and sub.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+            _, _, payload = sub.recv_multipart()
+            seen.extend(stored_hashes(events_of([payload]), "CPU"))
+        return key in seen
+
+    try:
+        with Client(daemon.target, timeout_s=10) as client:
+            probes = 0  # until the subscription reached the daemon (ZMQ's slow joiner)
+            while not seen and probes < 100:
+                client.put("team-a/x", b"probe-%d" % probes, b"p" * 100)
+                probes += 1
+                receive_until(b"probe-%d" % (probes - 1))
+            assert seen, "no event message received"
+            others = [b"b-%d" % i for i in range(20)]
+            for key in others:
+                client.put("team-b/x", key, b"v" * 100)  # not named
+                client.put("team-a", key + b"-prefix", b"v" * 100)  # "team-a/*" is a prefix
+            client.put("shared", b"s-0", b"v" * 100)
+            client.put("team-a/y", b"a-last", b"v" * 100)
+            assert receive_until(b"a-last") and b"s-0" in seen
+        assert not [key for key in seen if key.startswith(b"b-")], seen
+    finally:
+        daemon.discard()
+        sub.close()
+        ctx.term()
 
 
 def test_a_full_queue_drops_and_counts_and_replay_ignores_garbage() -> None:

@@ -2,7 +2,8 @@
 up the event loop.
 
 The store's L1 index and L2 tier call the publisher's hooks on the loop
-(``watch``): each change is appended to the open batch, and the batch is
+(``watch``): each change of a namespace ``kv_events_namespaces`` names (all,
+by default) is appended to the open batch, and the batch is
 closed at the end of the loop iteration (``call_soon``) or at
 ``EVENTS_PER_BATCH_MAX`` changes, so one burst of puts is one message. A
 closed batch goes into a queue of ``kv_events_queue_batches``; when it is
@@ -51,6 +52,7 @@ from kvd.cluster.events.wire import (
     EventTypes,
 )
 from kvd.config.settings import Config, ConfigError
+from kvd.util.namespaces import matches
 
 if TYPE_CHECKING:
     from kvd.l2.records import L2Record
@@ -73,6 +75,9 @@ CLOSE_TIMEOUT_S = 1.0
 # The sender thread looks at the replay socket at least this often.
 POLL_S = 0.05
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# Namespaces whose match against kv_events_namespaces is remembered; past
+# it the answers are forgotten and worked out again.
+NAMED_MAX = 4096
 
 KV_EVENTS_GAUGES = {
     "queue_batches": ("kvd_kv_events_queue", "KV event batches waiting to be sent"),
@@ -105,13 +110,18 @@ class KvEventPublisher:
         block_size: int = 0,
         queue_batches: int = 1_024,
         replay_batches: int = 1_000,
+        namespaces: tuple[str, ...] = (),
     ) -> None:
+        """``namespaces``: the patterns of the namespaces whose blocks the
+        events name (``kvd.util.namespaces``); empty: every namespace."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.types = EventTypes(encoding)
         self.block_size = block_size
         self.replay_batches = replay_batches
+        self.namespaces = namespaces
+        self._named: dict[str, bool] = {}  # whether each namespace seen is named
         self._queue: queue.Queue[list[Change] | None] = queue.Queue(maxsize=queue_batches)
         self._open: list[Change] = []
         self._flush_due = False
@@ -132,6 +142,7 @@ class KvEventPublisher:
             config.kv_events_endpoint, config.kv_events_replay_endpoint, config.kv_events_topic,
             config.kv_events_encoding, config.kv_events_block_size,
             config.kv_events_queue_batches, config.kv_events_replay_batches,
+            config.kv_events_namespaces,
         )  # fmt: skip
 
     def stats(self) -> dict[str, int]:
@@ -188,16 +199,30 @@ class KvEventPublisher:
             store.l2.on_record = self._recorded
 
     def _linked(self, entry: Entry) -> None:
-        self.stored(entry.key, entry.parent, MEDIUM_L1)
+        if not self.namespaces or self._is_named(entry.ns.name):
+            self.stored(entry.key, entry.parent, MEDIUM_L1)
 
     def _unlinked(self, entry: Entry) -> None:
-        self.removed(entry.key, MEDIUM_L1)
+        if not self.namespaces or self._is_named(entry.ns.name):
+            self.removed(entry.key, MEDIUM_L1)
 
     def _recorded(self, record: L2Record, present: bool) -> None:
+        if self.namespaces and not self._is_named(record.namespace):
+            return
         if present:
             self.stored(record.key, record.parent, MEDIUM_L2)
         else:
             self.removed(record.key, MEDIUM_L2)
+
+    def _is_named(self, namespace: str) -> bool:
+        """Whether ``kv_events_namespaces`` names ``namespace`` (remembered,
+        for up to ``NAMED_MAX`` namespaces)."""
+        named = self._named.get(namespace)
+        if named is None:
+            if len(self._named) >= NAMED_MAX:
+                self._named.clear()
+            named = self._named[namespace] = matches(self.namespaces, namespace)
+        return named
 
     # ---- the thread ------------------------------------------------------------
     def start(self) -> None:
