@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import zmq
 
 from kvd.cluster.rendezvous import Placement
 from kvd.v1 import kvd_pb2 as pb
@@ -157,3 +158,14 @@ class FakeMember:
                 self.serve(sock)
             except (OSError, ConnectionError):
                 return
+
+
+def bound_subscriber(ctx: zmq.Context[Any], topic: bytes = b"") -> tuple[zmq.Socket[bytes], str]:
+    """A ZMQ SUB socket bound on a loopback port (as llm-d's indexer binds;
+    a daemon's KV-event publisher connects to it), subscribed to ``topic``,
+    and its endpoint."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.bind("tcp://127.0.0.1:0")
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    return sub, sub.getsockopt(zmq.LAST_ENDPOINT).decode()

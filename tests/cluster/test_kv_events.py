@@ -25,7 +25,7 @@ from kvd.client import Client
 from kvd.cluster.events import KvEventPublisher
 from kvd.config.settings import ConfigError
 from kvd.tools.bench.engine_proc import ENGINE_VENV
-from tests.cluster.cluster import free_ports
+from tests.cluster.cluster import bound_subscriber, free_ports
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -133,11 +133,7 @@ def removed_hashes(events: list[Any], medium: str) -> list[bytes]:
 @pytest.fixture(scope="module")
 def stream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stream]:
     ctx: zmq.Context[Any] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.bind("tcp://127.0.0.1:0")  # the subscriber binds, the daemon connects (llm-d's way)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-    endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    sub, endpoint = bound_subscriber(ctx, b"kv@")  # the daemon connects (llm-d's way)
     (replay_port,) = free_ports(1)
     replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
     daemon = DaemonProcess(
@@ -264,11 +260,7 @@ def test_only_the_namespaces_named_are_published(tmp_path: Path) -> None:
     """With ``kv_events_namespaces``, a router sees the blocks of those
     namespaces only: another tenant's keys never appear in the events."""
     ctx: zmq.Context[Any] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.bind("tcp://127.0.0.1:0")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    sub, endpoint = bound_subscriber(ctx)
     daemon = DaemonProcess(tmp_path, ["--kv-events-endpoint", endpoint,
                                       "--kv-events-namespaces", "team-a/*",
                                       "--kv-events-namespaces", "shared"])  # fmt: skip

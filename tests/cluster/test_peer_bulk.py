@@ -27,6 +27,7 @@ from kvd.wire.checksum import checksum
 from kvd.wire.grpc import POOL_VERSION
 from tests.cluster.cluster import (
     FakeMember,
+    bound_subscriber,
     free_ports,
     keys_owned,
     labelled,
@@ -104,11 +105,7 @@ def test_an_owner_stores_the_puts_handed_to_it_in_the_order_they_were_made(
     links the blocks into its L1 in the chain's order (its KV events say
     so), as its eviction policy expects a chain to be filled."""
     ctx: zmq.Context[Any] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.bind("tcp://127.0.0.1:0")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    endpoint = sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    sub, endpoint = bound_subscriber(ctx)
     events = ["--kv-events-endpoint", endpoint]
     daemons = start_static_pool(tmp_path, 2, own=[events])
     owner, member = daemons
