@@ -21,7 +21,7 @@ from typing import Any
 
 import aetcd
 
-from kvd.cluster.etcd_tls import EtcdTls, TlsClient
+from kvd.cluster.etcd_tls import EtcdCredentials, TlsClient
 from kvd.cluster.membership import Membership, parse_member
 from kvd.config.pool_members import PoolSpec
 
@@ -40,9 +40,11 @@ class EtcdMembers:
     """Registers this daemon in etcd and feeds ``membership`` from the prefix."""
 
     def __init__(
-        self, spec: PoolSpec, membership: Membership, ttl_s: int, tls: EtcdTls | None = None
-    ) -> None:
-        """``tls``: etcd over TLS (``kvd.cluster.etcd_tls``); None: in clear."""
+        self, spec: PoolSpec, membership: Membership, ttl_s: int,
+        tls: EtcdCredentials | None = None,
+    ) -> None:  # fmt: skip
+        """``tls``: etcd over TLS, its files read for each session
+        (``kvd.cluster.etcd_tls``); None: in clear."""
         assert spec.kind == "etcd"
         self.spec = spec
         self.tls = tls
@@ -102,7 +104,7 @@ class EtcdMembers:
             if self.tls is None:
                 self._client = aetcd.Client(host, port, timeout=CALL_TIMEOUT_S)
             else:
-                self._client = TlsClient(host, port, self.tls, timeout=CALL_TIMEOUT_S)
+                self._client = TlsClient(host, port, self.tls.fresh(), timeout=CALL_TIMEOUT_S)
             try:
                 await self._session()
             except asyncio.CancelledError:

@@ -5,13 +5,18 @@
 aetcd 1.0 opens plaintext channels only (its ``Client.connect`` calls
 ``grpc.aio.insecure_channel``, and it takes no credentials), so
 ``TlsClient`` repeats that connect with a TLS channel; everything else is
-aetcd's. The files are read once, at start: a daemon reads them again when
-it restarts.
+aetcd's. The files are read at start (a file that does not parse stops
+the daemon there) and again for each new session with etcd
+(``EtcdCredentials``): a certificate rotated on disk (cert-manager, say)
+is used from the next session on, and the session that an expired one
+loses is followed by one with the new files. A read that fails then keeps
+the last good files, and says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +25,9 @@ import grpc
 from aetcd import rpc, watcher
 
 from kvd.config.pem import check_pem, read_pem
-from kvd.config.settings import Config
+from kvd.config.settings import Config, ConfigError
+
+log = logging.getLogger("kvd.cluster")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,37 @@ class EtcdTls:
             private_key=self.key or None,
             certificate_chain=self.cert or None,
         )
+
+
+class EtcdCredentials:
+    """The files of etcd's TLS, read again for each session (module doc)."""
+
+    def __init__(self, config: Config, first: EtcdTls) -> None:
+        self._config = config
+        self.current = first
+        self._failed = ""  # the last failed read's error, said once
+
+    @classmethod
+    def from_config(cls, config: Config) -> EtcdCredentials | None:
+        """The files, read and checked now; None without ``pool_etcd_ca_file``."""
+        first = EtcdTls.from_config(config)
+        return None if first is None else cls(config, first)
+
+    def fresh(self) -> EtcdTls:
+        """The files as they are now; the last good ones where a read fails."""
+        try:
+            tls = EtcdTls.from_config(self._config)
+        except ConfigError as exc:
+            if str(exc) != self._failed:
+                self._failed = str(exc)
+                log.warning(
+                    "etcd TLS files not read; the last good ones stay in use",
+                    extra={"error": str(exc)},
+                )
+            return self.current
+        assert tls is not None, "pool_etcd_ca_file stays set"
+        self.current, self._failed = tls, ""
+        return tls
 
 
 class TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no types

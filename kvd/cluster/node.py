@@ -305,10 +305,10 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
             ) from None
     else:
         from kvd.cluster.etcd import EtcdMembers  # aetcd loads only for an etcd pool
-        from kvd.cluster.etcd_tls import EtcdTls
+        from kvd.cluster.etcd_tls import EtcdCredentials
 
         ttl_s = math.ceil(config.pool_etcd_ttl_ms / 1000)
-        etcd = EtcdMembers(spec, membership, ttl_s, EtcdTls.from_config(config))
+        etcd = EtcdMembers(spec, membership, ttl_s, EtcdCredentials.from_config(config))
     joined = {
         "source": spec.kind,
         "advertise": membership.advertise,

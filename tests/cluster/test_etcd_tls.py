@@ -2,7 +2,8 @@
 certificates (``--client-cert-auth``), as production etcds are run: daemons
 with ``pool_etcd_ca_file`` and a client certificate the etcd's CA signed
 register and see each other; one without a client certificate is refused
-by etcd, says so, and serves alone; a CA file that is not one is refused
+by etcd, says so, and serves alone; a client certificate replaced on disk
+is used from the next session on; a CA file that is not one is refused
 at start (the settings' rules: tests/cluster/test_membership.py). A real
 etcd (Debian's etcd-server) on loopback ports."""
 
@@ -83,6 +84,23 @@ def test_members_register_and_see_each_other_over_tls(tmp_path: Path) -> None:
         with Client(alone.target, timeout_s=5) as client:
             client.put("ns", b"alone", b"v" * 100)
             assert client.get("ns", b"alone") == b"v" * 100
+
+        # A client certificate another CA signed is refused too, until the
+        # files on disk are replaced by good ones: the next session reads them.
+        _, other_cert, other_key = make_ca("another CA")
+        stranger = make_leaf(other_cert, other_key, "kvd", server=False)
+        cert, key = tmp_path / "d.crt", tmp_path / "d.key"
+        cert.write_bytes(stranger.cert)
+        key.write_bytes(stranger.key)
+        flags = ["--pool-etcd-ca-file", str(files.ca),
+                 "--pool-etcd-cert-file", str(cert), "--pool-etcd-key-file", str(key)]  # fmt: skip
+        rotated = start_member(tmp_path, etcd, "d", *flags)
+        daemons.append(rotated)
+        assert wait_until(lambda: metric(rotated.metrics_port, "kvd_cluster_membership_stale") == 1)
+        cert.write_bytes(files.client_cert.read_bytes())
+        key.write_bytes(files.client_key.read_bytes())
+        assert wait_until(lambda: members_of(rotated) == 3, 20)
+        assert metric(rotated.metrics_port, "kvd_cluster_membership_stale") == 0
     finally:
         for daemon in daemons:
             daemon.discard()
