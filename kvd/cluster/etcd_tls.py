@@ -17,57 +17,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import aetcd
 import grpc
 from aetcd import rpc, watcher
 
-from kvd.config.pem import check_pem, read_pem
+from kvd.cluster.client_tls import ClientTls
 from kvd.config.settings import Config, ConfigError
 
 log = logging.getLogger("kvd.cluster")
 
 
-@dataclass(frozen=True)
-class EtcdTls:
-    """The CA that signs etcd's certificate, and this daemon's client
-    certificate and key (empty: none asked for)."""
-
-    ca: bytes
-    cert: bytes = b""
-    key: bytes = b""
-
-    @classmethod
-    def from_config(cls, config: Config) -> EtcdTls | None:
-        """The files ``config`` names, checked; None without ``pool_etcd_ca_file``."""
-        ca_file = config.pool_etcd_ca_file
-        if not ca_file:
-            return None
-        cert_file, key_file = config.pool_etcd_cert_file, config.pool_etcd_key_file
-        check_pem(cert_file, key_file, ca_file, "pool_etcd_ca_file", server=False,
-                  cert_setting="pool_etcd_cert_file")  # fmt: skip
-        if not cert_file:
-            return cls(read_pem(ca_file, "pool_etcd_ca_file"))
-        return cls(
-            read_pem(ca_file, "pool_etcd_ca_file"),
-            read_pem(cert_file, "pool_etcd_cert_file"),
-            read_pem(key_file, "pool_etcd_key_file"),
-        )
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.ca,
-            private_key=self.key or None,
-            certificate_chain=self.cert or None,
-        )
+def etcd_tls(config: Config) -> ClientTls | None:
+    """The files ``config`` names, checked; None without ``pool_etcd_ca_file``."""
+    if not config.pool_etcd_ca_file:
+        return None
+    return ClientTls.read(
+        (config.pool_etcd_ca_file, "pool_etcd_ca_file"),
+        (config.pool_etcd_cert_file, "pool_etcd_cert_file"),
+        (config.pool_etcd_key_file, "pool_etcd_key_file"),
+    )
 
 
 class EtcdCredentials:
     """The files of etcd's TLS, read again for each session (module doc)."""
 
-    def __init__(self, config: Config, first: EtcdTls) -> None:
+    def __init__(self, config: Config, first: ClientTls) -> None:
         self._config = config
         self.current = first
         self._failed = ""  # the last failed read's error, said once
@@ -75,13 +51,13 @@ class EtcdCredentials:
     @classmethod
     def from_config(cls, config: Config) -> EtcdCredentials | None:
         """The files, read and checked now; None without ``pool_etcd_ca_file``."""
-        first = EtcdTls.from_config(config)
+        first = etcd_tls(config)
         return None if first is None else cls(config, first)
 
-    def fresh(self) -> EtcdTls:
+    def fresh(self) -> ClientTls:
         """The files as they are now; the last good ones where a read fails."""
         try:
-            tls = EtcdTls.from_config(self._config)
+            tls = etcd_tls(self._config)
         except ConfigError as exc:
             if str(exc) != self._failed:
                 self._failed = str(exc)
@@ -98,7 +74,7 @@ class EtcdCredentials:
 class TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no types
     """aetcd's client over a TLS channel (module doc)."""
 
-    def __init__(self, host: str, port: int, tls: EtcdTls, **options: Any) -> None:
+    def __init__(self, host: str, port: int, tls: ClientTls, **options: Any) -> None:
         super().__init__(host, port, **options)
         self._credentials = tls.credentials()
 

@@ -17,7 +17,7 @@ from kvd.cluster.membership import Membership
 from kvd.cluster.nixl_node import NixlNode
 from kvd.cluster.peer_bulk import BulkPeers
 from kvd.cluster.peer_reads import PeerReads
-from kvd.cluster.peer_tls import PeerTls
+from kvd.cluster.peer_tls import peer_tls
 from kvd.cluster.peers import Peers
 from kvd.cluster.router import PoolRouter
 from kvd.config.addresses import parse_address
@@ -169,7 +169,7 @@ class PoolNode:
         them. ConfigError (a file missing, a key not matching its
         certificate) keeps the old ones."""
         if self._tls_config is not None:
-            tls = PeerTls.from_config(self._tls_config)
+            tls = peer_tls(self._tls_config)
             assert tls is not None, "a pool with TLS has pool_tls_ca_file"
             self.router.peers.use_tls(tls)
 
@@ -281,7 +281,7 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
         return None
     membership = Membership(advertise_address(config, port))
     token = _read_token(config.pool_token_file)
-    peers = Peers(token, config.max_message_bytes, PeerTls.from_config(config))
+    peers = Peers(token, config.max_message_bytes, peer_tls(config))
     reads = PeerReads(store, peers, BulkPeers(token), _transport(config),
                       _start_nixl(config, store, membership.advertise))  # fmt: skip
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000,

@@ -15,45 +15,17 @@ old ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import grpc
-
-from kvd.config.pem import check_pem, read_pem
+from kvd.cluster.client_tls import ClientTls
 from kvd.config.settings import Config
 
 
-@dataclass(frozen=True)
-class PeerTls:
-    """What a member's channels to the others are opened with."""
-
-    ca: bytes
-    cert: bytes
-    key: bytes
-    server_name: str  # the name the members' certificates carry; "": each member's host
-
-    @classmethod
-    def from_config(cls, config: Config) -> PeerTls | None:
-        """The files ``config`` names, checked; None without ``pool_tls_ca_file``."""
-        if not config.pool_tls_ca_file:
-            return None
-        ca_file = config.pool_tls_ca_file
-        check_pem(config.tls_cert_file, config.tls_key_file, ca_file, "pool_tls_ca_file",
-                  server=False)  # fmt: skip
-        return cls(
-            read_pem(ca_file, "pool_tls_ca_file"),
-            read_pem(config.tls_cert_file, "tls_cert_file"),
-            read_pem(config.tls_key_file, "tls_key_file"),
-            config.pool_tls_server_name,
-        )
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
-        )
-
-    def options(self) -> list[tuple[str, str]]:
-        """The channel options that name the certificates' name, where set."""
-        if not self.server_name:
-            return []
-        return [("grpc.ssl_target_name_override", self.server_name)]
+def peer_tls(config: Config) -> ClientTls | None:
+    """The files ``config`` names, checked; None without ``pool_tls_ca_file``."""
+    if not config.pool_tls_ca_file:
+        return None
+    return ClientTls.read(
+        (config.pool_tls_ca_file, "pool_tls_ca_file"),
+        (config.tls_cert_file, "tls_cert_file"),
+        (config.tls_key_file, "tls_key_file"),
+        config.pool_tls_server_name,
+    )

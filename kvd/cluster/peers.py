@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from kvd.cluster.peer_tls import PeerTls
+from kvd.cluster.client_tls import ClientTls
 from kvd.cluster.scope import HOP_HEADER
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.grpc import POOL_VERSION, KVStoreStub
@@ -89,7 +89,7 @@ class PeerValue:
 class Peers:
     """gRPC channels to the members; every method takes the seconds it may use."""
 
-    def __init__(self, token: str, max_message_bytes: int, tls: PeerTls | None = None) -> None:
+    def __init__(self, token: str, max_message_bytes: int, tls: ClientTls | None = None) -> None:
         """``tls``: the channels' TLS (``kvd.cluster.peer_tls``); None: in clear."""
         self._metadata: tuple[tuple[str, str], ...] = ((HOP_HEADER, "1"),)
         if token:
@@ -117,7 +117,7 @@ class Peers:
             self._channels[member] = found
         return found[1]
 
-    def use_tls(self, tls: PeerTls) -> None:
+    def use_tls(self, tls: ClientTls) -> None:
         """New files (SIGHUP): calls from now on open new channels with them;
         the old channels are closed once the calls on them had their time
         (``CHANNEL_DRAIN_S``)."""

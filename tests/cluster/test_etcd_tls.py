@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvd.client import Client
-from kvd.cluster.etcd_tls import EtcdTls
+from kvd.cluster.etcd_tls import etcd_tls
 from kvd.config.loading import load_config
 from kvd.config.settings import ConfigError
 from tests.certs import make_ca, make_leaf
@@ -114,4 +114,4 @@ def test_an_etcd_ca_file_that_is_not_one_is_refused_at_start(tmp_path: Path) -> 
     (tmp_path / "ca.crt").write_bytes(b"not a certificate")
     config = load_config(overrides={**ETCD, "pool_etcd_ca_file": str(tmp_path / "ca.crt")})
     with pytest.raises(ConfigError, match="pool_etcd_ca_file"):
-        EtcdTls.from_config(config)
+        etcd_tls(config)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvd.client import Client
-from kvd.cluster.peer_tls import PeerTls
+from kvd.cluster.peer_tls import peer_tls
 from kvd.cluster.rendezvous import Placement
 from kvd.config.loading import load_config
 from kvd.config.settings import ConfigError
@@ -222,4 +222,4 @@ def test_a_ca_file_that_is_not_one_is_refused_at_start(tmp_path: Path) -> None:
     settings = dict(zip((f[2:].replace("-", "_") for f in flags[::2]), flags[1::2], strict=True))
     config = load_config(overrides={"pool_members": "static:127.0.0.1:7070", **settings})
     with pytest.raises(ConfigError, match="pool_tls_ca_file"):
-        PeerTls.from_config(config)
+        peer_tls(config)
