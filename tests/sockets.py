@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import subprocess
+import threading
 import urllib.request
 from collections.abc import Callable
+
+# Linux's AF_PACKET constants (not in Python's socket module).
+ETH_P_ALL = 3
+SOL_PACKET = 263
+PACKET_STATISTICS = 6
+SO_RCVBUFFORCE = 33
+CAPTURE_BUFFER_BYTES = 256 << 20
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -98,3 +107,35 @@ async def most_between_turns(count: Callable[[], float], work: Callable[[], None
         stop.set()
         await watcher
     return max(gaps)
+
+
+class Capture:
+    """Every frame on the loopback interface while it runs (AF_PACKET, root),
+    and how many the kernel dropped (none, for a capture that proves anything)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, CAPTURE_BUFFER_BYTES)
+        self._sock.bind(("lo", 0))
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self.frames: list[bytes] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.frames.append(self._sock.recv(1 << 17))
+            except TimeoutError:
+                if self._stop.is_set():
+                    return  # stopped, and nothing more came for a while
+
+    def stop(self) -> tuple[bytes, int]:
+        """What crossed loopback, and the frames the kernel dropped."""
+        self._stop.set()
+        self._thread.join()
+        stats = self._sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
+        self._sock.close()
+        _, drops = struct.unpack("II", stats)
+        return b"".join(self.frames), drops

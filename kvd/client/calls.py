@@ -5,6 +5,7 @@ blocking ``Client`` and the ``AsyncClient`` in ``kvd.client.clients``.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,24 @@ class Tls:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """The same files for the bulk TCP port, where the daemon's takes TLS
+        (``bulk_tls``): its certificate checked against ``ca_file`` (the
+        system's roots without one) and the host's name."""
+        if (self.cert_file is None) != (self.key_file is None):
+            raise InvalidArgument("tls: cert_file and key_file go together")
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgument(f"tls ca_file {self.ca_file}: {exc}") from None
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            if self.cert_file is not None:
+                context.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidArgument(f"tls cert_file {self.cert_file}: {exc}") from None
+        return context
 
     def credentials(self) -> grpc.ChannelCredentials:
         if (self.cert_file is None) != (self.key_file is None):

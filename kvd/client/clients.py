@@ -114,8 +114,9 @@ class Client:
         verify_pool_reads: bool = True,
         direct_pool_reads: bool = True,
     ) -> None:
-        """``tls``: TLS to a TCP target; then values go over gRPC only, since the
-        bulk TCP port has no TLS (``bulk=True`` with ``tls`` is refused).
+        """``tls``: TLS to a TCP target; values go over the bulk TCP port too
+        where the daemon's takes TLS (``bulk_tls``), else over gRPC only:
+        with ``tls`` they never travel in clear.
         ``pool_reads``: on the shm path, copy gets straight out of the daemon's
         L1 where the daemon lets this client (``kvd.client.pool_reads``);
         ``verify_pool_reads``: check each such copy against its checksum (off:
@@ -123,11 +124,8 @@ class Client:
         of its pages, before and after; only where kvd.io._uring is built);
         ``direct_pool_reads``: find values in the pool's directory and copy
         them without asking the daemon."""
-        if tls is not None and bulk:
-            raise InvalidArgument(
-                "the bulk TCP port has no TLS: bulk=True would send values in clear"
-            )
         self.target = target
+        self._tls = tls
         self.timeout_s = timeout_s
         self._metadata = metadata(token)
         self._token = token
@@ -135,7 +133,7 @@ class Client:
         self._stub = KVStoreStub(self._channel)
         unix = grpc_target(target).startswith("unix:")
         self._want_shm = unix if shm is None else shm
-        self._want_bulk = (not unix and tls is None) if bulk is None else bulk
+        self._want_bulk = not unix if bulk is None else bulk
         self.bulk_threshold_bytes = bulk_threshold_bytes
         self._bulk_connections = bulk_connections
         self._pool_reads = pool_reads
@@ -214,7 +212,10 @@ class Client:
                 self._shm = shm
             except (OSError, KvdError):
                 shm.close()
-        if self._want_bulk and paths.bulk_port and not grpc_target(self.target).startswith("unix:"):
+        # Over TLS only to a bulk port that takes it; never TLS to one in clear.
+        same_tls = paths.bulk_tls == (self._tls is not None)
+        unix = grpc_target(self.target).startswith("unix:")
+        if self._want_bulk and paths.bulk_port and same_tls and not unix:
             host = grpc_target(self.target).rpartition(":")[0].strip("[]")
             self._bulk = BulkClient(
                 host,
@@ -222,6 +223,7 @@ class Client:
                 token=self._token,
                 connections=self._bulk_connections,
                 timeout_s=self.timeout_s,
+                tls=self._tls.context() if self._tls is not None else None,
             )
 
     def _region_ops(self) -> RegionOps | None:

@@ -17,7 +17,7 @@ from kvd.cluster.membership import Membership
 from kvd.cluster.nixl_node import NixlNode
 from kvd.cluster.peer_bulk import BulkPeers
 from kvd.cluster.peer_reads import PeerReads
-from kvd.cluster.peer_tls import peer_tls
+from kvd.cluster.peer_tls import peer_bulk_tls, peer_tls
 from kvd.cluster.peers import Peers
 from kvd.cluster.router import PoolRouter
 from kvd.config.addresses import parse_address
@@ -170,8 +170,10 @@ class PoolNode:
         certificate) keeps the old ones."""
         if self._tls_config is not None:
             tls = peer_tls(self._tls_config)
-            assert tls is not None, "a pool with TLS has pool_tls_ca_file"
+            bulk = peer_bulk_tls(self._tls_config)
+            assert tls is not None and bulk is not None, "a pool with TLS has pool_tls_ca_file"
             self.router.peers.use_tls(tls)
+            self.router.reads.bulk.use_tls(bulk)
 
     async def join(self) -> None:
         """Start the membership source (etcd registers this daemon), once
@@ -260,9 +262,14 @@ def _start_nixl(config: Config, store: Store, advertise: str) -> NixlNode | str 
 
 
 def _transport(config: Config) -> str:
-    """``pool_peer_transport``, gRPC where the members talk over TLS (the
-    bulk port and NIXL carry values in clear)."""
-    return "grpc" if config.pool_tls_ca_file else config.pool_peer_transport
+    """``pool_peer_transport``. Where the members talk over TLS, ``auto`` is
+    the bulk port where this member's takes TLS (``bulk_tls``: a pool's
+    members share their settings), else gRPC; with ``bulk`` a member whose
+    bulk port is in clear is read over gRPC (``PeerReads``). NIXL carries
+    values in clear: never with TLS."""
+    if config.pool_tls_ca_file and config.pool_peer_transport == "auto":
+        return "bulk" if config.bulk_tls else "grpc"
+    return config.pool_peer_transport
 
 
 def _rdma_devices() -> list[str]:
@@ -282,7 +289,7 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
     membership = Membership(advertise_address(config, port))
     token = _read_token(config.pool_token_file)
     peers = Peers(token, config.max_message_bytes, peer_tls(config))
-    reads = PeerReads(store, peers, BulkPeers(token), _transport(config),
+    reads = PeerReads(store, peers, BulkPeers(token, peer_bulk_tls(config)), _transport(config),
                       _start_nixl(config, store, membership.advertise))  # fmt: skip
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000,
                         config.pool_lookup_hint_ms / 1000,

@@ -20,9 +20,15 @@ most ``IDLE_MAX`` kept idle. A connection is put back only after a whole
 answer was read; one that failed, timed out or was cancelled mid-answer is
 closed, so a late byte can never be read as the next answer's.
 
+Between members with TLS (``pool_tls_ca_file``) whose bulk ports take it
+(``bulk_tls``), each connection is a TLS session (``BulkTls``): the member's
+certificate checked against the pool's CA and name, this daemon's own
+presented (``kvd.wire.tls_socket``).
+
 Every failure is a ``PeerError`` with its kind: a peer answering another
 protocol version is ``version`` (and logged by the caller), a connection
-that ends inside the value is ``short``.
+that ends inside the value is ``short``, a TLS handshake that fails (a
+certificate either side does not accept) is ``auth``.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import asyncio
 import contextlib
 import itertools
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -69,6 +76,7 @@ from kvd.wire.checksum import Hasher
 from kvd.wire.errors import CODE_NAMES, CODE_NUMBERS
 from kvd.wire.limits import META_BYTES_MAX
 from kvd.wire.lookup import ChainShare
+from kvd.wire.tls_socket import TlsSocket, Wire, handshake, recv_some, send_whole
 
 # Reads in flight to one member at once, each on its own connection: the
 # router keeps up to 32 peer reads in flight per batch (FETCH_PARALLEL_MAX);
@@ -102,26 +110,46 @@ def _refused(op: str, code: int, message: str) -> PeerError:
     return PeerError(f"bulk {op} refused: {CODE_NAMES.get(code, code)} {message}", kind)
 
 
+@dataclass(frozen=True)
+class BulkTls:
+    """The TLS of connections to the members' bulk ports: the client
+    context (the pool's CA, this daemon's certificate) and the name the
+    members' certificates carry ("": each member's host)."""
+
+    context: ssl.SSLContext
+    server_name: str = ""
+
+
 class BulkConnection:
     """One connection to a member's bulk port, past its HELLO."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: Wire) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self._ids = itertools.count(1)
         self.reusable = False  # set once an answer was read in full
 
     @classmethod
-    async def connect(cls, host: str, port: int, token: str) -> BulkConnection:
+    async def connect(
+        cls, host: str, port: int, token: str, tls: BulkTls | None = None
+    ) -> BulkConnection:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        raw = socket.socket(family, socket.SOCK_STREAM)
+        sock: Wire = raw
         try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raw.setblocking(False)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            loop = asyncio.get_running_loop()
             try:
-                await asyncio.get_running_loop().sock_connect(sock, (host, port))
+                await loop.sock_connect(raw, (host, port))
             except OSError as exc:
                 raise BulkUnreachable(f"bulk {host}:{port}: {exc.strerror or exc}") from None
+            if tls is not None:
+                sock = TlsSocket.wrap(raw, tls.context, tls.server_name or host)
+                try:
+                    await handshake(loop, sock)
+                except OSError as exc:  # ssl.SSLError: a certificate refused, either side
+                    raise PeerError(f"bulk {host}:{port}: TLS handshake: {exc}", "auth") from None
             connection = cls(sock)
             payload = token.encode()
             await connection._send(encode_request(OP_HELLO, 0, length=len(payload)) + payload)
@@ -313,7 +341,7 @@ class BulkConnection:
 
     async def _send(self, data: bytes | memoryview) -> None:
         try:
-            await self.loop.sock_sendall(self.sock, data)
+            await send_whole(self.loop, self.sock, data)
         except OSError as exc:  # reset or broken: the member's process went away
             raise PeerError(
                 f"bulk connection failed sending: {exc.strerror or exc}", "short"
@@ -348,10 +376,9 @@ class BulkConnection:
         pos, size = 0, len(view)
         while pos < size:
             try:
-                try:
-                    n = self.sock.recv_into(view[pos:])
-                except BlockingIOError:
-                    n = await self.loop.sock_recv_into(self.sock, view[pos:])
+                n = await recv_some(self.loop, self.sock, view[pos:])
+            except ssl.SSLError as exc:  # e.g. the member refused this daemon's certificate
+                raise PeerError(f"bulk connection: TLS: {exc}", "auth") from None
             except OSError as exc:  # a reset: the member's process went away mid-call
                 raise PeerError(
                     f"bulk connection failed after {before + pos} of {total} bytes: "
@@ -371,8 +398,10 @@ class BulkConnection:
 class BulkPeers:
     """The bulk connections of this daemon to each member, bounded per member."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, tls: BulkTls | None = None) -> None:
+        """``tls``: the connections' TLS (``pool_tls_ca_file``); None: in clear."""
         self.token = token  # the pool token (HELLO)
+        self.tls = tls
         self._idle: dict[str, list[BulkConnection]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
 
@@ -384,7 +413,7 @@ class BulkPeers:
         async with slots:
             connection = self._take_idle(member)
             if connection is None:
-                connection = await BulkConnection.connect(host, port, self.token)
+                connection = await BulkConnection.connect(host, port, self.token, self.tls)
             try:
                 yield connection
             except BaseException:
@@ -411,6 +440,13 @@ class BulkPeers:
                 pass
             connection.close()
         return None
+
+    def use_tls(self, tls: BulkTls) -> None:
+        """New TLS files (SIGHUP): connections from now on use them; the idle
+        ones, opened with the old, are closed."""
+        self.tls = tls
+        for member in list(self._idle):
+            self.forget(member)
 
     def forget(self, member: str) -> None:
         """Close the idle connections to ``member`` (it left, or its port changed)."""

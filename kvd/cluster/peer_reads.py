@@ -338,12 +338,18 @@ class PeerReads:
             self._paths[member] = paths
         if self.transport == "grpc":
             return None
+        why = ""
         if not paths.bulk_port:
+            why = "it has no bulk TCP port"
+        elif paths.bulk_tls and self.bulk.tls is None:
+            why = "its bulk port takes TLS only, and this daemon has no pool_tls_ca_file"
+        elif self.bulk.tls is not None and not paths.bulk_tls:
+            why = "its bulk port is in clear (no bulk_tls), and the pool's calls use TLS"
+        if why:
             if member not in self._grpc_logged:
                 self._grpc_logged.add(member)
                 log.warning(
-                    "peer has no bulk TCP port; its values are read over gRPC",
-                    extra={"peer": member},
+                    "peer's values are read over gRPC", extra={"peer": member, "reason": why}
                 )
             return None
         host, _ = parse_address(member)

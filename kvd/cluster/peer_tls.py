@@ -4,9 +4,10 @@ With it, a member calls the others over gRPC with TLS: it checks each
 member's certificate against the pool's CA (and the name in it against the
 member's host, or ``pool_tls_server_name``), and presents its own
 ``tls_cert_file`` as its client certificate, which a member whose listener
-asks for one (``tls_client_ca_file``, mTLS) checks in turn. The bulk port
-and NIXL carry values in clear, so members with TLS do not use them with
-each other (``pool_peer_transport`` is gRPC).
+asks for one (``tls_client_ca_file``, mTLS) checks in turn. A member whose
+bulk port takes TLS (``bulk_tls``) is read there, over TLS with the same
+files (``peer_bulk_tls``); one whose bulk port is in clear, over gRPC.
+NIXL carries values in clear: members with TLS do not use it.
 
 The files are read at start and again on SIGHUP (``reload``): calls after a
 reload open new channels with the new files; a reload that fails keeps the
@@ -15,8 +16,13 @@ old ones.
 
 from __future__ import annotations
 
+import ssl
+
 from kvd.cluster.client_tls import ClientTls
+from kvd.cluster.peer_bulk import BulkTls
+from kvd.config.setting import ConfigError
 from kvd.config.settings import Config
+from kvd.wire.tls_socket import client_context
 
 
 def peer_tls(config: Config) -> ClientTls | None:
@@ -29,3 +35,18 @@ def peer_tls(config: Config) -> ClientTls | None:
         (config.tls_key_file, "tls_key_file"),
         config.pool_tls_server_name,
     )
+
+
+def peer_bulk_tls(config: Config) -> BulkTls | None:
+    """The TLS of this member's connections to the others' bulk ports, from
+    the same files (check them with ``peer_tls`` first); None without
+    ``pool_tls_ca_file``."""
+    if not config.pool_tls_ca_file:
+        return None
+    try:
+        context = client_context(config.pool_tls_ca_file, config.tls_cert_file, config.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"pool_tls_ca_file: the TLS files do not load: {exc}", key="pool_tls_ca_file"
+        ) from None
+    return BulkTls(context, config.pool_tls_server_name)

@@ -69,14 +69,16 @@ class PeerPaths:
     """What a member's DescribePaths says of its data paths: its bulk TCP
     port (0: none), the bulk protocol version spoken there, the peer ops
     it takes beyond the NIXL ones (``kvd.wire.bulk.BULK_OPS``), the
-    largest value it takes (0: not said) and the version of the calls
-    members make to each other (``kvd.wire.grpc.POOL_VERSION``)."""
+    largest value it takes (0: not said), the version of the calls
+    members make to each other (``kvd.wire.grpc.POOL_VERSION``) and whether
+    its bulk port takes TLS only (``bulk_tls``)."""
 
     bulk_port: int
     bulk_version: int
     bulk_ops: tuple[str, ...] = ()
     max_value_bytes: int = 0
     pool_version: int = POOL_VERSION
+    bulk_tls: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,7 @@ class Peers:
         return PeerPaths(
             reply.bulk_port, reply.bulk_version, tuple(reply.bulk_ops), reply.max_value_bytes,
             reply.pool_version or 1,  # not said: a daemon from before the field
+            reply.bulk_tls,
         )  # fmt: skip
 
     async def exists(

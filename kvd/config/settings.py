@@ -306,6 +306,13 @@ class Config:
         min=10,
         max=86_400_000,
     )
+    bulk_tls: bool = _setting(
+        False,
+        help="the bulk TCP port takes TLS only, with tls_cert_file and tls_key_file (and "
+        "client certificates where tls_client_ca_file is set), as the gRPC listener; pool "
+        "members with pool_tls_ca_file then read each other's values there; needs "
+        "tls_cert_file and bulk_listen",
+    )
     io_backend: str = _setting(
         "auto",
         help="L2 I/O engine; auto: io_uring when available",

@@ -59,6 +59,14 @@ def _validate_tls(config: Config) -> None:
         raise ConfigError(
             "tls_cert_file: TLS needs both tls_cert_file and tls_key_file", key="tls_cert_file"
         )
+    if config.bulk_tls and not config.tls_cert_file:
+        raise ConfigError(
+            "bulk_tls: the bulk port's TLS uses the gRPC listener's certificate: set "
+            "tls_cert_file and tls_key_file",
+            key="bulk_tls",
+        )
+    if config.bulk_tls and not config.bulk_listen:
+        raise ConfigError("bulk_tls: there is no bulk port (bulk_listen is empty)", key="bulk_tls")
     if config.tls_client_ca_file and not config.tls_cert_file:
         raise ConfigError(
             "tls_client_ca_file: client certificates need TLS: set tls_cert_file and tls_key_file",
@@ -91,10 +99,11 @@ def _validate_pool_tls(config: Config) -> None:
             "tls_key_file (its certificate, signed by that CA)",
             key="pool_tls_ca_file",
         )
-    if config.pool_tls_ca_file and config.pool_peer_transport in ("bulk", "nixl"):
+    if config.pool_tls_ca_file and config.pool_peer_transport == "nixl":
         raise ConfigError(
-            f"pool_peer_transport: {config.pool_peer_transport} carries values in clear; "
-            "with pool_tls_ca_file members read each other's values over gRPC (auto or grpc)",
+            "pool_peer_transport: nixl carries values in clear; with pool_tls_ca_file "
+            "members read each other's values over the bulk port with TLS (bulk_tls) or "
+            "over gRPC (auto, bulk or grpc)",
             key="pool_peer_transport",
         )
 

@@ -27,6 +27,7 @@ from kvd.wire.shm import socket_path
 
 if TYPE_CHECKING:
     from kvd.config.settings import Config
+    from kvd.daemon.tls import ServerTls
     from kvd.paths.grpc.service import KVStoreService
     from kvd.paths.ops.region_ops import RegionOps
 
@@ -45,7 +46,10 @@ class FastPaths:
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
-    async def start(cls, config: Config, service: KVStoreService, metrics: Metrics) -> FastPaths:
+    async def start(
+        cls, config: Config, service: KVStoreService, metrics: Metrics, tls: ServerTls | None
+    ) -> FastPaths:
+        """``tls``: the listeners' certificates, for the bulk port with ``bulk_tls``."""
         ops = service.region_ops
         regions: RegionRegistry | None = RegionRegistry(
             RegionLimits.from_config(config),
@@ -69,10 +73,14 @@ class FastPaths:
             regions = paths.regions = None
         if config.bulk_listen:
             host, port = parse_address(config.bulk_listen)
-            paths.bulk = BulkServer(ops.values, limits, ops.auth)
+            bulk_tls = tls.bulk_context if tls is not None and config.bulk_tls else None
+            paths.bulk = BulkServer(ops.values, limits, ops.auth, bulk_tls)
             bound = await paths.bulk.start(host, port)
             paths.bulk_address = f"{host}:{bound}"
-        ops.enable_fast_paths(regions, paths.bulk.port if paths.bulk else 0)
+        bulk = paths.bulk
+        ops.enable_fast_paths(
+            regions, bulk.port if bulk else 0, bulk is not None and bulk.tls is not None
+        )
         ops.copy_many = _region_copies(config.io_backend)
         ops.l2_direct_min_bytes = config.shm_l2_direct_min_bytes
         ops.pool_reads = config.shm_pool_reads and regions is not None

@@ -290,7 +290,7 @@ class Daemon:
         if cfg.metrics_listen:
             host, port = parse_address(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)
-        self.fast_paths = await FastPaths.start(cfg, self.service, self.metrics)
+        self.fast_paths = await FastPaths.start(cfg, self.service, self.metrics, self.tls)
         if self.pool_node is not None and self.fast_paths.bulk is not None:
             # Members pin values for their NIXL reads on the bulk port.
             reads = self.pool_node.router.reads
@@ -329,6 +329,7 @@ class Daemon:
                 "max_concurrent_rpcs": cfg.max_concurrent_rpcs,
                 "auth": f"{self.auth.token_count} tokens" if self.auth is not None else "off",
                 "tls": self.tls.mode if self.tls is not None else "off",
+                "bulk_tls": "on" if cfg.bulk_tls else "off",
                 "pool": len(self.pool_node.membership.members) if self.pool_node else 0,
                 "kv_events": cfg.kv_events_endpoint,
                 "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],

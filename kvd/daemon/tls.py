@@ -7,20 +7,25 @@ connections already open keep theirs. A reload that fails (a missing file,
 a key that does not match its certificate) keeps the old configuration.
 
 Whether client certificates are required is fixed at start: gRPC takes it
-once, with the credentials. The Unix socket and the bulk TCP port do not use
-TLS (the socket is guarded by its file mode, the bulk port by the token in
-its HELLO frame).
+once, with the credentials. With ``bulk_tls`` the bulk TCP port takes TLS
+too, from the same files (``bulk_context``: an ``ssl.SSLContext`` for each
+new connection, made again on reload). The Unix socket does not use TLS
+(it is guarded by its file mode); nor does the bulk port without
+``bulk_tls`` (guarded by the token in its HELLO frame).
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 
 import grpc
 
 from kvd.config.pem import check_pem, read_pem
+from kvd.config.setting import ConfigError
 from kvd.config.settings import Config
+from kvd.wire.tls_socket import server_context
 
 log = logging.getLogger("kvd.daemon.tls")
 
@@ -28,20 +33,25 @@ log = logging.getLogger("kvd.daemon.tls")
 class ServerTls:
     """The listener's certificate, key and client CA; ``reload()`` re-reads them."""
 
-    def __init__(self, cert_file: str, key_file: str, ca_file: str) -> None:
+    def __init__(self, cert_file: str, key_file: str, ca_file: str, bulk: bool = False) -> None:
+        """``bulk``: the bulk port takes TLS too (``bulk_tls``)."""
         self.cert_file = cert_file
         self.key_file = key_file
         self.ca_file = ca_file
         self.require_client_cert = bool(ca_file)
+        self.bulk = bulk
         self._lock = threading.Lock()  # _fetch runs on gRPC's threads
         self._pending: grpc.ServerCertificateConfiguration | None = None
         self._initial = self._load()
+        self._bulk_context = self._load_bulk()
 
     @classmethod
     def from_config(cls, config: Config) -> ServerTls | None:
         if not config.tls_cert_file:
             return None
-        return cls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+        return cls(
+            config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file, config.bulk_tls
+        )
 
     @property
     def mode(self) -> str:
@@ -63,8 +73,27 @@ class ServerTls:
             pending, self._pending = self._pending, None
         return pending
 
+    def _load_bulk(self) -> ssl.SSLContext | None:
+        """The bulk port's context (the files checked by ``_load`` first)."""
+        if not self.bulk:
+            return None
+        try:
+            return server_context(self.cert_file, self.key_file, self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"bulk_tls: the TLS files do not load: {exc}", key="tls_cert_file"
+            ) from None
+
+    def bulk_context(self) -> ssl.SSLContext:
+        """The bulk port's TLS for a new connection (``bulk_tls``)."""
+        assert self._bulk_context is not None, "bulk_tls is off"
+        return self._bulk_context
+
     def reload(self) -> None:
         """Read the files again; the next handshake uses them. ConfigError keeps the old."""
         loaded = self._load()
+        bulk = self._load_bulk()
         with self._lock:
             self._pending = loaded
+        if bulk is not None:
+            self._bulk_context = bulk

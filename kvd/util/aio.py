@@ -10,9 +10,14 @@ re-raises the last one.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
+
+
+class Fileno(Protocol):
+    """A socket, or what wraps one (``kvd.wire.tls_socket.TlsSocket``)."""
+
+    def fileno(self) -> int: ...
 
 
 async def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
@@ -39,18 +44,18 @@ async def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
         raise cancelled
 
 
-async def readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+async def readable(loop: asyncio.AbstractEventLoop, sock: Fileno) -> None:
     """Return once ``sock`` has something to read (or to accept)."""
     await _ready(sock, loop.add_reader, loop.remove_reader, loop)
 
 
-async def writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+async def writable(loop: asyncio.AbstractEventLoop, sock: Fileno) -> None:
     """Return once ``sock`` has room to send."""
     await _ready(sock, loop.add_writer, loop.remove_writer, loop)
 
 
 async def _ready(
-    sock: socket.socket,
+    sock: Fileno,
     watch: Callable[..., object],
     unwatch: Callable[[int], object],
     loop: asyncio.AbstractEventLoop,

@@ -12,6 +12,10 @@ a client that stops reading loses its connection after that. A cancelled
 send (the connection or the daemon closing) shuts the socket down, which
 ends the thread's send at once, and returns only once the thread let go of
 the payload: the payload is pool pages that are unpinned after the send.
+
+Over TLS (``bulk_tls``, ``kvd.wire.tls_socket``) every answer is sent from
+the loop: OpenSSL encrypts as it sends, and a TLS session may not be used
+by two threads at once (the loop reads the next request meanwhile).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvd.util.aio import settle
 from kvd.util.cpus import OFFLOAD, WORKER_THREADS
+from kvd.wire.tls_socket import TlsSocket, Wire, send_whole
 
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 IOV_MAX = 1024
@@ -36,11 +41,20 @@ _BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 async def send_parts(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[memoryview], timeout_s: float
+    loop: asyncio.AbstractEventLoop, sock: Wire, parts: list[memoryview], timeout_s: float
 ) -> None:
     """Send ``parts`` in order from the loop: sendmsg, and sock_sendall for what
-    the socket did not take at once (only then is the deadline armed)."""
+    the socket did not take at once (only then is the deadline armed); over
+    TLS, each part in turn within the deadline."""
     deadline = time.monotonic() + timeout_s
+    if isinstance(sock, TlsSocket):
+        try:
+            async with asyncio.timeout(timeout_s):
+                for i, part in enumerate(parts):  # one flush: the header goes with the value
+                    await send_whole(loop, sock, part, flush=i == len(parts) - 1)
+        except TimeoutError:
+            raise _late(timeout_s) from None
+        return
     index = 0
     while index < len(parts):
         try:
@@ -115,12 +129,13 @@ class Sender:
         self.sending = 0  # sends under way, on the loop or on threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvd-send")
 
-    async def send(self, sock: socket.socket, parts: list[memoryview], nbytes: int) -> None:
+    async def send(self, sock: Wire, parts: list[memoryview], nbytes: int) -> None:
         loop = asyncio.get_running_loop()
         busy = self.sending > 0
         self.sending += 1
         try:
-            if nbytes < THREAD_SEND_BYTES or not busy or not self.offload:
+            small = nbytes < THREAD_SEND_BYTES
+            if small or not busy or not self.offload or isinstance(sock, TlsSocket):
                 await send_parts(loop, sock, parts, self.timeout_s)
                 return
             sending = loop.run_in_executor(self._pool, send_blocking, sock, parts, self.timeout_s)

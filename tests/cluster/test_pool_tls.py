@@ -1,9 +1,10 @@
 """Members that talk over TLS (``pool_tls_ca_file``): three real daemons on
 loopback, each with a certificate the pool's CA signed, read each other's
-values over gRPC with TLS, and no value crosses loopback in clear (a
-capture of the loopback interface, as root); a member whose certificate
-another CA signed gets and gives nothing, as misses; new files take effect
-on SIGHUP; a CA file that is not one is refused at start."""
+values over gRPC with TLS, or over their bulk ports with TLS where those
+take it (``bulk_tls``), and no value crosses loopback in clear (a capture
+of the loopback interface, as root); a member whose certificate another CA
+signed gets and gives nothing, as misses; new files take effect on SIGHUP;
+a CA file that is not one is refused at start."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import hashlib
 import os
 import signal
 import socket
-import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,18 +25,12 @@ from kvd.config.loading import load_config
 from kvd.config.settings import ConfigError
 from tests.certs import make_ca, make_leaf
 from tests.cluster.cluster import labelled, pool_auth, start_static_pool
-from tests.sockets import metric
+from tests.sockets import Capture, metric
 from tests.support import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 NS = "team-a/tls"
-# Linux's AF_PACKET constants (not in Python's socket module).
-ETH_P_ALL = 3
-SOL_PACKET = 263
-PACKET_STATISTICS = 6
-SO_RCVBUFFORCE = 33
-CAPTURE_BUFFER_BYTES = 256 << 20
 
 
 def value_of(key: bytes) -> bytes:
@@ -68,12 +61,17 @@ def member_files(
     return flags
 
 
+# Each case's flags beside the TLS files: the members' bulk ports in clear
+# (values then go over gRPC), or taking TLS only (values go there).
+BULK = {"grpc": (), "bulk": ("--bulk-tls", "true")}
+
+
 @contextlib.contextmanager
 def members(
-    root: Path, count: int, foreign: frozenset[str] = frozenset()
+    root: Path, count: int, foreign: frozenset[str] = frozenset(), way: str = "grpc"
 ) -> Iterator[list[DaemonProcess]]:
     own = member_files(root, [f"m{i}" for i in range(count)], foreign=foreign)
-    daemons = start_static_pool(root, count, *pool_auth(root), own=own)
+    daemons = start_static_pool(root, count, *pool_auth(root), *BULK[way], own=own)
     try:
         yield daemons
     finally:
@@ -86,45 +84,14 @@ def engine(daemon: DaemonProcess) -> Client:
     return Client(daemon.socket_target, token="engine-token-team-a", timeout_s=5)
 
 
-class Capture:
-    """Every frame on the loopback interface while it runs (AF_PACKET, root),
-    and how many the kernel dropped (none, for a capture that proves anything)."""
-
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-        self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, CAPTURE_BUFFER_BYTES)
-        self._sock.bind(("lo", 0))
-        self._sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self.frames: list[bytes] = []
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.frames.append(self._sock.recv(1 << 17))
-            except TimeoutError:
-                if self._stop.is_set():
-                    return  # stopped, and nothing more came for a while
-
-    def stop(self) -> tuple[bytes, int]:
-        """What crossed loopback, and the frames the kernel dropped."""
-        self._stop.set()
-        self._thread.join()
-        stats = self._sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
-        self._sock.close()
-        _, drops = struct.unpack("II", stats)
-        return b"".join(self.frames), drops
-
-
-def test_members_read_each_others_values_over_tls_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize("way", sorted(BULK))
+def test_members_read_each_others_values_over_tls_only(tmp_path: Path, way: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("capturing loopback needs root")
-    with members(tmp_path, 3) as daemons:
+    with members(tmp_path, 3, way=way) as daemons:
         joined = [line for d in daemons for line in d.log if "pool joined" in line]
         assert len(joined) == 3 and all("peer_tls=on" in line for line in joined), joined
-        assert all("peer_transport=grpc" in line for line in joined), joined
+        assert all(f"peer_transport={way}" in line for line in joined), joined
         placement = Placement([d.target for d in daemons])
         keys = [b"tls-block-%03d" % i for i in range(24)]
         remote = [k for k in keys if placement.owner(NS, k) != daemons[1].target]
@@ -149,14 +116,17 @@ def test_members_read_each_others_values_over_tls_only(tmp_path: Path) -> None:
             wire, drops = capture.stop()
         assert control in wire and drops == 0, drops
         assert remote and metric(daemons[1].metrics_port, "kvd_cluster_remote_gets_total") > 0
+        port = daemons[1].metrics_port
+        assert labelled(port, "kvd_cluster_peer_reads_total", transport=way) == len(remote)
         leaked = [k for k in keys if hashlib.sha256(b"tls:" + k).digest() in wire]
         assert not leaked, leaked  # no value crossed loopback in clear
         for daemon in daemons:
             assert labelled(daemon.metrics_port, "kvd_cluster_peer_call_errors_total") == 0
 
 
-def test_a_member_another_ca_signed_gets_and_gives_misses(tmp_path: Path) -> None:
-    with members(tmp_path, 3, frozenset({"m2"})) as daemons:
+@pytest.mark.parametrize("way", sorted(BULK))
+def test_a_member_another_ca_signed_gets_and_gives_misses(tmp_path: Path, way: str) -> None:
+    with members(tmp_path, 3, frozenset({"m2"}), way) as daemons:
         trusted, stranger = daemons[1], daemons[2]
         placement = Placement([d.target for d in daemons])
         theirs = [k for k in (b"s-%03d" % i for i in range(60))
@@ -178,8 +148,9 @@ def test_a_member_another_ca_signed_gets_and_gives_misses(tmp_path: Path) -> Non
             assert failed > 0, daemon.target
 
 
-def test_new_files_take_effect_on_sighup(tmp_path: Path) -> None:
-    with members(tmp_path, 2) as daemons:
+@pytest.mark.parametrize("way", sorted(BULK))
+def test_new_files_take_effect_on_sighup(tmp_path: Path, way: str) -> None:
+    with members(tmp_path, 2, way=way) as daemons:
         reader, owner = daemons
         placement = Placement([d.target for d in daemons])
         keys = [k for k in (b"r-%03d" % i for i in range(60))

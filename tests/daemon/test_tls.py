@@ -129,7 +129,8 @@ def test_client_library_over_tls_and_mtls(
     daemon_factory: DaemonFactory, tmp_path: Path, pki: Pki
 ) -> None:
     """``Client(tls=...)`` against a TLS daemon, then an mTLS one: values of every
-    size go over gRPC (the bulk port has no TLS); a client without the right
+    size go over gRPC (the bulk port is in clear without bulk_tls:
+    tests/daemon/test_bulk_tls.py); a client without the right
     certificate or CA is refused; TLS settings that cannot work are refused up front."""
     cert, key, ca = write_server_files(tmp_path, pki)
     client_cert, client_key = tmp_path / "client.crt", tmp_path / "client.key"
@@ -171,8 +172,6 @@ def test_client_library_over_tls_and_mtls(
     with Client(mutual.target, timeout_s=2, tls=no_cert) as client, pytest.raises(Unavailable):
         client.get("t", b"m")  # no client certificate
 
-    with pytest.raises(InvalidArgument, match="bulk TCP port has no TLS"):
-        Client(daemon.target, tls=Tls(ca_file=str(ca)), bulk=True)
     with pytest.raises(InvalidArgument, match="Unix socket"):
         Client(daemon.socket_target, tls=Tls(ca_file=str(ca)))
     with pytest.raises(InvalidArgument, match="go together"):

@@ -1,35 +1,31 @@
 """Receiving a bulk frame's bytes on the event loop (``kvd.paths.bulk.server``):
-exact reads of non-blocking sockets, a put's payload taken into pages only
-as its bytes arrive, and a refused payload read and dropped."""
+exact reads of non-blocking sockets (plain, or TLS: ``kvd.wire.tls_socket``),
+a put's payload taken into pages only as its bytes arrive, and a refused
+payload read and dropped."""
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import socket
-import struct
-import termios
 from collections.abc import Awaitable, Callable
 
 from kvd.store.index import PutTicket
 from kvd.util.aio import readable
 from kvd.wire.bulk import ProtocolError
 from kvd.wire.checksum import Hasher
+from kvd.wire.tls_socket import TlsSocket, Wire, fionread, recv_some
 
 # Payload of a request answered with an error is read into this and dropped.
 DISCARD_BYTES = 1 << 20
 
 
 async def recv_into_exact(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, hasher: Hasher | None
+    loop: asyncio.AbstractEventLoop, sock: Wire, view: memoryview, hasher: Hasher | None
 ) -> None:
     """Fill ``view``; EOF first is a ProtocolError (a truncated frame)."""
     pos, size = 0, len(view)
     while pos < size:
-        try:
-            n = sock.recv_into(view[pos:])
-        except BlockingIOError:
-            n = await loop.sock_recv_into(sock, view[pos:])
+        n = await recv_some(loop, sock, view[pos:])
         if n == 0:
             raise ProtocolError(f"connection ended inside a frame ({pos} of {size} bytes)")
         if hasher is not None:
@@ -37,14 +33,16 @@ async def recv_into_exact(
         pos += n
 
 
-def buffered(sock: socket.socket) -> int:
-    """Bytes waiting in the socket's receive queue (FIONREAD, ~1 µs)."""
-    queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
-    return queued
+def buffered(sock: Wire) -> int:
+    """Bytes waiting in the socket's receive queue (FIONREAD, ~1 µs); over
+    TLS, the plaintext waiting (``TlsSocket.buffered``)."""
+    if isinstance(sock, TlsSocket):
+        return sock.buffered()
+    return fionread(sock)
 
 
 async def receive_upload(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, ticket: PutTicket, hasher: Hasher,
+    loop: asyncio.AbstractEventLoop, sock: Wire, ticket: PutTicket, hasher: Hasher,
     grow: Callable[[PutTicket, int], Awaitable[list[memoryview]]],
 ) -> None:  # fmt: skip
     """Receive a payload that was not all there, taking pages (``grow``)
@@ -67,7 +65,7 @@ async def receive_upload(
 
 
 async def discard(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int, scratch: bytearray
+    loop: asyncio.AbstractEventLoop, sock: Wire, nbytes: int, scratch: bytearray
 ) -> bytearray:
     """Read ``nbytes`` and drop them, through ``scratch`` (made, up to
     ``DISCARD_BYTES``, on first use); the scratch buffer, to keep."""

@@ -15,6 +15,10 @@ same order, so a client may pipeline many requests on one connection.
   declares 64 MiB and stalls holds what it sent, not what it declared.
 - Admission (``kvd.paths.bulk.admission``): caps per peer address and on
   connections without HELLO, which have ``bulk_hello_timeout_ms`` to send it.
+- TLS (``bulk_tls``): every connection's bytes go through its TLS session
+  (``kvd.wire.tls_socket``), whose handshake is part of the time to HELLO;
+  with ``tls_client_ca_file`` the client's certificate is required. A
+  connection refused at admission is closed before the handshake.
 - GET: the reader pins the value (``ValueOps.fetch``) and queues it; the writer
   sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
   what the socket did not take), or from a send thread while another
@@ -58,6 +62,8 @@ import contextlib
 import itertools
 import logging
 import socket
+import ssl
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvd.cluster import scope
@@ -110,6 +116,7 @@ from kvd.wire.bulk import (
 from kvd.wire.checksum import Hasher
 from kvd.wire.errors import DataLoss, KvdError, error_number
 from kvd.wire.send import Sender
+from kvd.wire.tls_socket import TlsSocket, Wire, handshake, recv_some
 
 if TYPE_CHECKING:
     from kvd.cluster.nixl_node import NixlNode
@@ -144,7 +151,7 @@ ACCEPT_RETRY_S = 0.1
 class _Connection:
     """One client connection: reader and writer tasks, in-order answers."""
 
-    def __init__(self, server: BulkServer, sock: socket.socket, peer: str) -> None:
+    def __init__(self, server: BulkServer, sock: Wire, peer: str) -> None:
         self.slot: Slot | None = None
         self.task: asyncio.Task[None] | None = None
         self.server = server
@@ -217,6 +224,8 @@ class _Connection:
         limits = self.server.limits
         try:
             async with asyncio.timeout(limits.hello_timeout_s):
+                if isinstance(self.sock, TlsSocket):
+                    await handshake(self.loop, self.sock)
                 hello = await self._next_request(limits.hello_timeout_s)
         except TimeoutError:
             raise ProtocolError(f"no HELLO within {limits.hello_timeout_s:g} s") from None
@@ -254,7 +263,7 @@ class _Connection:
         try:
             first = self.sock.recv_into(view)
         except BlockingIOError:
-            first = await asyncio.wait_for(self.loop.sock_recv_into(self.sock, view), wait_s)
+            first = await asyncio.wait_for(recv_some(self.loop, self.sock, view), wait_s)
         if first == 0:
             return None
         async with asyncio.timeout(self.server.limits.frame_timeout_s):
@@ -476,9 +485,16 @@ class BulkServer:
     """The listener and its connections."""
 
     def __init__(
-        self, values: ValueOps, limits: BulkLimits, auth: Authenticator | None = None
+        self,
+        values: ValueOps,
+        limits: BulkLimits,
+        auth: Authenticator | None = None,
+        tls: Callable[[], ssl.SSLContext] | None = None,
     ) -> None:
+        """``tls``: the listener's TLS context as it is now (``bulk_tls``;
+        SIGHUP makes a new one); None: in clear."""
         self.values = values
+        self.tls = tls
         self.limits = limits
         self.metrics = values.metrics
         self.auth = auth
@@ -527,14 +543,18 @@ class BulkServer:
                 continue
             peer = f"{address[0]}:{address[1]}"
             sock.setblocking(False)
-            connection = _Connection(self, sock, peer)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire: Wire = sock if self.tls is None else TlsSocket.wrap(sock, self.tls())
+            connection = _Connection(self, wire, peer)
             slot = self.admission.admit(address[0], connection.push_out)
             if isinstance(slot, str):
-                _refuse(sock, slot)
+                if isinstance(wire, TlsSocket):
+                    wire.close()  # before the handshake: no answer can be read
+                else:
+                    _refuse(wire, slot)
                 log.warning("bulk connection refused", extra={"peer": peer, "reason": slot})
                 continue
             connection.slot = slot
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.create_task(connection.serve())
             connection.task = task
             self._connections.add(task)

@@ -357,6 +357,7 @@ class KVStoreService:
                 bulk_ops=BULK_OPS if ops.bulk_port else (),
                 max_value_bytes=max_value_bytes,
                 pool_version=POOL_VERSION,
+                bulk_tls=ops.bulk_tls,
             )
         return pb.DescribePathsResponse(
             shm_dir=os.path.dirname(ops.shm_socket),
@@ -374,6 +375,7 @@ class KVStoreService:
             bulk_ops=BULK_OPS if ops.bulk_port else (),
             max_value_bytes=max_value_bytes,
             pool_version=POOL_VERSION,
+            bulk_tls=ops.bulk_tls,
         )
 
     @_unary("shm_put", pooled=False)

@@ -91,6 +91,7 @@ class RegionOps:
         self.auth = auth  # the transports' (they authorize before calling)
         self.regions: RegionRegistry | None = None
         self.bulk_port = 0
+        self.bulk_tls = False  # the bulk port takes TLS only (bulk_tls)
         self.shm_socket = ""
         self.l2_direct_min_bytes = 0  # the shm_l2_direct_min_bytes setting; 0: off
         self.pool_reads = False  # the shm_pool_reads setting (kvd.paths.shm.pool_reads)
@@ -100,10 +101,13 @@ class RegionOps:
         self.copy_many: CopyMany | None = None
         self._copy_pool: ThreadPoolExecutor | None = None
 
-    def enable_fast_paths(self, regions: RegionRegistry | None, bulk_port: int) -> None:
+    def enable_fast_paths(
+        self, regions: RegionRegistry | None, bulk_port: int, bulk_tls: bool = False
+    ) -> None:
         """Called by the daemon at start, once the shm directory and bulk port exist."""
         self.regions = regions
         self.bulk_port = bulk_port
+        self.bulk_tls = bulk_tls
         if regions is not None and self._copy_pool is None:
             self._copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvd-copy")
 

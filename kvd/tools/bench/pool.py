@@ -134,6 +134,8 @@ def peer_transports() -> tuple[str, ...]:
     choices = tuple(choice for choice in setting.choices if choice != "auto")
     if "pool_tls_ca_file" in SETTINGS_BY_NAME and pool_tls.available():
         choices += (pool_tls.TLS_TRANSPORT,)
+        if "bulk_tls" in SETTINGS_BY_NAME:
+            choices += (pool_tls.BULK_TLS_TRANSPORT,)
     return choices
 
 
@@ -266,8 +268,8 @@ def remote_chain(engine: Client, owner: Client, keys: list[bytes]) -> dict[str, 
 def remote_get(root: Path, transport: str, options: Options, progress: Progress) -> dict[str, Any]:
     """Values owned by B read through A's daemon, after the TCP ceiling
     between the same two nodes; then the remote chain (``remote_chain``)."""
-    if transport == pool_tls.TLS_TRANSPORT:
-        extra = pool_tls.member_flags(root / "get-tls-files")
+    if transport in pool_tls.TRANSPORTS:
+        extra = pool_tls.member_flags(root / f"get-{transport}-files", transport)
     else:
         extra = ["--pool-peer-transport", transport] if transport else []
     chain_bytes = 2 * CHAIN_ROUNDS * CHAIN_VALUES * CHAIN_VALUE_BYTES

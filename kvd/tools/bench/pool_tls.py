@@ -1,5 +1,7 @@
-"""The bench's members with TLS between them: the ``grpc+tls`` transport of
-``kvd bench pool``'s remote gets (``pool_tls_ca_file``).
+"""The bench's members with TLS between them: the ``grpc+tls`` and
+``bulk+tls`` transports of ``kvd bench pool``'s remote gets
+(``pool_tls_ca_file``; with ``bulk_tls`` for the second, whose members read
+each other's values on their bulk ports, over TLS).
 
 As a DaemonSet would: a CA made for the run signs one certificate with the
 name ``SERVER_NAME`` (``pool_tls_server_name``), which every member serves
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The remote gets' transport name for members over gRPC with TLS.
+# The remote gets' transport names for members over gRPC with TLS, and over
+# their bulk ports with TLS.
 TLS_TRANSPORT = "grpc+tls"
+BULK_TLS_TRANSPORT = "bulk+tls"
+TRANSPORTS = (TLS_TRANSPORT, BULK_TLS_TRANSPORT)
 # The name in the members' certificate.
 SERVER_NAME = "kvd-pool"
 
@@ -28,8 +33,9 @@ def available() -> bool:
     return True
 
 
-def member_flags(where: Path) -> list[str]:
-    """The flags of every member: the run's certificate, key and CA, written under ``where``."""
+def member_flags(where: Path, transport: str = TLS_TRANSPORT) -> list[str]:
+    """The flags of every member for ``transport``: the run's certificate,
+    key and CA, written under ``where``."""
     from kvd.tools.bench.certs import make_ca, make_leaf  # cryptography: test extras
 
     where.mkdir(parents=True, exist_ok=True)
@@ -43,4 +49,5 @@ def member_flags(where: Path) -> list[str]:
         "--tls-cert-file", str(where / "member.crt"), "--tls-key-file", str(where / "member.key"),
         "--tls-client-ca-file", ca_file, "--pool-tls-ca-file", ca_file,
         "--pool-tls-server-name", SERVER_NAME,
+        *(("--bulk-tls", "true") if transport == BULK_TLS_TRANSPORT else ()),
     ]  # fmt: skip
