@@ -402,10 +402,10 @@ class Config:
     pool_tls_ca_file: str = _setting(
         "",
         help="PEM CA bundle that signs the members' certificates: with it, members call each "
-        "other over gRPC with TLS (checking each other's certificate against it, presenting "
-        "tls_cert_file as their own) and not over their bulk ports or NIXL, which carry values "
-        "in clear; needs tls_cert_file; empty: members talk in clear, and tls_cert_file is "
-        "refused in a pool",
+        "other with TLS only (checking each other's certificate against it, presenting "
+        "tls_cert_file as their own): values over the bulk ports where those take TLS "
+        "(bulk_tls), else over gRPC, never over NIXL, which carries them in clear; needs "
+        "tls_cert_file; empty: members talk in clear, and tls_cert_file is refused in a pool",
     )
     pool_tls_server_name: str = _setting(
         "",

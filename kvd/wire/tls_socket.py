@@ -2,27 +2,32 @@
 answers the few socket calls the bulk port's server and its pool clients
 make, and the waits around them on the event loop.
 
-asyncio's ``sock_*`` calls take no ``ssl.SSLSocket``, and the bulk port
-moves values between sockets and pool pages without a transport's buffers.
+asyncio's ``sock_*`` calls speak no TLS, and the bulk port moves values
+between sockets and pool pages without a transport's buffers.
 So a ``TlsSocket`` answers ``recv_into`` and ``send`` as a non-blocking
 socket does, raising ``BlockingIOError`` where it must wait: ``WantRead``
 or ``WantWrite`` says for what (TLS may have to write before it reads);
 ``recv_some`` and ``send_whole`` wait with the loop's readers and writers for
 either kind of socket, a plain one through the loop's own ``sock_*`` calls.
 
-- OpenSSL decrypts one record (16 KiB) a read: 256 reads for 4 MiB. A
-  single-threaded reader and writer moved 4 MiB values at ~1.6 GB/s between
-  two processes on loopback on the development VM (AES-256-GCM), half
-  the plain TCP rate of the same pair.
+- OpenSSL works between two memory buffers (``ssl.MemoryBIO``); ciphertext
+  moves to and from the socket ``RECV_BYTES`` / ``TLS_SEND_BYTES`` at a
+  time. Given the socket itself (``ssl.SSLSocket``) it made two system
+  calls per 16 KiB record read and one per record written: a member
+  reading 4 MiB values from another spent 3.5-3.6 ms of CPU per value
+  (the owner 3.3-3.4), against 2.2-2.3 (2.4-2.5) this way, on the
+  development VM (docs/pool.md, "Authentication and what travels in clear").
+- ``recv_into`` decrypts every record already here into the caller's view
+  in one call (OpenSSL decrypts one record per read).
 - What the kernel says is queued (FIONREAD) counts records, headers and
   tags included: ``buffered`` adds it to the plaintext OpenSSL holds, which
   overstates the plaintext by at most a record's overhead (~22 bytes) per
   16 KiB.
-- An ``SSLSocket`` may not be used from two threads at once: a TLS answer is
+- A TLS session may not be used from two threads at once: a TLS answer is
   sent from the loop (``kvd.wire.send``), never from a send thread.
 - No session tickets (``num_tickets`` 0): nothing resumes a session, and a
   ticket the client has not read yet would look, to an idle connection's
-  check (a peek of the raw socket), like a byte out of step.
+  check (a peek of the socket, ``recv``), like a byte out of step.
 """
 
 from __future__ import annotations

@@ -100,6 +100,20 @@ def test_configmap_passes_kvd_validation(tmp_path: Path) -> None:
     assert config.shm_dir == "/dev/shm/kvd"
 
 
+def test_configmap_tls_block_passes_kvd_validation(tmp_path: Path) -> None:
+    """The commented TLS lines, turned on, make a valid pool with TLS on its
+    bulk ports: members read each other's values there, over TLS."""
+    lines = config_toml().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("# tls_cert_file"))
+    end = next(i for i in range(start, len(lines)) if "pool_tls_server_name" in lines[i])
+    lines[start : end + 1] = [line.replace("# ", "", 1) for line in lines[start : end + 1]]
+    path = tmp_path / "kvd.toml"
+    path.write_text("\n".join(lines) + "\n")
+    config = load_config(str(path), pod_environment(), {})
+    assert config.bulk_tls and config.pool_tls_ca_file and config.tls_client_ca_file
+    assert config.pool_peer_transport == "auto"  # the bulk port, with TLS
+
+
 def test_secret_holds_a_valid_token_table(tmp_path: Path) -> None:
     from kvd.paths.auth import TokenTable
 
