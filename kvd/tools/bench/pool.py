@@ -24,7 +24,8 @@ reference measured in the same run.
   total L1 capacity, both with ``kvd.tools.replay.run``'s requests.
 - **Keys moved on a join**: the trace's blocks placed over 4 members, then 5.
 - **Lookup of a chain** spread over 4 members, asked of a member that holds
-  only its own share, against one daemon that holds the whole chain.
+  only its own share, against one daemon that holds the whole chain
+  (``kvd.tools.bench.pool_lookup``).
 - **Faults** (``kvd.tools.bench.pool_faults``): an owner cut off, stopped,
   killed; the engine's calls against their deadline.
 - **Join** (``kvd.tools.bench.pool_join``): a fifth member joins four whose
@@ -58,6 +59,7 @@ from kvd.tools.bench import (
     pool_faults,
     pool_join,
     pool_join_replay,
+    pool_lookup,
     pool_puts,
     pool_tls,
 )
@@ -79,9 +81,6 @@ from kvd.tools.replay.trace import Trace, load_trace
 MiB = 1 << 20
 MEMBERS = 4
 CEILING_RUNS = 3  # the ceiling is the best of three
-# Forwarded puts reach their owners in the background (4 in flight): a
-# 1,000-key chain lands within seconds; a bound, not a wait.
-SETTLE_S = 60.0
 # The remote chain: values, their size, and rounds (each reads fresh values
 # one at a time, then fresh ones in one batch; the best round of each counts).
 CHAIN_VALUES = 64
@@ -99,9 +98,6 @@ REMOTE_WARM_CALLS = 2
 # to call on the development VM.
 REMOTE_BATCHED_PER_VALUE = 4
 CALL_TIMEOUT_S = 60.0
-LOOKUP_WARMUP = 5
-# pool_lookup_hint_ms of the lookups measured with hints (off by default).
-LOOKUP_HINT_MS = 500
 # Peer calls may take 1 s here (the daemon's default is 200 ms): the bench
 # measures the pool's speed and hit ratio, not a loaded machine's timeouts.
 PEER_TIMEOUT_MS = 1000
@@ -348,108 +344,6 @@ def remote_get(root: Path, transport: str, options: Options, progress: Progress)
         }
 
 
-def _lookup_times(
-    client: Client, ns: str, keys: list[bytes], count: int, pace_s: float = 0.0
-) -> list[float]:
-    """``count`` timed lookups of the chain, ``pace_s`` apart (0: back to
-    back), after ``LOOKUP_WARMUP`` untimed ones (as ``kvd bench lookup``):
-    connections and caches warm on both sides. Before the daemon ran its own
-    full garbage collections (kvd.util.collector), the second lookup of a
-    1,000-key chain took 18-24 ms on one daemon as on a pool, a full
-    collection, and of 200 lookups such a start was the p99."""
-    for _ in range(LOOKUP_WARMUP):
-        client.lookup(ns, keys)
-    seconds = []
-    for _ in range(count):
-        started = time.perf_counter()
-        found = client.lookup(ns, keys)
-        seconds.append(time.perf_counter() - started)
-        if found != len(keys):
-            raise RuntimeError(f"lookup found {found} of {len(keys)} keys")
-        if pace_s:
-            time.sleep(pace_s)
-    return seconds
-
-
-def _wait_found(client: Client, ns: str, keys: list[bytes]) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while client.lookup(ns, keys) != len(keys):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the chain did not reach its owners within {SETTLE_S:.0f} s")
-        time.sleep(0.1)
-
-
-def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
-    p50, p99 = np.percentile(seconds, [50, 99]) * 1e3
-    return {"p50_ms": float(p50), "p99_ms": float(p99), "n": len(seconds)}
-
-
-def chain_lookup(root: Path, options: Options, progress: Progress) -> dict[str, Any]:
-    """A chain stored through member 0 (handed to its owners), looked up
-    through member 1, which holds only its own share; and through a single
-    daemon holding all of it. The pool is measured twice: with
-    ``pool_lookup_hint_ms`` at ``LOOKUP_HINT_MS``, where a chain looked up
-    again is answered from its owners' recent answers (the timed lookups
-    repeat one chain, as an engine's scheduler asks about a waiting request
-    at every step), and as it runs by default, where every lookup waits for
-    the owners (as a chain's first lookup does either way). The timed
-    lookups come back to back, or ``lookup_pace_ms`` apart, as an engine's
-    scheduler asks once a step."""
-    n, pace_s = options.chain_keys, options.lookup_pace_ms / 1e3
-    ns = "bench-chain"
-    keys = [f"chain-{i:05d}".encode() for i in range(n)]
-    items = [(key, key * 16) for key in keys]
-    dram = str(n * 64 * 1024 * 2 + 64 * MiB)  # a key takes one 64 KiB page
-    spread: dict[str, list[float]] = {}
-    peer_errors = hinted = 0.0
-    cases = (("hinted", ("--pool-lookup-hint-ms", str(LOOKUP_HINT_MS))), ("asked", ()))
-    for case, extra in cases:
-        progress(f"pool: lookup of a {n}-key chain over {MEMBERS} members ({case})")
-        with Pool(
-            root / f"lookup-{case}",
-            MEMBERS,
-            netns=options.netns,
-            dram=dram,
-            ssd="",
-            peer_timeout_ms=PEER_TIMEOUT_MS,
-            extra=extra,
-        ) as pool:
-            token = pool.token
-            with Client(pool.members[0].socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
-                c.put_many(ns, items, chained=True)
-            with Client(pool.members[1].socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
-                _wait_found(c, ns, keys)
-                spread[case] = _lookup_times(c, ns, keys, options.lookups, pace_s)
-                peer_errors += pool.members[1].metric("kvd_cluster_peer_errors_total")
-                hinted += pool.members[1].metric("kvd_cluster_hinted_lookups_total")
-            where = pool.where
-            owners = len(set(pool.placement().owners(ns, keys)))
-            owns = len(pool.owned_by(1, ns, keys))
-    progress("pool: the same lookup on a single daemon")
-    single = root / "lookup-single"
-    single.mkdir(parents=True)
-    token, auth = write_tokens(single)
-    daemon = SpawnedDaemon(single, auth, dram=dram, ssd="")
-    try:
-        with Client(daemon.socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
-            c.put_many(ns, items, chained=True)
-            alone = _lookup_times(c, ns, keys, options.lookups, pace_s)
-    finally:
-        daemon.stop()
-    return {
-        "keys": n,
-        "owners": owners,
-        "asked_member_owns": owns,
-        "peer_errors": peer_errors,
-        "where": where,
-        "pool": _percentiles_ms(spread["hinted"]),
-        "pool_asked": _percentiles_ms(spread["asked"]),
-        "hinted_lookups": hinted,
-        "pace_ms": options.lookup_pace_ms,
-        "single": _percentiles_ms(alone),
-    }
-
-
 def _replay(clients: list[Client], trace: Trace, block_bytes: int,
             progress: Progress) -> ReplayStats:  # fmt: skip
     """Request i through clients[i mod len], in trace order."""
@@ -569,7 +463,9 @@ def run(options: Options, root: Path, trace_path: Path, progress: Progress) -> d
     trace = head(load_trace(trace_path), options.requests)
     transports = options.transports or peer_transports()
     gets = [remote_get(root, t, options, progress) for t in transports]
-    lookup = chain_lookup(root, options, progress)
+    lookup = pool_lookup.run(
+        root, options.chain_keys, options.lookups, options.lookup_pace_ms, options.netns, progress
+    )
     ratio = hit_ratio(root, trace, options, progress)
     faults = pool_faults.run(root, options.netns, progress)
     join = pool_join.run(root, progress, options.join_chains)

@@ -4,6 +4,7 @@ daemons, writes its JSON and markdown, and reads back the right bytes."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,10 @@ def tiny_trace(path: Path, requests: int) -> Path:
 def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     """In network namespaces where this is root (CI), else on loopback; one
     peer transport (each has its own tests; one pool of two per transport):
-    gRPC with TLS between the members, the last the bench offers."""
+    the bulk port with TLS between the members, the last the bench offers."""
     out = tmp_path / "results"
     transport = pool.peer_transports()[-1]
-    assert transport == pool_tls.TLS_TRANSPORT
+    assert transport == pool_tls.BULK_TLS_TRANSPORT
     argv = [
         "--out", str(out), "pool", "--values", "2", "--value-bytes", "1MiB",
         "--chain-keys", "40", "--lookups", "5", "--lookup-pace-ms", "1", "--requests", "40",
@@ -72,6 +73,11 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     # The lookups with hints were answered from them; the default asks every time.
     assert result["lookup"]["hinted_lookups"] > 0
     assert {"pool", "pool_asked", "single"} <= set(result["lookup"])
+    # Again with each node on its own CPUs, where the machine has two or more.
+    split = len(os.sched_getaffinity(0)) >= 2
+    assert split == ({"pool_split", "pool_asked_split", "single_split"} <= set(result["lookup"]))
+    if split:
+        assert "each node on its own CPUs" in raw.with_suffix(".md").read_text()
     assert result["lookup"]["pace_ms"] == 1  # as a scheduler steps
     assert "members, lookups 1 ms apart" in raw.with_suffix(".md").read_text()
     assert result["keys_moved"]["moved_to_the_new_member"] == result["keys_moved"]["moved"]
@@ -100,8 +106,10 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert "handed_on=" in leave["hand_off_log"]
     assert {"leave", "leave_without_hand_off", "no_leave"} <= set(leave["simulated"])
     assert "with a leave (hand-off) at request 20" in raw.with_suffix(".md").read_text()
-    # Two lookup rows, a join, a leave, a join replay, a leave replay.
-    assert len(result["targets"]) == 2 * len(gets) + 8 + len(faults)
+    # Two lookup rows (four with the CPUs split), a join, a leave, a join
+    # replay, a leave replay.
+    lookups = 4 if split else 2
+    assert len(result["targets"]) == 2 * len(gets) + 6 + lookups + len(faults)
 
 
 def test_a_negative_lookup_pace_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
