@@ -139,3 +139,18 @@ class Capture:
         self._sock.close()
         _, drops = struct.unpack("II", stats)
         return b"".join(self.frames), drops
+
+
+def send_in_clear() -> bytes:
+    """A pattern sent over a plain TCP connection on loopback, for a
+    ``Capture`` to show it sees loopback payloads: the pattern."""
+    control = b"sent in clear, for the capture " * 2
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()) as out,
+    ):
+        out.sendall(control * 4)
+        accepted, _ = server.accept()
+        accepted.recv(1024)
+        accepted.close()
+    return control

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from kvd.config.loading import load_config
 from kvd.config.settings import ConfigError
 from tests.certs import make_ca, make_leaf
 from tests.cluster.cluster import labelled, pool_auth, start_static_pool
-from tests.sockets import Capture, metric
+from tests.sockets import Capture, metric, send_in_clear
 from tests.support import DaemonProcess, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,16 +101,7 @@ def test_members_read_each_others_values_over_tls_only(tmp_path: Path, way: str)
             with engine(daemons[1]) as client:
                 assert wait_until(lambda: client.lookup(NS, keys) == len(keys))
                 assert [client.get(NS, key) for key in keys] == [value_of(key) for key in keys]
-            # The capture sees loopback TCP payloads: a pattern sent in clear is in it.
-            control = hashlib.sha256(b"in clear").digest()
-            with (
-                socket.create_server(("127.0.0.1", 0)) as server,
-                socket.create_connection(server.getsockname()) as out,
-            ):
-                out.sendall(control * 4)
-                accepted, _ = server.accept()
-                accepted.recv(1024)
-                accepted.close()
+            control = send_in_clear()  # the capture sees loopback TCP payloads
         finally:
             wire, drops = capture.stop()
         assert control in wire and drops == 0, drops

@@ -19,7 +19,7 @@ from kvd.config.loading import load_config
 from kvd.config.settings import ConfigError
 from kvd.wire.bulk import OP_HELLO, encode_request
 from tests.certs import Pki, make_pki, write_server_files
-from tests.sockets import Capture, closed_by_daemon
+from tests.sockets import Capture, closed_by_daemon, send_in_clear
 from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,18 +74,10 @@ def test_values_go_over_the_bulk_port_with_tls_only(
             assert [bytes(r) for r in rooms] == [
                 value_of(k, s) for k, s in zip(keys, sizes, strict=True)
             ]
-        control = hashlib.sha256(b"in clear").digest()
-        with (
-            socket.create_server(("127.0.0.1", 0)) as server,
-            socket.create_connection(server.getsockname()) as out,
-        ):
-            out.sendall(control * 4)
-            accepted, _ = server.accept()
-            accepted.recv(1024)
-            accepted.close()
+        control = send_in_clear()  # the capture sees loopback TCP payloads
     finally:
         wire, drops = capture.stop()
-    assert control in wire and drops == 0, drops  # the capture sees loopback payloads
+    assert control in wire and drops == 0, drops
     leaked = [k for k in keys if hashlib.sha256(b"bulk-tls:" + k).digest() in wire]
     assert not leaked, leaked
 
