@@ -52,10 +52,9 @@ TLS = {"tls_cert_file": "c.pem", "tls_key_file": "k.pem"}
         ({**POOL, "pool_tls_ca_file": "ca.pem"}, "pool_tls_ca_file"),  # and a certificate
         ({"pool_tls_ca_file": "ca.pem", **TLS}, "pool_tls_ca_file"),  # no pool
         ({**POOL, **TLS, "pool_tls_server_name": "kvd"}, "pool_tls_server_name"),
-        ({**POOL, **TLS, "pool_tls_ca_file": "ca.pem", "pool_peer_transport": "bulk"},
-         "pool_peer_transport"),  # values in clear
         ({**POOL, **TLS, "pool_tls_ca_file": "ca.pem", "pool_peer_transport": "nixl"},
-         "pool_peer_transport"),
+         "pool_peer_transport"),  # values in clear
+        ({**POOL, "bulk_tls": True}, "bulk_tls"),  # no certificate for the bulk port
         ({**ETCD, "pool_etcd_cert_file": "c.crt"}, "pool_etcd_cert_file"),  # no key
         ({**ETCD, "pool_etcd_cert_file": "c.crt", "pool_etcd_key_file": "c.key"},
          "pool_etcd_ca_file"),  # a client certificate, no TLS
@@ -72,6 +71,9 @@ def test_pool_tls_settings_that_cannot_work_are_refused(
 def test_pool_tls_settings_that_work_are_taken() -> None:
     config = load_config(overrides={**POOL, **TLS, "pool_tls_ca_file": "ca.pem"})
     assert config.pool_tls_ca_file == "ca.pem"
+    # Values over the bulk ports, with TLS where a member's takes it (bulk_tls).
+    bulk = {**POOL, **TLS, "pool_tls_ca_file": "ca.pem", "pool_peer_transport": "bulk"}
+    assert load_config(overrides={**bulk, "bulk_tls": True}).bulk_tls
 
 
 def test_pool_with_auth_needs_a_pool_token() -> None:

@@ -4,7 +4,8 @@ Unix socket: shared memory, and gRPC). A member's link cut, the member
 stopped (SIGSTOP), the member killed (SIGKILL): the engine's calls for its
 keys become misses within their deadline, never wrong bytes, never an error;
 a partitioned member keeps serving what it owns; a killed member restarted
-on its L2 serves its keys again. Root only (CI is root)."""
+on its L2 serves its keys again. Each with the members in clear, and with
+TLS between them on their bulk ports (``bulk_tls``). Root only (CI is root)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvd.client import Client, KvdError
-from kvd.tools.bench import netns
+from kvd.tools.bench import netns, pool_tls
 from kvd.tools.bench.pool_nodes import UCX_TLS_BETWEEN_NODES, Member, Pool
 from tests.support import DaemonProcess, wait_until
 
@@ -86,13 +87,20 @@ class Ledger:
         assert p99 <= DEADLINE_S + MARGIN_S, f"p99 {p99 * 1e3:.1f} ms"
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+@pytest.fixture(scope="module", params=["clear", pool_tls.BULK_TLS_TRANSPORT])
+def pool(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pool]:
+    root = tmp_path_factory.mktemp("netns-pool")
+    tls = request.param == pool_tls.BULK_TLS_TRANSPORT
+    extra = pool_tls.member_flags(root / "tls", request.param) if tls else []
     with Pool(
-        tmp_path_factory.mktemp("netns-pool"), 3, peer_timeout_ms=PEER_TIMEOUT_MS,
+        root, 3, extra, peer_timeout_ms=PEER_TIMEOUT_MS,
         factory=DaemonProcess, dram="64MiB", max_value="1MiB", ssd="64MiB", segment="8MiB",
     ) as made:  # fmt: skip
         assert made.lab is not None, made.note
+        joined = [line for m in made.members for line in m.running.log if "pool joined" in line]
+        assert all(("peer_tls=on" in line) == tls for line in joined), joined
         yield made
 
 
