@@ -19,7 +19,7 @@ from kvd.config.loading import load_config
 from kvd.config.settings import ConfigError
 from kvd.wire.bulk import OP_HELLO, encode_request
 from tests.certs import Pki, make_pki, write_server_files
-from tests.sockets import Capture, closed_by_daemon, send_in_clear
+from tests.sockets import Capture, closed_by_daemon, metric, send_in_clear
 from tests.support import DaemonFactory, DaemonProcess, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,6 +97,8 @@ def test_a_client_in_clear_or_without_its_certificate_gets_nothing(
     assert wait_until(
         lambda: any("bulk connection closed" in line and "SSL" in line for line in daemon.log)
     )
+    refused = 'kvd_rejected_requests_total{reason="unauthenticated"}'
+    assert wait_until(lambda: metric(daemon.metrics_port, refused) == 1)
     # TLS without the client certificate mTLS asks for: refused there and on gRPC.
     no_cert = Tls(ca_file=str(tmp_path / "ca.crt"))
     with Client(daemon.target, tls=no_cert, timeout_s=2) as client, pytest.raises(Unavailable):

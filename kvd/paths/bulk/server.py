@@ -18,7 +18,9 @@ same order, so a client may pipeline many requests on one connection.
 - TLS (``bulk_tls``): every connection's bytes go through its TLS session
   (``kvd.wire.tls_socket``), whose handshake is part of the time to HELLO;
   with ``tls_client_ca_file`` the client's certificate is required. A
-  connection refused at admission is closed before the handshake.
+  handshake that fails is counted as an unauthenticated refusal, logged,
+  and closes the connection; a connection refused at admission is closed
+  before the handshake.
 - GET: the reader pins the value (``ValueOps.fetch``) and queues it; the writer
   sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
   what the socket did not take), or from a send thread while another
@@ -225,7 +227,11 @@ class _Connection:
         try:
             async with asyncio.timeout(limits.hello_timeout_s):
                 if isinstance(self.sock, TlsSocket):
-                    await handshake(self.loop, self.sock)
+                    try:
+                        await handshake(self.loop, self.sock)
+                    except ssl.SSLError:  # not TLS, or a certificate refused
+                        self.server.metrics.rejected.labels("unauthenticated").inc()
+                        raise
                 hello = await self._next_request(limits.hello_timeout_s)
         except TimeoutError:
             raise ProtocolError(f"no HELLO within {limits.hello_timeout_s:g} s") from None
