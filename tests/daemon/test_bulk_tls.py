@@ -82,6 +82,21 @@ def test_values_go_over_the_bulk_port_with_tls_only(
     assert not leaked, leaked
 
 
+def test_pipelined_batches_over_tls(
+    daemon_factory: DaemonFactory, tmp_path: Path, pki: Pki
+) -> None:
+    """Batches of many values: requests pipelined on each TLS connection,
+    their answers read while later ones are still being sent."""
+    daemon = tls_daemon(daemon_factory, tmp_path, pki)
+    keys = [b"p-%03d" % i for i in range(200)]
+    sizes = [(64 << 10) + 7 * i for i in range(len(keys))]
+    values = [value_of(k, size) for k, size in zip(keys, sizes, strict=True)]
+    with Client(daemon.target, tls=Tls(ca_file=str(tmp_path / "ca.crt"))) as client:
+        assert client._fast_paths()[1] is not None
+        assert client.put_many("t", list(zip(keys, values, strict=True))) == [False] * len(keys)
+        assert client.get_many("t", keys + [b"none"]) == values + [None]
+
+
 def test_a_client_in_clear_or_without_its_certificate_gets_nothing(
     daemon_factory: DaemonFactory, tmp_path: Path, pki: Pki
 ) -> None:
