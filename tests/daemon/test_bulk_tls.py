@@ -94,7 +94,7 @@ def test_pipelined_batches_over_tls(
     with Client(daemon.target, tls=Tls(ca_file=str(tmp_path / "ca.crt"))) as client:
         assert client._fast_paths()[1] is not None
         assert client.put_many("t", list(zip(keys, values, strict=True))) == [False] * len(keys)
-        assert client.get_many("t", keys + [b"none"]) == values + [None]
+        assert client.get_many("t", [*keys, b"none"]) == [*values, None]
 
 
 def test_a_client_in_clear_or_without_its_certificate_gets_nothing(
