@@ -128,11 +128,12 @@ def _paths_run(args: argparse.Namespace) -> int:
     sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
     daemon = None
     # Each daemon its own shm directory: the shm socket lives there, one per daemon.
-    shm_dir, cold_shm_dir, pool_shm_dir = (paths.temp_shm_dir() for _ in range(3))
+    shm_dir, cold_shm_dir, pool_shm_dir, tls_shm_dir = (paths.temp_shm_dir() for _ in range(4))
     tcp_target, unix_target = args.target, args.socket_target
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
-        cold_daemon = pool_daemon = None
+        cold_daemon = pool_daemon = tls_daemon = None
+        ca_file = ""
         if not tcp_target:
             daemon = SpawnedDaemon(
                 Path(tmp), paths.bench_daemon_args(shm_dir), dram="2GiB", max_value="32MiB",
@@ -149,21 +150,29 @@ def _paths_run(args: argparse.Namespace) -> int:
                 Path(tmp) / "pool", [*paths.bench_daemon_args(pool_shm_dir), "--shm-pool-reads",
                 "true"], dram="2GiB", max_value="32MiB", ssd="",
             )  # fmt: skip
+            if paths.tls_available():
+                (Path(tmp) / "tls").mkdir()
+                flags, ca_file = paths.tls_daemon_args(Path(tmp) / "tls", tls_shm_dir)
+                tls_daemon = SpawnedDaemon(
+                    Path(tmp) / "tls", flags, dram="2GiB", max_value="32MiB", ssd=""
+                )
         try:
             cold = (cold_daemon.target, cold_daemon.socket_target) if cold_daemon else None
             pooled = (pool_daemon.target, pool_daemon.socket_target) if pool_daemon else None
-            pids = {d.target: d.proc.pid for d in (daemon, pool_daemon) if d is not None}
+            secure = (tls_daemon.target, ca_file) if tls_daemon else None
+            spawned = (daemon, pool_daemon, tls_daemon)
+            pids = {d.target: d.proc.pid for d in spawned if d is not None}
             rows = paths.run(
                 tcp_target, unix_target, sizes, _progress,
                 peers=None if args.no_peers else paths_peers.PEERS, cold=cold,
                 cold_dir=str(Path(tmp) / "cold") if cold_daemon else None, pooled=pooled,
-                server_pids=pids,
+                server_pids=pids, secure=secure,
             )  # fmt: skip
         finally:
-            for spawned in (daemon, cold_daemon, pool_daemon):
-                if spawned is not None:
-                    spawned.stop()
-            for directory in (shm_dir, cold_shm_dir, pool_shm_dir):
+            for spawned_daemon in (daemon, cold_daemon, pool_daemon, tls_daemon):
+                if spawned_daemon is not None:
+                    spawned_daemon.stop()
+            for directory in (shm_dir, cold_shm_dir, pool_shm_dir, tls_shm_dir):
                 shutil.rmtree(directory, ignore_errors=True)
     table = paths_report.markdown(rows)
     data = {

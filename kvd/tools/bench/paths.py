@@ -1,4 +1,5 @@
-"""Data-path throughput: kvd over shared memory, bulk TCP and gRPC, next to
+"""Data-path throughput: kvd over shared memory, bulk TCP and gRPC (and both
+TCP paths again to a daemon with TLS on them: ``TLS_PATHS``), next to
 the ceilings (numpy memcpy into pre-allocated memory, loopback TCP with
 recv_into) and peers (Redis with the hiredis parser, Mooncake Store in TCP
 mode) measured in the same run. The L2-cold gets come with their own
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,7 +39,14 @@ from kvd.client import Client
 from kvd.tools.bench.backends import fio_randread
 from kvd.tools.bench.daemon import written_back
 from kvd.tools.bench.hugetlb import fio_huge_buffers
-from kvd.tools.bench.procs import Case, ClientProcesses, expect_size, kvd_client, value_bytes
+from kvd.tools.bench.procs import (
+    TLS_PATHS,
+    Case,
+    ClientProcesses,
+    expect_size,
+    kvd_client,
+    value_bytes,
+)
 
 SIZES_BYTES = (64 << 10, 1 << 20, 4 << 20, 32 << 20)
 CLIENTS = (1, 16)
@@ -222,12 +231,13 @@ def kvd_rows(
     progress: Progress,
     procs: ClientProcesses,
     server_pid: int = 0,
+    ca_file: str = "",
 ) -> list[Row]:
     ns = f"bench-{path}-{size}"
     keys = bench_keys("v", fill_count(size))
     value = value_bytes(size)
     rows = []
-    with kvd_client(path, tcp_target, unix_target) as filler:
+    with kvd_client(path, tcp_target, unix_target, ca_file) as filler:
         buffer = filler.buffer(size)
         for clients in CLIENTS:
             # (Again) before each round: the previous round's puts may have
@@ -246,7 +256,7 @@ def kvd_rows(
                 batch = min(BATCH_VALUES, len(keys)) if op == "get-batch" else 1
                 case = Case(
                     "kvd", op, size, keys, f"p{clients}", ns, path, tcp_target, unix_target,
-                    batch=batch,
+                    batch=batch, ca_file=ca_file,
                 )  # fmt: skip
                 got = procs.measure(case, CASE_SECONDS, clients, server_pid)
                 note = f"{batch} values a call" if batch > 1 else ""
@@ -260,7 +270,7 @@ def kvd_rows(
                     filler.put(ns, key, value.data)
                 case = Case(
                     "kvd", "get-chain", size, chain, "chain", ns, path, tcp_target, unix_target,
-                    batch=CHAIN_VALUES,
+                    batch=CHAIN_VALUES, ca_file=ca_file,
                 )  # fmt: skip
                 written_back(filler)
                 got = procs.measure(case, CASE_SECONDS, 1, server_pid)
@@ -353,13 +363,15 @@ def run(
     cold_dir: str | None = None,
     pooled: tuple[str, str] | None = None,
     server_pids: dict[str, int] | None = None,
+    secure: tuple[str, str] | None = None,
 ) -> list[Row]:
     """Every path and ceiling; ``peers`` the peers' suite (Redis, Mooncake:
     ``kvd.tools.bench.paths_peers.PEERS``) or None; ``cold`` is a small-L1
     daemon's (tcp, unix) targets, ``cold_dir`` a directory on its file
     system for the fio ceiling, ``pooled`` a daemon's with pool reads on
-    (``POOL_PATHS``); ``server_pids`` the daemons' process ids by tcp target,
-    for their CPU per value."""
+    (``POOL_PATHS``); ``secure`` a daemon's with TLS on its gRPC listener and
+    bulk port, (tcp target, CA file), for ``TLS_PATHS``; ``server_pids`` the
+    daemons' process ids by tcp target, for their CPU per value."""
     pids = server_pids or {}
     rows = ceiling_rows(sizes, progress)
     progress(f"paths: starting {max(CLIENTS)} client processes")
@@ -374,6 +386,11 @@ def run(
                 for size in sizes:
                     rows += kvd_rows(path, pooled[0], pooled[1], size, progress, procs,
                                      pids.get(pooled[0], 0))  # fmt: skip
+        if secure is not None:
+            for path in TLS_PATHS:
+                for size in sizes:
+                    rows += kvd_rows(path, secure[0], "", size, progress, procs,
+                                     pids.get(secure[0], 0), secure[1])  # fmt: skip
         if peers is not None:
             rows += peers.beside_kvd(sizes, progress, procs)
     finally:
@@ -416,6 +433,33 @@ def ceiling_rows(sizes: tuple[int, ...], progress: Progress) -> list[Row]:
 
 def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def tls_available() -> bool:
+    """Whether certificates can be made here (``cryptography``: test extras)."""
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tls_daemon_args(where: Path, shm_dir: str) -> tuple[list[str], str]:
+    """A daemon with TLS on its gRPC listener and its bulk port (``bulk_tls``):
+    its flags, with a certificate for 127.0.0.1 a CA made for the run signed,
+    and the CA's file (``TLS_PATHS``)."""
+    from kvd.tools.bench.certs import make_ca, make_leaf  # cryptography: test extras
+
+    ca, ca_cert, ca_key = make_ca("kvd bench paths CA")
+    server = make_leaf(ca_cert, ca_key, "kvd-bench", ("127.0.0.1",))
+    files = {"ca.crt": ca.cert, "server.crt": server.cert, "server.key": server.key}
+    for name, data in files.items():
+        (where / name).write_bytes(data)
+    flags = [
+        *bench_daemon_args(shm_dir), "--tls-cert-file", str(where / "server.crt"),
+        "--tls-key-file", str(where / "server.key"), "--bulk-tls", "true",
+    ]  # fmt: skip
+    return flags, str(where / "ca.crt")
 
 
 def bench_daemon_args(shm_dir: str) -> list[str]:

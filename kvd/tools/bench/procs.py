@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.client import Client
+from kvd.client import Client, Tls
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class Case:
     unix_target: str = ""
     port: int = 0  # redis
     batch: int = 1  # kvd get-batch: values a call
+    ca_file: str = ""  # kvd bulk+tls, grpc+tls: the CA the daemon's certificate checks against
 
 
 # What each measured path must really use: a figure taken on a fallback
@@ -100,11 +101,19 @@ _EXPECTED_PATHS = {
     "shm-pool-direct-trust": {"shm", "shm-socket", "shm-pool", "shm-pool-direct"},
     "bulk": {"bulk"},
     "grpc": set(),
+    "bulk+tls": {"bulk"},
+    "grpc+tls": set(),
 }
+# Paths to a daemon with TLS on its gRPC listener and bulk port (bulk_tls).
+TLS_PATHS = ("bulk+tls", "grpc+tls")
 
 
-def kvd_client(path: str, tcp_target: str, unix_target: str) -> Client:
-    if path == "shm":
+def kvd_client(path: str, tcp_target: str, unix_target: str, ca_file: str = "") -> Client:
+    """A client of ``path``; ``ca_file`` for the TLS paths (``TLS_PATHS``)."""
+    if path in TLS_PATHS:
+        tls = Tls(ca_file=ca_file)
+        client = Client(tcp_target, timeout_s=60, shm=False, bulk=path == "bulk+tls", tls=tls)
+    elif path == "shm":
         client = Client(unix_target, timeout_s=60, pool_reads=False)
     elif path.startswith("shm-pool-direct"):
         client = Client(unix_target, timeout_s=60, verify_pool_reads=path == "shm-pool-direct")
@@ -245,7 +254,7 @@ def _prepare(case: Case, index: int) -> tuple[Callable[[int], None], Callable[[]
         op = redis_get if case.op == "get" else redis_put
         op(-1)  # warm-up: connection, first touches
         return op, conn.close
-    client = kvd_client(case.path, case.tcp_target, case.unix_target)
+    client = kvd_client(case.path, case.tcp_target, case.unix_target, case.ca_file)
     try:
         batch = case.batch
         room = client.buffer(size * batch)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvd.tools.bench import main, paths
+from kvd.tools.bench.procs import TLS_PATHS
 
 
 def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,6 +36,10 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert measured[(path, "get", 1)] > 0 and measured[(path, "get", 2)] > 0
         assert measured[(path, "get-batch", 1)] > 0 and measured[(path, "get-chain", 1)] > 0
         assert (path, "put", 1) not in measured
+    for path in TLS_PATHS:  # a daemon with TLS on its gRPC listener and bulk port
+        for op in ("get", "put"):
+            assert measured[(path, op, 1)] > 0 and measured[(path, op, 2)] > 0
+        assert measured[(path, "get-batch", 1)] > 0 and measured[(path, "get-chain", 1)] > 0
     assert measured[("memcpy", "copy", 1)] > 0 and measured[("tcp", "get", 1)] > 0
     # The L2-cold rows' ceiling, from the same run on the cold daemon's file system.
     for depth in paths.FIO_DEPTHS:
@@ -44,7 +49,7 @@ def test_paths_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # CPU per value, the clients' and the daemon's, for every kvd case with one
     # client (a daemon's threads' schedstat; a get costs more than nothing).
     cpu = {(r["path"], r["op"], r["clients"]): r["cpu_us_per_value"] for r in data["rows"]}
-    for path in ("shm", "bulk", "grpc", *paths.POOL_PATHS):
+    for path in ("shm", "bulk", "grpc", *paths.POOL_PATHS, *TLS_PATHS):
         assert cpu[(path, "get", 1)] > 0 and cpu[(path, "get-chain", 1)] > 0
     assert cpu[("memcpy", "copy", 1)] is None
     assert "CPU per value" in result.with_suffix(".md").read_text()
