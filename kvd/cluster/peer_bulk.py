@@ -201,14 +201,14 @@ class BulkConnection:
                 await self._send(encode_request(
                     OP_PEER_HISTORY, next(self._ids), namespace.encode(), key, meta=history,
                     flags=FLAG_HOP,
-                ))  # fmt: skip
+                ), flush=False)  # fmt: skip
             request = encode_request(
                 OP_PUT, rid, namespace.encode(), key, parent=reader.entry.parent or b"",
                 meta=reader.meta, length=reader.size, checksum=reader.checksum, flags=flags,
             )  # fmt: skip
-            await self._send(request)
-            for view in reader.views:
-                await self._send(view)
+            await self._send(request, flush=not reader.views)  # over TLS: one flush a value
+            for i, view in enumerate(reader.views):
+                await self._send(view, flush=i == len(reader.views) - 1)
         taken = []
         for rid in rids:
             code, _, _, _ = await self._answer(OP_PUT, rid)
@@ -339,9 +339,11 @@ class BulkConnection:
             got += await self._recv_into(view, hasher, got, total)
         self.reusable = True
 
-    async def _send(self, data: bytes | memoryview) -> None:
+    async def _send(self, data: bytes | memoryview, flush: bool = True) -> None:
+        """``data`` sent; over TLS without ``flush`` its last ciphertext may
+        wait for the next send's."""
         try:
-            await send_whole(self.loop, self.sock, data)
+            await send_whole(self.loop, self.sock, data, flush)
         except OSError as exc:  # reset or broken: the member's process went away
             raise PeerError(
                 f"bulk connection failed sending: {exc.strerror or exc}", "short"
