@@ -122,7 +122,7 @@ def _paths(args: argparse.Namespace) -> int:
 def _paths_run(args: argparse.Namespace) -> int:
     import shutil
 
-    from kvd.tools.bench import paths, paths_peers, paths_report
+    from kvd.tools.bench import paths, paths_peers, paths_report, pool_tls
     from kvd.tools.bench.daemon import SpawnedDaemon
 
     sizes = tuple(int(s) for s in args.sizes) if args.sizes else paths.SIZES_BYTES
@@ -150,7 +150,7 @@ def _paths_run(args: argparse.Namespace) -> int:
                 Path(tmp) / "pool", [*paths.bench_daemon_args(pool_shm_dir), "--shm-pool-reads",
                 "true"], dram="2GiB", max_value="32MiB", ssd="",
             )  # fmt: skip
-            if paths.tls_available():
+            if pool_tls.available():  # certificates can be made here
                 (Path(tmp) / "tls").mkdir()
                 flags, ca_file = paths.tls_daemon_args(Path(tmp) / "tls", tls_shm_dir)
                 tls_daemon = SpawnedDaemon(

@@ -1,7 +1,8 @@
 """Certificates made for a run: a CA, and leaves it signs (EC P-256,
 SHA-256, valid from an hour before now for ``VALID_FOR``), for the bench's
-members with TLS between them (``kvd.tools.bench.pool_tls``) and the
-tests. Needs ``cryptography`` (kvd's test extras)."""
+members with TLS between them (``kvd.tools.bench.pool_tls``), its daemon
+with TLS (``kvd.tools.bench.paths``) and the tests. Needs ``cryptography``
+(kvd's test extras)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import datetime
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -53,6 +55,21 @@ def make_leaf(
         )
     cert = builder.sign(ca_key, hashes.SHA256())
     return Pem(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def write_run_files(
+    where: Path, ca_name: str, leaf_name: str, names: Sequence[str]
+) -> tuple[Path, Path, Path]:
+    """A CA named ``ca_name`` and a leaf it signs for ``leaf_name`` (SANs
+    ``names``), written under ``where`` (made): the CA's, the leaf's
+    certificate's and its key's files."""
+    where.mkdir(parents=True, exist_ok=True)
+    ca, ca_cert, ca_key = make_ca(ca_name)
+    leaf = make_leaf(ca_cert, ca_key, leaf_name, names)
+    files = (where / "ca.crt", where / "leaf.crt", where / "leaf.key")
+    for path, data in zip(files, (ca.cert, leaf.cert, leaf.key), strict=True):
+        path.write_bytes(data)
+    return files
 
 
 def _builder(subject: x509.Name, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:

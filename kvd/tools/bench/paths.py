@@ -435,31 +435,18 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def tls_available() -> bool:
-    """Whether certificates can be made here (``cryptography``: test extras)."""
-    try:
-        import cryptography  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def tls_daemon_args(where: Path, shm_dir: str) -> tuple[list[str], str]:
     """A daemon with TLS on its gRPC listener and its bulk port (``bulk_tls``):
     its flags, with a certificate for 127.0.0.1 a CA made for the run signed,
     and the CA's file (``TLS_PATHS``)."""
-    from kvd.tools.bench.certs import make_ca, make_leaf  # cryptography: test extras
+    from kvd.tools.bench.certs import write_run_files  # cryptography: test extras
 
-    ca, ca_cert, ca_key = make_ca("kvd bench paths CA")
-    server = make_leaf(ca_cert, ca_key, "kvd-bench", ("127.0.0.1",))
-    files = {"ca.crt": ca.cert, "server.crt": server.cert, "server.key": server.key}
-    for name, data in files.items():
-        (where / name).write_bytes(data)
+    ca, cert, key = write_run_files(where, "kvd bench paths CA", "kvd-bench", ("127.0.0.1",))
     flags = [
-        *bench_daemon_args(shm_dir), "--tls-cert-file", str(where / "server.crt"),
-        "--tls-key-file", str(where / "server.key"), "--bulk-tls", "true",
+        *bench_daemon_args(shm_dir), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--bulk-tls", "true",
     ]  # fmt: skip
-    return flags, str(where / "ca.crt")
+    return flags, str(ca)
 
 
 def bench_daemon_args(shm_dir: str) -> list[str]:

@@ -82,6 +82,11 @@ def _wait_found(client: Client, keys: list[bytes]) -> None:
         time.sleep(0.1)
 
 
+def _dram(keys: list[bytes]) -> str:
+    """L1 for the chain: a key takes one 64 KiB page, twice over, and room besides."""
+    return str(len(keys) * 64 * 1024 * 2 + 64 * MiB)
+
+
 def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
     p50, p99 = np.percentile(seconds, [50, 99]) * 1e3
     return {"p50_ms": float(p50), "p99_ms": float(p99), "n": len(seconds)}
@@ -120,8 +125,7 @@ def _pool_case(
     extra: tuple[str, ...], split: bool,
 ) -> tuple[list[float], dict[str, Any]]:  # fmt: skip
     items = [(key, key * 16) for key in keys]
-    dram = str(len(keys) * 64 * 1024 * 2 + 64 * MiB)  # a key takes one 64 KiB page
-    with Pool(root, MEMBERS, netns=netns, dram=dram, ssd="", peer_timeout_ms=PEER_TIMEOUT_MS,
+    with Pool(root, MEMBERS, netns=netns, dram=_dram(keys), ssd="", peer_timeout_ms=PEER_TIMEOUT_MS,
               extra=extra) as pool:  # fmt: skip
         token = pool.token
         with Client(pool.members[0].socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:
@@ -146,8 +150,7 @@ def _pool_case(
 def _single(root: Path, keys: list[bytes], lookups: int, pace_s: float, split: bool) -> list[float]:
     root.mkdir(parents=True)
     token, auth = write_tokens(root)
-    dram = str(len(keys) * 64 * 1024 * 2 + 64 * MiB)
-    daemon = SpawnedDaemon(root, auth, dram=dram, ssd="")
+    daemon = SpawnedDaemon(root, auth, dram=_dram(keys), ssd="")
     try:
         pinned = split_cpus(daemon.proc.pid, []) if split else contextlib.nullcontext()
         with Client(daemon.socket_target, token=token, timeout_s=CALL_TIMEOUT_S) as c:

@@ -36,17 +36,12 @@ def available() -> bool:
 def member_flags(where: Path, transport: str = TLS_TRANSPORT) -> list[str]:
     """The flags of every member for ``transport``: the run's certificate,
     key and CA, written under ``where``."""
-    from kvd.tools.bench.certs import make_ca, make_leaf  # cryptography: test extras
+    from kvd.tools.bench.certs import write_run_files  # cryptography: test extras
 
-    where.mkdir(parents=True, exist_ok=True)
-    ca, ca_cert, ca_key = make_ca("kvd bench pool CA")
-    member = make_leaf(ca_cert, ca_key, SERVER_NAME, (SERVER_NAME,))
-    files = {"ca.crt": ca.cert, "member.crt": member.cert, "member.key": member.key}
-    for name, data in files.items():
-        (where / name).write_bytes(data)
-    ca_file = str(where / "ca.crt")
+    ca, cert, key = write_run_files(where, "kvd bench pool CA", SERVER_NAME, (SERVER_NAME,))
+    ca_file = str(ca)
     return [
-        "--tls-cert-file", str(where / "member.crt"), "--tls-key-file", str(where / "member.key"),
+        "--tls-cert-file", str(cert), "--tls-key-file", str(key),
         "--tls-client-ca-file", ca_file, "--pool-tls-ca-file", ca_file,
         "--pool-tls-server-name", SERVER_NAME,
         *(("--bulk-tls", "true") if transport == BULK_TLS_TRANSPORT else ()),
