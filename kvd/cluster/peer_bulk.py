@@ -378,7 +378,10 @@ class BulkConnection:
         pos, size = 0, len(view)
         while pos < size:
             try:
-                n = await recv_some(self.loop, self.sock, view[pos:])
+                try:  # bytes already here: no coroutine made
+                    n = self.sock.recv_into(view[pos:])
+                except BlockingIOError:  # a TLS session's waits (WantRead, WantWrite) too
+                    n = await recv_some(self.loop, self.sock, view[pos:])
             except ssl.SSLError as exc:  # e.g. the member refused this daemon's certificate
                 raise PeerError(f"bulk connection: TLS: {exc}", "auth") from None
             except OSError as exc:  # a reset: the member's process went away mid-call

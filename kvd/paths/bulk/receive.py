@@ -25,7 +25,10 @@ async def recv_into_exact(
     """Fill ``view``; EOF first is a ProtocolError (a truncated frame)."""
     pos, size = 0, len(view)
     while pos < size:
-        n = await recv_some(loop, sock, view[pos:])
+        try:  # bytes already here: no coroutine made
+            n = sock.recv_into(view[pos:])
+        except BlockingIOError:  # a TLS session's waits (WantRead, WantWrite) too
+            n = await recv_some(loop, sock, view[pos:])
         if n == 0:
             raise ProtocolError(f"connection ended inside a frame ({pos} of {size} bytes)")
         if hasher is not None:
