@@ -75,12 +75,15 @@ class Tls:
     cert_file: str | None = None
     key_file: str | None = None
 
+    def _check_pair(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise InvalidArgument("tls: cert_file and key_file go together")
+
     def context(self) -> ssl.SSLContext:
         """The same files for the bulk TCP port, where the daemon's takes TLS
         (``bulk_tls``): its certificate checked against ``ca_file`` (the
         system's roots without one) and the host's name."""
-        if (self.cert_file is None) != (self.key_file is None):
-            raise InvalidArgument("tls: cert_file and key_file go together")
+        self._check_pair()
         try:
             context = ssl.create_default_context(cafile=self.ca_file)
         except (OSError, ssl.SSLError) as exc:
@@ -94,8 +97,7 @@ class Tls:
         return context
 
     def credentials(self) -> grpc.ChannelCredentials:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise InvalidArgument("tls: cert_file and key_file go together")
+        self._check_pair()
         return grpc.ssl_channel_credentials(
             root_certificates=_pem(self.ca_file, "ca_file"),
             private_key=_pem(self.key_file, "key_file"),

@@ -154,9 +154,6 @@ class TlsSocket:
         """Plaintext waiting, at most one record's overhead per 16 KiB over."""
         return self.tls.pending() + self._in.pending + fionread(self.raw)
 
-    def setsockopt(self, level: int, option: int, value: int) -> None:
-        self.raw.setsockopt(level, option, value)
-
     def close(self) -> None:
         self.raw.close()
 
