@@ -10,6 +10,7 @@ import hashlib
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,26 @@ def test_a_client_in_clear_or_without_its_certificate_gets_nothing(
         assert client._fast_paths()[1] is not None
         assert client.put("t", b"k", value) is False
         assert client.get("t", b"k") == value
+
+
+def test_a_stalled_handshake_is_closed_and_the_port_serves_on(
+    daemon_factory: DaemonFactory, tmp_path: Path, pki: Pki
+) -> None:
+    """A client that connects and sends nothing, or half a ClientHello, is
+    closed within bulk_hello_timeout_ms (the handshake counts against it),
+    while a TLS client is served meanwhile."""
+    daemon = tls_daemon(daemon_factory, tmp_path, pki, "--bulk-hello-timeout-ms", "300")
+    silent = socket.create_connection(("127.0.0.1", daemon.bulk_port), timeout=5)
+    half = socket.create_connection(("127.0.0.1", daemon.bulk_port), timeout=5)
+    half.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello's start
+    started = time.monotonic()
+    value = value_of(b"h", 1 << 20)
+    with Client(daemon.target, tls=Tls(ca_file=str(tmp_path / "ca.crt"))) as client:
+        assert client.put("t", b"h", value) is False
+        assert client.get("t", b"h") == value
+    assert closed_by_daemon(silent) and closed_by_daemon(half)
+    assert time.monotonic() - started < 5  # the hello timeout, not the sockets' own
+    assert wait_until(lambda: sum("no HELLO within" in line for line in daemon.log) == 2)
 
 
 def test_new_files_take_effect_on_sighup(
