@@ -20,7 +20,7 @@ from kvd.client import AlreadyExists, Client, InvalidArgument, bulk
 from kvd.client.bulk import BulkClient, BulkPut
 from kvd.paths.bulk.server import OP_GET, OP_HELLO, OP_PUT, RESPONSE, encode_request
 from tests.sockets import closed_by_daemon, metric, recv_exact, sample, samples, sockets_on
-from tests.support import DaemonFactory, DaemonProcess, wait_until
+from tests.support import DaemonFactory, DaemonProcess, stop_process, wait_until
 
 NS = "bulk-test"
 
@@ -358,7 +358,7 @@ def test_large_values_arrive_whole_either_way(
         rid = conn.next_id()
         conn.send([memoryview(encode_request(OP_GET, rid, NS.encode(), b"big"))])
         header = RESPONSE.unpack(recv_exact(conn.sock, RESPONSE.size))
-        os.kill(bulk_daemon.proc.pid, signal.SIGSTOP)
+        stop_process(bulk_daemon.proc.pid)
         try:
             start = time.monotonic()
             with pytest.raises((TimeoutError, ConnectionError)):
