@@ -70,6 +70,15 @@ POOL_COUNTERS = {
         "Lookups answered from the owners' recent answers without asking them "
         "(pool_lookup_hint_ms)",
     ),
+    "hint_refreshes": (
+        "kvd_cluster_hint_refreshes",
+        "Hinted lookups whose owners were asked again in the background, keeping the "
+        "chain's hints fresh",
+    ),
+    "hint_refreshes_skipped": (
+        "kvd_cluster_hint_refreshes_skipped",
+        "Hint refreshes due but not started (too many running): the hints age out",
+    ),
     "hints_kept": (
         "kvd_cluster_hints_kept",
         "Keys this owner answered held and keeps for the asking member's lookup hints",

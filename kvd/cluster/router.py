@@ -9,9 +9,10 @@ put handed on to its owner.
   ``ChainShare``), all owners at once; the answer's prefix runs on through
   the keys found. An owner's answers are kept for ``pool_lookup_hint_ms``
   (``kvd.cluster.hints``): a lookup whose keys there all have one is
-  answered from them, and the owners are told instead of asked; an owner
-  keeps the keys it answered held meanwhile (``kvd.cluster.promises``). A chain's
-  layout is remembered (``kvd.cluster.layouts``). Remote keys count as
+  answered from them, and the owners are told instead of asked (and asked
+  again in the background now and then: ``kvd.cluster.refresh``); an
+  owner keeps the keys it answered held meanwhile (``kvd.cluster.promises``).
+  A chain's layout is remembered (``kvd.cluster.layouts``). Remote keys count as
   ``l2_hits`` (held, not in local memory) and are not leased; keys held
   here past the local prefix (owned, or copies) are leased with it. Every
   other owner of a key of the chain is told its share in the background
@@ -59,7 +60,7 @@ from itertools import compress
 from kvd.cluster import scope
 from kvd.cluster.forwards import Forwards
 from kvd.cluster.hints import Hints
-from kvd.cluster.layouts import Layouts
+from kvd.cluster.layouts import Layouts, Owners
 from kvd.cluster.membership import Membership
 from kvd.cluster.peer_reads import HIT, MISS, NOT_KEPT, PeerReads
 from kvd.cluster.peers import PeerError, Peers
@@ -67,6 +68,7 @@ from kvd.cluster.pinned import Holds, PinShare
 from kvd.cluster.plans import PoolPlans
 from kvd.cluster.promises import Promises
 from kvd.cluster.rebalance import Rebalance
+from kvd.cluster.refresh import Refresh
 from kvd.cluster.tells import Tells
 from kvd.store.index import Entry, Reader
 from kvd.store.store import Store
@@ -84,9 +86,6 @@ PEER_DOWN_S = 1.0
 FETCH_PARALLEL_MAX = 32
 # Peer errors logged per member before the rest are only counted.
 ERRORS_LOGGED_MAX = 10
-# Owners remembered (kvd.cluster.rendezvous is ~0.35 us a key and member);
-# all are forgotten when the members change or past this many (~10 MB).
-OWNERS_CACHED_MAX = 65_536
 # A value fetched from its owner is held in L1 (pinned) until a get opens
 # it, at most this long: between the fetch landing and the get's open the
 # loop runs other work (puts handed on by other members), and a fresh copy
@@ -146,8 +145,8 @@ class PoolRouter:
         lookup_hint_s: float = 0.0,
         rebalance_bytes_per_s: int = 0,
     ) -> None:
-        """``lookup_hint_s``: how long owners' answers answer lookups (``Hints``); 0: never.
-        ``rebalance_bytes_per_s``: the pace of ``Rebalance``; 0: unpaced."""
+        """``lookup_hint_s``: how long owners' answers answer lookups (``Hints``),
+        0: never; ``rebalance_bytes_per_s``: the pace of ``Rebalance``, 0: unpaced."""
         self.store = store
         self.membership = membership
         self.peers = peers
@@ -161,7 +160,8 @@ class PoolRouter:
         self.promises = Promises(
             store, promise_s, int(store.pool.capacity_bytes * PROMISED_FRACTION)
         )
-        self.layouts = Layouts(self._owners_of)
+        self.owners = Owners(lambda: membership.placement)
+        self.layouts = Layouts(self.owners.of_chain)
         self._fetching: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
         self._awaited: dict[tuple[str, bytes], int] = {}  # gets waiting on their fetch, by key
         # Values fetched, held until their get opens them (past the share:
@@ -170,9 +170,7 @@ class PoolRouter:
         self._holds = Holds(share, FETCHED_HOLD_S)
         self.tells = Tells(reads, self._exists, self._peer_failed, peer_timeout_s,
                            store.limits.max_lookup_keys)  # fmt: skip
-        self._owners: dict[str, dict[bytes, str]] = {}  # by namespace, then key
-        self._owners_count = 0
-        self._owners_placement: object = None  # the placement _owners is of
+        self.refresh = Refresh(lookup_hint_s / 4, self._exists)
         self._errors_logged: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
         # Per member: this daemon's lookups since it last told the member of
@@ -199,7 +197,7 @@ class PoolRouter:
         self.store.on_put = None
         self.store.guest_of = None
         tasks = [*self.rebalance.tasks(), *self.forwards.tasks(), *self._fetching.values(),
-                 *self.tells.tasks()]  # fmt: skip
+                 *self.tells.tasks(), *self.refresh.tasks()]  # fmt: skip
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -227,12 +225,15 @@ class PoolRouter:
         values["membership_refused"] = self.membership.refused
         values["forward_queue"] = self.forwards.waiting()
         values["hint_pinned_bytes"] = self.promises.pinned_bytes
+        values["hint_refreshes"] = self.refresh.started
+        values["hint_refreshes_skipped"] = self.refresh.skipped
         values["hints_kept"] = self.promises.kept
         values["hints_not_kept"] = self.promises.not_kept
         return values
 
     def _members_changed(self, members: tuple[str, ...]) -> None:
         self.hints.clear()  # owners change with the members
+        self.refresh.clear()
         self.rebalance.changed()
         self.tells.retain(members)
         self._untold = {m: n for m, n in self._untold.items() if m in members}
@@ -240,43 +241,11 @@ class PoolRouter:
         task = asyncio.get_running_loop().create_task(self.peers.retain(members))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    def _owner(self, namespace: str, key: bytes) -> str:
-        known = self._known_owners(namespace)
-        owner = known.get(key)
-        if owner is None:
-            owner = known[key] = self.membership.placement.owner(namespace, key)
-            self._owners_count += 1
-        return owner
-
-    def _owners_of(self, namespace: str, keys: list[bytes]) -> list[str]:
-        """Each key's owner, remembered: an engine looks the same chains up
-        again and again (vLLM once per waiting request and step), and placing
-        a 1,000-key chain over four members costs ~0.35 ms of the lookup. A
-        chain whose owners are all remembered costs one C loop over a dict
-        (~25 µs for 1,000 keys, against ~90 µs for a call per key)."""
-        known = self._known_owners(namespace)
-        owners = list(map(known.get, keys))
-        if None in owners:
-            placement = self.membership.placement
-            for i, owner in enumerate(owners):
-                if owner is None:
-                    owners[i] = known[keys[i]] = placement.owner(namespace, keys[i])
-                    self._owners_count += 1
-        return owners  # type: ignore[return-value]  # every None was filled
-
-    def _known_owners(self, namespace: str) -> dict[bytes, str]:
-        """The owners remembered in ``namespace``, for the current placement
-        (all are forgotten when it changes, or past OWNERS_CACHED_MAX)."""
-        placement = self.membership.placement
-        if placement is not self._owners_placement or self._owners_count >= OWNERS_CACHED_MAX:
-            self._owners_placement, self._owners, self._owners_count = placement, {}, 0
-        return self._owners.setdefault(namespace, {})
-
     def _remote_owner(self, namespace: str, key: bytes) -> str | None:
         """The key's owner when it is another member, else None."""
         if len(self.membership.members) == 1:
             return None
-        owner = self._owner(namespace, key)
+        owner = self.owners.of(namespace, key)
         return None if owner == self.membership.advertise else owner
 
     def _is_guest(self, namespace: str, key: bytes) -> bool:
@@ -341,6 +310,7 @@ class PoolRouter:
             found[start : start + hinted] = [True] * hinted
             asks = {}
             self.counters.hinted_lookups += 1
+            self.refresh.chain(namespace, keys, shares, start, self.peer_timeout_s)
         lease_id = local.lease_id
         if here and lease_ms:
             # Leased with the prefix, as one daemon leases every hit it
@@ -377,7 +347,7 @@ class PoolRouter:
         shares: dict[str, list[int]] = {}
         if len(self.membership.members) > 1:
             me = self.membership.advertise
-            for i, owner in enumerate(self._owners_of(namespace, keys)):
+            for i, owner in enumerate(self.owners.of_chain(namespace, keys)):
                 if not found[i] and owner != me:
                     shares.setdefault(owner, []).append(i)
         await self._ask_owners(namespace, keys, shares, list(shares), found, chain=False)

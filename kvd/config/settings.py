@@ -363,9 +363,10 @@ class Config:
         max=60_000,
     )
     pool_lookup_hint_ms: int = _setting(
-        0,
+        500,
         help="how long an owner's answer about a key (held or not) answers lookups here "
-        "without asking it again (up to twice this); an owner with it keeps the keys it "
+        "without asking it again (up to twice this; a chain looked up again has its owners "
+        "asked again in the background every quarter of this); an owner with it keeps the keys it "
         "answers held for that long (pinned, up to an eighth of its L1; past it they are "
         "asked again), so give every member the same value; a key lost anyway (deleted) "
         "is claimed and then a miss at the get (a load error the engine recomputes), never "

@@ -75,16 +75,19 @@ def test_exists_frames_are_answered_to_the_pool_token(tmp_path: Path) -> None:
         keys = [held[0], b"gone-0000", held[1], held[2]]
         payload = bulk.encode_exists(9, b"".join(keys), None)
         share = bulk.encode_exists(9, b"".join(keys), ChainShare(10, [0, 3, 5, 9]))
+        # Each key held is answered kept: an owner pins what it answers held
+        # for the asking member's lookup hints (pool_lookup_hint_ms, on by default).
+        kept = bytes([bulk.EXISTS_KEPT, bulk.EXISTS_NOT_HELD, bulk.EXISTS_KEPT, bulk.EXISTS_KEPT])
         with _connect(owner.bulk_port, POOL_TOKEN) as sock:
-            assert _exists(sock, 1, payload) == (bulk.CODE_OK, b"\x01\x00\x01\x01")
-            assert _exists(sock, 2, share) == (bulk.CODE_OK, b"\x01\x00\x01\x01")
+            assert _exists(sock, 1, payload) == (bulk.CODE_OK, kept)
+            assert _exists(sock, 2, share) == (bulk.CODE_OK, kept)
             # Parts that do not add up, positions out of order: refused, and
             # the connection goes on.
             bad = bulk.EXISTS_REF.pack(9, 5, 0) + b"".join(keys)
             assert _exists(sock, 3, bad)[0] == bulk.CODE_BY_NAME["INVALID_ARGUMENT"]
             disorder = bulk.encode_exists(9, b"".join(keys), ChainShare(10, [3, 0, 5, 9]))
             assert _exists(sock, 4, disorder)[0] == bulk.CODE_BY_NAME["INVALID_ARGUMENT"]
-            assert _exists(sock, 5, payload) == (bulk.CODE_OK, b"\x01\x00\x01\x01")
+            assert _exists(sock, 5, payload) == (bulk.CODE_OK, kept)
             # A share after 3 lookups that held none of this member's keys;
             # a meta that is no count is refused.
             metas = [
@@ -191,7 +194,7 @@ def test_a_history_goes_with_the_next_put_and_is_never_answered(tmp_path: Path) 
             # Bytes that are no history are ignored, and the connection goes on.
             _history(sock, b"other", history[:-1])
             assert _exists(sock, 3, bulk.encode_exists(6, b"handed", None)) == (
-                bulk.CODE_OK, b"\x01",
+                bulk.CODE_OK, bytes([bulk.EXISTS_KEPT]),
             )  # fmt: skip
         assert metric(owner.metrics_port, "kvd_cluster_histories_taken_total") == taken + 1
         # A payload, or a connection without the pool token: closed.

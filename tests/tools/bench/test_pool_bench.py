@@ -70,7 +70,7 @@ def test_the_pool_bench_runs_every_section(tmp_path: Path) -> None:
     assert 0 <= simulated["pool_apart"] <= 1
     assert "members not in step" in raw.with_suffix(".md").read_text()
     assert result["lookup"]["owners"] == pool.MEMBERS
-    # The lookups with hints were answered from them; the default asks every time.
+    # The lookups with hints (the default) were answered from them; with the setting at 0 each asks.
     assert result["lookup"]["hinted_lookups"] > 0
     assert {"pool", "pool_asked", "single"} <= set(result["lookup"])
     # Again with each node on its own CPUs, where the machine has two or more.
