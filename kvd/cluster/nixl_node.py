@@ -246,7 +246,25 @@ class NixlNode:
         (its pages then stay out of use, counted in ``stuck``): a late write
         must not land in pages that hold another value by then. The event
         loop never blocks on it."""
-        mine, theirs = pair_segments(local, remote)
+        try:
+            mine, theirs = pair_segments(local, remote)
+        except NixlError:
+            give_back()  # nothing was posted
+            raise
+        await self.read_paired(peer, mine, theirs, give_back)
+
+    async def read_paired(
+        self,
+        peer: str,
+        mine: Sequence[tuple[int, int, int]],
+        theirs: Sequence[tuple[int, int, int]],
+        give_back: Callable[[], None],
+    ) -> None:
+        """``read`` of descriptors already paired (``pair_segments``; several
+        values' side by side, at most ``SEGMENTS_MAX``): one transfer."""
+        if len(mine) > SEGMENTS_MAX:
+            give_back()
+            raise NixlError(f"{len(mine)} descriptors in one read, over {SEGMENTS_MAX}")
         agent = self._agent
         try:
             local_descs = agent.get_xfer_descs(mine, "DRAM")

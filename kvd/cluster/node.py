@@ -93,6 +93,11 @@ POOL_COUNTERS = {
         "Other members' chain lookups this member's eviction policy learned its share of",
     ),
     "remote_gets": ("kvd_cluster_remote_gets", "Gets sent to the key's owner"),
+    "nixl_read_batches": (
+        "kvd_cluster_nixl_read_batches",
+        "NIXL reads of one owner's values made together: pins on one connection, one transfer",
+    ),
+    "nixl_batched_reads": ("kvd_cluster_nixl_batched_reads", "Values read in those batches"),
     "remote_get_batches": (
         "kvd_cluster_remote_get_batches",
         "Batched gets whose values held elsewhere were read from their owners together",

@@ -297,12 +297,29 @@ class BulkConnection:
         """Pin a value on the member for a NIXL read: its header, the lease id
         and its pages' (address, length); None when the member does not hold it.
         ``nixl_release`` the lease once read."""
+        return (await self.nixl_pin_many(namespace, [key], max_value_bytes))[0]
+
+    async def nixl_pin_many(
+        self, namespace: str, keys: list[bytes], max_value_bytes: int
+    ) -> list[tuple[BulkAnswer, int, list[tuple[int, int]]] | None]:
+        """``nixl_pin`` of each key, the NIXL_PIN frames sent back to back and
+        their answers read in order (at most the member's pins a connection
+        holds, ``PINS_MAX`` in kvd.paths.bulk.peer_ops). A refused pin
+        (RESOURCE_EXHAUSTED, ...) raises, and the connection is closed, which
+        ends the pins it took."""
         self.reusable = False
-        rid = next(self._ids)
-        request = encode_request(OP_NIXL_PIN, rid, namespace.encode(), key, flags=FLAG_HOP)
-        await self._send(request)
+        rids = [next(self._ids) for _ in keys]
+        for i, (rid, key) in enumerate(zip(rids, keys, strict=True)):
+            request = encode_request(OP_NIXL_PIN, rid, namespace.encode(), key, flags=FLAG_HOP)
+            await self._send(request, flush=i == len(keys) - 1)
+        pinned = [await self._pinned(rid, max_value_bytes) for rid in rids]
+        self.reusable = True
+        return pinned
+
+    async def _pinned(
+        self, rid: int, max_value_bytes: int
+    ) -> tuple[BulkAnswer, int, list[tuple[int, int]]] | None:
         code, meta, message, (length, sum_sent) = await self._answer(OP_NIXL_PIN, rid)
-        self.reusable = code != CODE_OK
         if code == CODE_NOT_FOUND:
             return None
         if code != CODE_OK:
@@ -311,7 +328,6 @@ class BulkConnection:
             raise PeerError(f"NIXL_PIN answer of {length} bytes", "protocol")
         payload = bytearray(length)
         await self._recv_into(memoryview(payload), None, 0, length)
-        self.reusable = True
         size, lease, count = NIXL_PIN.unpack_from(payload)
         if length != NIXL_PIN.size + count * NIXL_SEGMENT.size or size > max_value_bytes:
             raise PeerError("NIXL_PIN answer's segments do not match its length", "protocol")
@@ -325,10 +341,18 @@ class BulkConnection:
 
     async def nixl_release(self, lease: int) -> None:
         """End a pin taken with ``nixl_pin``."""
+        await self.nixl_release_many([lease])
+
+    async def nixl_release_many(self, leases: list[int]) -> None:
+        """End pins taken with ``nixl_pin_many``: the NIXL_RELEASE frames back
+        to back, then their answers."""
         self.reusable = False
-        rid = next(self._ids)
-        await self._send(encode_request(OP_NIXL_RELEASE, rid, checksum=lease))
-        await self._answer(OP_NIXL_RELEASE, rid)
+        rids = [next(self._ids) for _ in leases]
+        for i, (rid, lease) in enumerate(zip(rids, leases, strict=True)):
+            request = encode_request(OP_NIXL_RELEASE, rid, checksum=lease)
+            await self._send(request, flush=i == len(leases) - 1)
+        for rid in rids:
+            await self._answer(OP_NIXL_RELEASE, rid)
         self.reusable = True
 
     async def receive(self, views: list[memoryview], hasher: Hasher) -> None:

@@ -12,8 +12,10 @@ Transports (``pool_peer_transport``, the name -> way table is ``TRANSPORTS``):
   checksum (``Store.publish_now``; else the pages go back, DATA_LOSS → a
   ``checksum`` peer error). No Python ``bytes`` per value.
 - ``nixl``: a one-sided NIXL/UCX read into the same reserved pages
-  (``kvd.cluster.nixl_reads``) where NIXL imports and starts and the owner
-  offers it; ``auto`` picks it then, else bulk.
+  (``kvd.cluster.nixl_node``) where NIXL imports and starts and the owner
+  offers it; ``auto`` picks it then, else bulk. The reads of one owner
+  asked in the same turn of the loop (a batched get's) go as one batch:
+  pinned on one connection, READ in one transfer (``kvd.cluster.nixl_reads``).
 - ``grpc``: the owner's gRPC Get (1 MiB messages, joined, then stored), as
   for a member that has no bulk port (``bulk_port`` 0), no DescribePaths, or
   a bulk port this daemon cannot connect to (a loopback ``bulk_listen``).
@@ -45,6 +47,8 @@ from typing import TypeVar
 
 from kvd.cluster import scope
 from kvd.cluster.nixl_node import NixlError, NixlNode, segments
+from kvd.cluster.nixl_reads import Gather, Outcome, Pinned, land_many
+from kvd.cluster.outcomes import HIT, MISS, NOT_KEPT, not_kept
 from kvd.cluster.peer_bulk import BulkAnswer, BulkConnection, BulkPeers, BulkUnreachable
 from kvd.cluster.peers import PeerError, PeerPaths, Peers
 from kvd.config.addresses import parse_address
@@ -64,9 +68,6 @@ _T = TypeVar("_T")
 TRANSPORTS = ("auto", "nixl", "bulk", "grpc")
 
 # What a read ended in, beside a PeerError.
-HIT = "hit"  # the value is now in local L1
-MISS = "miss"  # the owner does not hold it
-NOT_KEPT = "not_kept"  # the owner sent it, this daemon could not keep it (L1 full, a conflict)
 
 
 @dataclass
@@ -145,6 +146,8 @@ class PeerReads:
         self.traffic = PeerTraffic()
         self._paths: dict[str, PeerPaths] = {}
         self._grpc_logged: set[str] = set()
+        # NIXL reads of one owner asked in the same turn of the loop: one batch.
+        self.gather = Gather(self._read_nixl_many, self._read_nixl_alone)
 
     def describe(self) -> str:
         """The transport in use and, where it differs, the one asked for and why."""
@@ -164,6 +167,10 @@ class PeerReads:
         self.bulk.retain(members)
         self.traffic.retain(members)
 
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """Batches of NIXL reads under way."""
+        return self.gather.tasks()
+
     def close(self) -> None:
         self.bulk.close()
         if self.nixl is not None:
@@ -180,7 +187,7 @@ class PeerReads:
                     return await self._read_grpc(member, namespace, key, timeout_s)
                 try:
                     if self.nixl is not None:
-                        return await self._read_nixl(member, way, namespace, key)
+                        return await self.gather.read(member, namespace, key, timeout_s)
                     return await self._read_bulk(member, way, namespace, key)
                 except BulkUnreachable as error:
                     self._unreachable(member, error)
@@ -395,6 +402,49 @@ class PeerReads:
             self.traffic.called(member, "nixl", answer.size)  # which ends its pins)
             return outcome
 
+    async def _read_nixl_alone(
+        self, member: str, namespace: str, key: bytes, timeout_s: float
+    ) -> str:
+        way = await self._nixl_way(member, timeout_s)
+        return await self._read_nixl(member, way, namespace, key)
+
+    async def _read_nixl_many(
+        self, member: str, namespace: str, keys: list[bytes], timeout_s: float
+    ) -> list[Outcome]:
+        """``_read_nixl`` of several keys together (``kvd.cluster.nixl_reads``):
+        pinned on one connection, READ in one transfer, released together;
+        each key's outcome, or its failure."""
+        assert self.nixl is not None
+        way = await self._nixl_way(member, timeout_s)
+        async with self.bulk.connection(member, *way) as connection:
+            offer = await self._offer(member, connection)
+            if offer is not None:
+                max_value_bytes = self.store.limits.max_value_bytes
+                pins = await connection.nixl_pin_many(namespace, keys, max_value_bytes)
+                held = [(i, Pinned(key, *pin)) for i, (key, pin) in
+                        enumerate(zip(keys, pins, strict=True)) if pin is not None]  # fmt: skip
+                outcomes: list[Outcome] = [MISS] * len(keys)
+                landed = await land_many(self.store, self.nixl, member, offer[1], namespace,
+                                         [value for _, value in held])  # fmt: skip
+                await connection.nixl_release_many([value.lease for _, value in held])
+                for (i, value), outcome in zip(held, landed, strict=True):
+                    outcomes[i] = outcome
+                    if not isinstance(outcome, BaseException):  # as a read alone counts
+                        self.traffic.called(member, "nixl", value.answer.size)
+                for _ in range(len(keys) - len(held)):
+                    self.traffic.called(member, "nixl", 0)
+                return outcomes
+        # The member offers no NIXL: a bulk GET each, each on its own connection.
+        reads = (self._read_bulk(member, way, namespace, key) for key in keys)
+        return list(await asyncio.gather(*reads, return_exceptions=True))
+
+    async def _nixl_way(self, member: str, timeout_s: float) -> tuple[str, int]:
+        """The member's bulk port (known: ``read`` asked for it first)."""
+        way = await self._way(member, timeout_s)
+        if way is None:  # forgotten meanwhile (a failed read): the caller reads over gRPC
+            raise BulkUnreachable(f"{member}: no bulk port known")
+        return way
+
     async def _offer(self, member: str, connection: BulkConnection) -> tuple[bytes, str] | None:
         """The member's agent (metadata, name), asked once and loaded into this
         agent; None where it offers no NIXL."""
@@ -438,7 +488,7 @@ class PeerReads:
                     namespace, key, answer.size, answer.meta, None, answer.checksum
                 )
             except KvdError as error:
-                _not_kept(member, error)
+                not_kept(member, error)
                 return NOT_KEPT
             if isinstance(ticket, PutResult):
                 return HIT
@@ -462,7 +512,7 @@ class PeerReads:
                         f"{member}: value of {answer.size} bytes failed its checksum", "checksum"
                     ) from None
                 except KvdError as error:
-                    _not_kept(member, error)
+                    not_kept(member, error)
                     return NOT_KEPT
             finally:
                 if stopped:
@@ -487,7 +537,7 @@ class PeerReads:
             try:
                 ticket = await self.store.begin_put(namespace, key, size, meta, None, sum_sent)
             except KvdError as error:
-                _not_kept(member, error)
+                not_kept(member, error)
                 return NOT_KEPT  # the connection, its value unread, is closed
             if isinstance(ticket, PutResult):
                 return HIT  # stored here meanwhile, with these bytes
@@ -501,7 +551,7 @@ class PeerReads:
                         f"{member}: value of {size} bytes failed its checksum", "checksum"
                     ) from None
                 except KvdError as error:
-                    _not_kept(member, error)
+                    not_kept(member, error)
                     return NOT_KEPT
             finally:
                 self.store.abort_put(ticket)  # a no-op once published
@@ -522,10 +572,6 @@ class PeerReads:
                     namespace, key, value.data, value.meta, None, value.checksum, hasher=checksum
                 )
         except KvdError as error:
-            _not_kept(member, error)
+            not_kept(member, error)
             return NOT_KEPT
         return HIT
-
-
-def _not_kept(member: str, error: KvdError) -> None:
-    log.info("peer value not kept in L1", extra={"peer": member, "error": str(error)})

@@ -62,7 +62,8 @@ from kvd.cluster.forwards import Forwards
 from kvd.cluster.hints import Hints
 from kvd.cluster.layouts import Layouts, Owners
 from kvd.cluster.membership import Membership
-from kvd.cluster.peer_reads import HIT, MISS, NOT_KEPT, PeerReads
+from kvd.cluster.outcomes import HIT, MISS, NOT_KEPT
+from kvd.cluster.peer_reads import PeerReads
 from kvd.cluster.peers import PeerError, Peers
 from kvd.cluster.pinned import Holds, PinShare
 from kvd.cluster.plans import PoolPlans
@@ -197,7 +198,7 @@ class PoolRouter:
         self.store.on_put = None
         self.store.guest_of = None
         tasks = [*self.rebalance.tasks(), *self.forwards.tasks(), *self._fetching.values(),
-                 *self.tells.tasks(), *self.refresh.tasks()]  # fmt: skip
+                 *self.tells.tasks(), *self.refresh.tasks(), *self.reads.tasks()]  # fmt: skip
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -225,6 +226,8 @@ class PoolRouter:
         values["membership_refused"] = self.membership.refused
         values["forward_queue"] = self.forwards.waiting()
         values["hint_pinned_bytes"] = self.promises.pinned_bytes
+        values["nixl_read_batches"] = self.reads.gather.batches
+        values["nixl_batched_reads"] = self.reads.gather.batched
         values["hint_refreshes"] = self.refresh.started
         values["hint_refreshes_skipped"] = self.refresh.skipped
         values["hints_kept"] = self.promises.kept

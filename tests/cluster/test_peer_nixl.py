@@ -81,6 +81,56 @@ def test_nixl_reads_land_in_l1_with_their_bytes(tmp_path: Path) -> None:
             daemon.discard()
 
 
+def test_a_batched_get_reads_an_owners_values_in_one_batch(tmp_path: Path) -> None:
+    """A batched get over shared memory of values another member owns pins
+    them on one connection and READs them in one transfer
+    (kvd.cluster.nixl_reads): every
+    byte right, a value the owner lacks a miss among hits, L1 holding the
+    values read and nothing else."""
+    daemons = start_static_pool(tmp_path, 2, "--pool-peer-transport", "nixl",
+                                peer_timeout_ms=2000)  # fmt: skip
+    owner, reader = daemons
+    try:
+        placement = Placement([d.target for d in daemons])
+        small = [size for size in SIZES if size < 1 << 20] * 4  # one frame of the client's
+        keys = keys_owned(placement, owner.target, len(small) + 1)
+        values = {key: os.urandom(size) for key, size in zip(keys, small, strict=False)}
+        large_keys = keys_owned(placement, owner.target, 4, b"-large")
+        large = {k: os.urandom(size) for k, size in zip(large_keys, SIZES[-2:] * 2, strict=True)}
+        with Client(owner.target, timeout_s=10) as client:
+            client.put_many("ns", [*values.items(), *large.items()])
+        port = reader.metrics_port
+        with Client(reader.socket_target, timeout_s=10) as client:
+            # The reader learns the owner's ports and agent (the reads of a
+            # batch that waited for them would come in more than one turn).
+            assert client.get("ns", keys_owned(placement, owner.target, 1, b"-warm")[0]) is None
+        reads_before = labelled(port, "kvd_cluster_peer_reads_total", transport="nixl")
+        free_bytes = metric(port, "kvd_pool_free_bytes")
+        with Client(reader.socket_target, timeout_s=10) as client:
+            got = client.get_many("ns", keys)  # the last key: the owner lacks it
+        assert got == [*values.values(), None]
+        assert metric(port, "kvd_cluster_nixl_read_batches_total") == 1
+        assert metric(port, "kvd_cluster_nixl_batched_reads_total") == len(keys)
+        # (The key the owner lacks may be asked again by the get of its item.)
+        reads = labelled(port, "kvd_cluster_peer_reads_total", transport="nixl")
+        assert reads >= reads_before + len(keys)
+        assert labelled(port, "kvd_cluster_peer_read_bytes_total", transport="nixl") == sum(small)
+        held = sum(-(-size // PAGE) * PAGE for size in small)
+        assert metric(port, "kvd_pool_free_bytes") == free_bytes - held
+        assert metric(port, "kvd_cluster_peer_errors_total") == 0
+        # Read again, every value is in the reader's L1: no more peer reads.
+        with Client(reader.socket_target, timeout_s=10) as client:
+            assert client.get_many("ns", keys[:-1]) == list(values.values())
+        assert labelled(port, "kvd_cluster_peer_reads_total", transport="nixl") == reads
+        # Values of several pages, as many batches as the client's frames.
+        with Client(reader.socket_target, timeout_s=10) as client:
+            assert client.get_many("ns", list(large)) == list(large.values())
+        assert metric(port, "kvd_cluster_peer_errors_total") == 0
+    finally:
+        for daemon in daemons:
+            daemon.discard()
+
+
 def test_member_without_nixl_is_read_over_bulk(tmp_path: Path) -> None:
     ports = free_ports(2)
     members = "static:" + ",".join(f"127.0.0.1:{p}" for p in ports)
@@ -193,6 +243,48 @@ def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
             )
         )
         assert wait_until(lambda: metric(mport, "kvd_pool_free_bytes") == free_bytes)
+    finally:
+        client.close()
+        daemon.discard()
+        bad.close()
+
+
+def test_a_bad_owners_batch_costs_misses_and_no_pages(tmp_path: Path) -> None:
+    """In one batch, values whose bytes fail their checksum are misses each;
+    a batch whose transfer fails (a segment outside the owner's memory) is
+    a miss for every value in it; every reserved page goes back."""
+    port, bad_port = free_ports(2)
+    bad = BadNixlOwner(bad_port)
+    (tmp_path / "d").mkdir()
+    peer = f"127.0.0.1:{bad_port}"
+    members = f"static:127.0.0.1:{port},{peer}"
+    daemon = DaemonProcess(tmp_path / "d", ["--listen", f"127.0.0.1:{port}",
+                                            "--pool-members", members,
+                                            "--pool-peer-timeout-ms", "2000",
+                                            "--pool-peer-transport", "nixl"], ssd="")  # fmt: skip
+    client = Client(daemon.socket_target, timeout_s=10)
+    try:
+        placement = Placement([daemon.target, peer])
+        mport = daemon.metrics_port
+        free_bytes = metric(mport, "kvd_pool_free_bytes")
+        corrupt = keys_owned(placement, peer, 3, b"-corrupt")
+        absent = keys_owned(placement, peer, 2, b"-absent")
+        assert client.get("ns", absent[1]) is None  # the owner's ports and agent learnt
+        assert client.get_many("ns", corrupt + absent[:1]) == [None] * 4
+        assert metric(mport, "kvd_cluster_nixl_read_batches_total") == 1
+        assert metric(mport, "kvd_cluster_checksum_mismatches_total") == len(corrupt)
+        assert metric(mport, "kvd_pool_free_bytes") == free_bytes
+        outside = keys_owned(placement, peer, 1, b"-outside")
+        more = keys_owned(placement, peer, 5, b"-corrupt")[3:]
+        assert wait_until(
+            lambda: (
+                client.get_many("ns", outside + more) == [None] * 3
+                and labelled(mport, "kvd_cluster_peer_call_errors_total", kind="transfer") >= 1
+            )
+        )
+        assert metric(mport, "kvd_cluster_nixl_read_batches_total") >= 2
+        assert wait_until(lambda: metric(mport, "kvd_pool_free_bytes") == free_bytes)
+        assert labelled(mport, "kvd_cluster_peer_read_bytes_total", transport="nixl") == 0
     finally:
         client.close()
         daemon.discard()

@@ -1,0 +1,136 @@
+"""NIXL reads gathered into batches (kvd.cluster.nixl_reads), without an
+agent: the reads of one owner asked in one turn of the loop go as one batch
+(a read alone as before), each caller gets its own key's outcome, a caller
+that gives up leaves the batch to the others, a failed batch fails each of
+its reads, and a batch's values are cut into transfers of at most
+SEGMENTS_MAX descriptors. The batches against real daemons and agents are
+in test_peer_nixl.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+
+from kvd.cluster import nixl_node, nixl_reads
+from kvd.cluster.nixl_reads import Gather, Outcome, Pinned
+from kvd.cluster.peer_bulk import BulkAnswer
+from kvd.cluster.peers import PeerError
+from kvd.store.index import PutTicket
+from kvd.store.store import Store
+
+
+class Owners:
+    """What the gatherer ran: batches and reads alone, answered by key."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, str, list[bytes]]] = []
+        self.alone: list[tuple[str, str, bytes]] = []
+        self.release = asyncio.Event()
+        self.release.set()
+        self.fail: BaseException | None = None
+
+    async def run(self, member: str, ns: str, keys: list[bytes], timeout_s: float) -> list[Outcome]:
+        self.batches.append((member, ns, keys))
+        await self.release.wait()
+        if self.fail is not None:
+            raise self.fail
+        return [PeerError("bad", "checksum") if k == b"bad" else "hit:" + k.decode() for k in keys]
+
+    async def one(self, member: str, ns: str, key: bytes, timeout_s: float) -> str:
+        self.alone.append((member, ns, key))
+        return "alone:" + key.decode()
+
+
+def test_reads_of_one_turn_go_as_one_batch_per_owner() -> None:
+    async def run() -> None:
+        owners = Owners()
+        gather = Gather(owners.run, owners.one)
+        got = await asyncio.gather(
+            gather.read("a", "ns", b"k1", 1.0), gather.read("a", "ns", b"k2", 1.0),
+            gather.read("b", "ns", b"k3", 1.0), gather.read("a", "other", b"k4", 1.0),
+            gather.read("a", "ns", b"bad", 1.0), gather.read("a", "ns", b"k1", 1.0),
+            return_exceptions=True,
+        )  # fmt: skip
+        assert got[:4] == ["hit:k1", "hit:k2", "alone:k3", "alone:k4"]
+        assert isinstance(got[4], PeerError) and got[4].kind == "checksum"
+        assert got[5] == "hit:k1"  # asked twice in the turn: read once
+        assert owners.batches == [("a", "ns", [b"k1", b"k2", b"bad"])]
+        assert sorted(owners.alone) == [("a", "other", b"k4"), ("b", "ns", b"k3")]
+        assert (gather.batches, gather.batched) == (1, 3)
+        # A later turn is another batch.
+        assert await asyncio.gather(gather.read("a", "ns", b"k5", 1.0)) == ["alone:k5"]
+
+    asyncio.run(run())
+
+
+def test_a_caller_that_gives_up_leaves_the_batch_to_the_others() -> None:
+    async def run() -> None:
+        owners = Owners()
+        owners.release.clear()
+        gather = Gather(owners.run, owners.one)
+        quick = asyncio.ensure_future(asyncio.wait_for(gather.read("a", "ns", b"k1", 0.01), 0.01))
+        patient = asyncio.ensure_future(gather.read("a", "ns", b"k2", 5.0))
+        with pytest.raises(TimeoutError):
+            await quick
+        owners.release.set()
+        assert await patient == "hit:k2"
+        await asyncio.sleep(0.01)
+        assert not gather.tasks()
+
+    asyncio.run(run())
+
+
+def test_a_failed_batch_fails_each_of_its_reads() -> None:
+    async def run() -> None:
+        owners = Owners()
+        owners.fail = PeerError("connection reset", "short")
+        gather = Gather(owners.run, owners.one)
+        got = await asyncio.gather(
+            *(gather.read("a", "ns", k, 1.0) for k in (b"k1", b"k2")), return_exceptions=True
+        )
+        assert all(isinstance(g, PeerError) and g.kind == "short" for g in got)
+
+    asyncio.run(run())
+
+
+class Ticket:
+    """The part of a put's ticket a transfer reads: its local pages."""
+
+    def __init__(self, *views: memoryview) -> None:
+        self.views = list(views)
+
+
+class Pages:
+    """The store's part: pages given back."""
+
+    def __init__(self) -> None:
+        self.aborted: list[Any] = []
+
+    def abort_put(self, ticket: Any) -> None:
+        self.aborted.append(ticket)
+
+
+def _value(key: bytes, runs: int, size: int = 4096) -> Pinned:
+    """A value in ``runs`` local runs of pages apart, one run at its owner."""
+    buffers = [memoryview(bytearray(size)) for _ in range(runs)]
+    value = Pinned(key, BulkAnswer(runs * size, b"", 0), 1, [(1 << 30, runs * size)])
+    value.ticket = cast(PutTicket, Ticket(*buffers))
+    return value
+
+
+def test_a_batch_is_cut_into_transfers_of_at_most_segments_max(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(nixl_reads, "SEGMENTS_MAX", 4)
+    monkeypatch.setattr(nixl_node, "SEGMENTS_MAX", 4)
+    values = [_value(b"a", 2), _value(b"b", 2), _value(b"c", 5), _value(b"d", 3)]
+    pages = Pages()
+    outcomes: list[Outcome] = ["hit"] * len(values)
+    groups = nixl_reads._transfers(cast(Store, pages), "m", list(enumerate(values)), outcomes)
+    assert [[i for i, *_ in group] for group in groups] == [[0, 1], [3]]
+    assert [sum(len(mine) for _, _, mine, _ in group) for group in groups] == [4, 3]
+    # c needs five descriptors, more than a transfer takes: its pages go back.
+    assert isinstance(outcomes[2], PeerError) and outcomes[2].kind == "transfer"
+    assert pages.aborted == [values[2].ticket]
