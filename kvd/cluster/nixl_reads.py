@@ -113,12 +113,12 @@ class Gather:
                     self.batches += 1
                     self.batched += len(waiting.keys)
                     outcomes = await self._run(member, namespace, waiting.keys, waiting.timeout_s)
-        except BaseException as exc:  # every caller gets it, as each read alone would
+        except asyncio.CancelledError:  # the daemon stopping
+            for future in waiting.futures:
+                future.cancel()
+            raise
+        except Exception as exc:  # every caller gets it, as each read alone would
             outcomes = [exc] * len(waiting.keys)
-            if isinstance(exc, asyncio.CancelledError):
-                for future in waiting.futures:
-                    future.cancel()
-                raise
         for future, outcome in zip(waiting.futures, outcomes, strict=True):
             if future.done():  # its caller gave up
                 continue
