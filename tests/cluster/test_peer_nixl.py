@@ -9,10 +9,12 @@ The bad owner is a NIXL agent and a bulk port in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,7 +216,10 @@ class BadNixlOwner(FakeMember):
         return head + payload
 
 
-def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _beside_a_bad_owner(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon reading over NIXL in a pool of two whose other member (its
+    address given too) is a ``BadNixlOwner``."""
     port, bad_port = free_ports(2)
     bad = BadNixlOwner(bad_port)
     (tmp_path / "d").mkdir()
@@ -224,8 +229,18 @@ def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
                                             "--pool-members", members,
                                             "--pool-peer-timeout-ms", "2000",
                                             "--pool-peer-transport", "nixl"], ssd="")  # fmt: skip
-    client = Client(daemon.target, timeout_s=10)
     try:
+        yield daemon, peer
+    finally:
+        daemon.discard()
+        bad.close()
+
+
+def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
+    with (
+        _beside_a_bad_owner(tmp_path) as (daemon, peer),
+        Client(daemon.target, timeout_s=10) as client,
+    ):
         placement = Placement([daemon.target, peer])
         mport = daemon.metrics_port
         free_bytes = metric(mport, "kvd_pool_free_bytes")
@@ -243,27 +258,16 @@ def test_bad_nixl_owner_costs_misses_and_no_pages(tmp_path: Path) -> None:
             )
         )
         assert wait_until(lambda: metric(mport, "kvd_pool_free_bytes") == free_bytes)
-    finally:
-        client.close()
-        daemon.discard()
-        bad.close()
 
 
 def test_a_bad_owners_batch_costs_misses_and_no_pages(tmp_path: Path) -> None:
     """In one batch, values whose bytes fail their checksum are misses each;
     a batch whose transfer fails (a segment outside the owner's memory) is
     a miss for every value in it; every reserved page goes back."""
-    port, bad_port = free_ports(2)
-    bad = BadNixlOwner(bad_port)
-    (tmp_path / "d").mkdir()
-    peer = f"127.0.0.1:{bad_port}"
-    members = f"static:127.0.0.1:{port},{peer}"
-    daemon = DaemonProcess(tmp_path / "d", ["--listen", f"127.0.0.1:{port}",
-                                            "--pool-members", members,
-                                            "--pool-peer-timeout-ms", "2000",
-                                            "--pool-peer-transport", "nixl"], ssd="")  # fmt: skip
-    client = Client(daemon.socket_target, timeout_s=10)
-    try:
+    with (
+        _beside_a_bad_owner(tmp_path) as (daemon, peer),
+        Client(daemon.socket_target, timeout_s=10) as client,
+    ):
         placement = Placement([daemon.target, peer])
         mport = daemon.metrics_port
         free_bytes = metric(mport, "kvd_pool_free_bytes")
@@ -285,10 +289,6 @@ def test_a_bad_owners_batch_costs_misses_and_no_pages(tmp_path: Path) -> None:
         assert metric(mport, "kvd_cluster_nixl_read_batches_total") >= 2
         assert wait_until(lambda: metric(mport, "kvd_pool_free_bytes") == free_bytes)
         assert labelled(mport, "kvd_cluster_peer_read_bytes_total", transport="nixl") == 0
-    finally:
-        client.close()
-        daemon.discard()
-        bad.close()
 
 
 def test_with_auth_only_the_pool_token_may_pin(tmp_path: Path) -> None:
