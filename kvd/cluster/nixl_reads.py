@@ -20,8 +20,7 @@ batch is bounded by the longest of its callers' timeouts. Pages reserved
 for a value go back on any failure, once the transfer that writes into
 them has stopped (``NixlNode.read``'s ``give_back``).
 
-A read alone in its turn goes the way it went before (``PeerReads``'s
-single NIXL read).
+A read alone in its turn is a batch of one.
 """
 
 from __future__ import annotations
@@ -47,8 +46,6 @@ BATCH_MAX = 32
 Outcome = str | BaseException
 # run(member, namespace, keys, timeout_s) -> each key's outcome, in order
 RunFn = Callable[[str, str, list[bytes], float], Awaitable[list[Outcome]]]
-# one(member, namespace, key, timeout_s): a read alone
-OneFn = Callable[[str, str, bytes, float], Awaitable[str]]
 
 
 @dataclass
@@ -63,9 +60,8 @@ class _Waiting:
 class Gather:
     """Reads asked in one turn of the loop, run as one batch per owner."""
 
-    def __init__(self, run: RunFn, one: OneFn) -> None:
+    def __init__(self, run: RunFn) -> None:
         self._run = run
-        self._one = one
         self._waiting: dict[tuple[str, str], _Waiting] = {}
         self._batches: set[asyncio.Task[None]] = set()
         self.batches = 0  # batches of two or more reads run
@@ -105,14 +101,11 @@ class Gather:
         member, namespace = name
         outcomes: list[Outcome]
         try:
+            if len(waiting.keys) > 1:
+                self.batches += 1
+                self.batched += len(waiting.keys)
             async with asyncio.timeout(waiting.timeout_s):
-                if len(waiting.keys) == 1:
-                    outcomes = [await self._one(member, namespace, waiting.keys[0],
-                                                waiting.timeout_s)]  # fmt: skip
-                else:
-                    self.batches += 1
-                    self.batched += len(waiting.keys)
-                    outcomes = await self._run(member, namespace, waiting.keys, waiting.timeout_s)
+                outcomes = await self._run(member, namespace, waiting.keys, waiting.timeout_s)
         except asyncio.CancelledError:  # the daemon stopping
             for future in waiting.futures:
                 future.cancel()

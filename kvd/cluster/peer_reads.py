@@ -46,16 +46,16 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvd.cluster import scope
-from kvd.cluster.nixl_node import NixlError, NixlNode, segments
+from kvd.cluster.nixl_node import NixlError, NixlNode
 from kvd.cluster.nixl_reads import Gather, Outcome, Pinned, land_many
 from kvd.cluster.outcomes import HIT, MISS, NOT_KEPT, not_kept
-from kvd.cluster.peer_bulk import BulkAnswer, BulkConnection, BulkPeers, BulkUnreachable
+from kvd.cluster.peer_bulk import BulkConnection, BulkPeers, BulkUnreachable
 from kvd.cluster.peers import PeerError, PeerPaths, Peers
 from kvd.config.addresses import parse_address
 from kvd.store.index import PutResult, Reader
 from kvd.store.store import Store
 from kvd.wire.bulk import VERSION as BULK_VERSION
-from kvd.wire.checksum import Hasher, checksum, checksum_views
+from kvd.wire.checksum import Hasher, checksum
 from kvd.wire.errors import DataLoss, KvdError
 from kvd.wire.grpc import POOL_VERSION
 from kvd.wire.lookup import ChainShare
@@ -66,8 +66,6 @@ _T = TypeVar("_T")
 
 # The settings' choices of pool_peer_transport (kvd.config.settings).
 TRANSPORTS = ("auto", "nixl", "bulk", "grpc")
-
-# What a read ended in, beside a PeerError.
 
 
 @dataclass
@@ -147,7 +145,7 @@ class PeerReads:
         self._paths: dict[str, PeerPaths] = {}
         self._grpc_logged: set[str] = set()
         # NIXL reads of one owner asked in the same turn of the loop: one batch.
-        self.gather = Gather(self._read_nixl_many, self._read_nixl_alone)
+        self.gather = Gather(self._read_nixl_many)
 
     def describe(self) -> str:
         """The transport in use and, where it differs, the one asked for and why."""
@@ -380,40 +378,13 @@ class PeerReads:
         self.traffic.called(member, "bulk", answer.size)
         return outcome
 
-    async def _read_nixl(
-        self, member: str, way: tuple[str, int], namespace: str, key: bytes
-    ) -> str:
-        """Pin the value on the member (bulk connection), READ its pages into
-        reserved local pages, release the pin; a member that offers no NIXL
-        is read with a plain bulk GET."""
-        assert self.nixl is not None
-        async with self.bulk.connection(member, *way) as connection:
-            offer = await self._offer(member, connection)
-            if offer is None:
-                return await self._get_bulk(member, connection, namespace, key)
-            max_value_bytes = self.store.limits.max_value_bytes
-            pinned = await connection.nixl_pin(namespace, key, max_value_bytes)
-            if pinned is None:
-                self.traffic.called(member, "nixl", 0)
-                return MISS
-            answer, lease, pages = pinned
-            outcome = await self._land_nixl(member, offer[1], namespace, key, answer, pages)
-            await connection.nixl_release(lease)  # (a failed read closes the connection,
-            self.traffic.called(member, "nixl", answer.size)  # which ends its pins)
-            return outcome
-
-    async def _read_nixl_alone(
-        self, member: str, namespace: str, key: bytes, timeout_s: float
-    ) -> str:
-        way = await self._nixl_way(member, timeout_s)
-        return await self._read_nixl(member, way, namespace, key)
-
     async def _read_nixl_many(
         self, member: str, namespace: str, keys: list[bytes], timeout_s: float
     ) -> list[Outcome]:
-        """``_read_nixl`` of several keys together (``kvd.cluster.nixl_reads``):
-        pinned on one connection, READ in one transfer, released together;
-        each key's outcome, or its failure."""
+        """Pin the values on the member (bulk connection), READ their pages
+        into reserved local pages in one transfer, release the pins
+        together (``kvd.cluster.nixl_reads``); each key's outcome, or its
+        failure. A member that offers no NIXL is read with plain bulk GETs."""
         assert self.nixl is not None
         way = await self._nixl_way(member, timeout_s)
         async with self.bulk.connection(member, *way) as connection:
@@ -468,58 +439,6 @@ class PeerReads:
             raise PeerError(f"{member}: {error}", "transfer") from None
         self._agents[member] = offer
         return offer
-
-    async def _land_nixl(
-        self,
-        member: str,
-        agent: str,
-        namespace: str,
-        key: bytes,
-        answer: BulkAnswer,
-        pages: list[tuple[int, int]],
-    ) -> str:
-        """Reserve pages, READ the member's pages into them, publish if the
-        bytes match; the pages go back on any failure once the READ has
-        stopped (``NixlNode.read``'s ``give_back``)."""
-        assert self.nixl is not None
-        with scope.as_hop():  # the owner has it: not handed back
-            try:
-                ticket = await self.store.begin_put(
-                    namespace, key, answer.size, answer.meta, None, answer.checksum
-                )
-            except KvdError as error:
-                not_kept(member, error)
-                return NOT_KEPT
-            if isinstance(ticket, PutResult):
-                return HIT
-            stopped = gave_up = False
-
-            def give_back() -> None:  # the READ has stopped: its pages may go
-                nonlocal stopped
-                stopped = True
-                if gave_up:  # a reaper, after this read failed
-                    self.store.abort_put(ticket)
-
-            try:
-                try:
-                    await self.nixl.read(agent, segments(ticket.views), pages, give_back)
-                except NixlError as error:
-                    raise PeerError(f"{member}: {error}", "transfer") from None
-                try:
-                    self.store.publish_now(ticket, checksum_views(ticket.views))
-                except DataLoss:
-                    raise PeerError(
-                        f"{member}: value of {answer.size} bytes failed its checksum", "checksum"
-                    ) from None
-                except KvdError as error:
-                    not_kept(member, error)
-                    return NOT_KEPT
-            finally:
-                if stopped:
-                    self.store.abort_put(ticket)  # a no-op once published
-                else:
-                    gave_up = True  # the reaper gives the pages back once the READ stops
-        return HIT
 
     async def _land(
         self,

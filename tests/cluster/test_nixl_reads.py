@@ -1,6 +1,6 @@
 """NIXL reads gathered into batches (kvd.cluster.nixl_reads), without an
 agent: the reads of one owner asked in one turn of the loop go as one batch
-(a read alone as before), each caller gets its own key's outcome, a caller
+(a read alone is a batch of one), each caller gets its own key's outcome, a caller
 that gives up leaves the batch to the others, a failed batch fails each of
 its reads, and a batch's values are cut into transfers of at most
 SEGMENTS_MAX descriptors. The batches against real daemons and agents are
@@ -22,11 +22,10 @@ from kvd.store.store import Store
 
 
 class Owners:
-    """What the gatherer ran: batches and reads alone, answered by key."""
+    """What the gatherer ran: its batches, answered by key."""
 
     def __init__(self) -> None:
         self.batches: list[tuple[str, str, list[bytes]]] = []
-        self.alone: list[tuple[str, str, bytes]] = []
         self.release = asyncio.Event()
         self.release.set()
         self.fail: BaseException | None = None
@@ -38,29 +37,27 @@ class Owners:
             raise self.fail
         return [PeerError("bad", "checksum") if k == b"bad" else "hit:" + k.decode() for k in keys]
 
-    async def one(self, member: str, ns: str, key: bytes, timeout_s: float) -> str:
-        self.alone.append((member, ns, key))
-        return "alone:" + key.decode()
-
 
 def test_reads_of_one_turn_go_as_one_batch_per_owner() -> None:
     async def run() -> None:
         owners = Owners()
-        gather = Gather(owners.run, owners.one)
+        gather = Gather(owners.run)
         got = await asyncio.gather(
             gather.read("a", "ns", b"k1", 1.0), gather.read("a", "ns", b"k2", 1.0),
             gather.read("b", "ns", b"k3", 1.0), gather.read("a", "other", b"k4", 1.0),
             gather.read("a", "ns", b"bad", 1.0), gather.read("a", "ns", b"k1", 1.0),
             return_exceptions=True,
         )  # fmt: skip
-        assert got[:4] == ["hit:k1", "hit:k2", "alone:k3", "alone:k4"]
+        assert got[:4] == ["hit:k1", "hit:k2", "hit:k3", "hit:k4"]
         assert isinstance(got[4], PeerError) and got[4].kind == "checksum"
         assert got[5] == "hit:k1"  # asked twice in the turn: read once
-        assert owners.batches == [("a", "ns", [b"k1", b"k2", b"bad"])]
-        assert sorted(owners.alone) == [("a", "other", b"k4"), ("b", "ns", b"k3")]
-        assert (gather.batches, gather.batched) == (1, 3)
+        assert sorted(owners.batches) == [
+            ("a", "ns", [b"k1", b"k2", b"bad"]), ("a", "other", [b"k4"]), ("b", "ns", [b"k3"]),
+        ]  # fmt: skip
+        assert (gather.batches, gather.batched) == (1, 3)  # reads alone are not counted
         # A later turn is another batch.
-        assert await asyncio.gather(gather.read("a", "ns", b"k5", 1.0)) == ["alone:k5"]
+        assert await gather.read("a", "ns", b"k5", 1.0) == "hit:k5"
+        assert owners.batches[-1] == ("a", "ns", [b"k5"])
 
     asyncio.run(run())
 
@@ -69,7 +66,7 @@ def test_a_caller_that_gives_up_leaves_the_batch_to_the_others() -> None:
     async def run() -> None:
         owners = Owners()
         owners.release.clear()
-        gather = Gather(owners.run, owners.one)
+        gather = Gather(owners.run)
         quick = asyncio.ensure_future(asyncio.wait_for(gather.read("a", "ns", b"k1", 0.01), 0.01))
         patient = asyncio.ensure_future(gather.read("a", "ns", b"k2", 5.0))
         with pytest.raises(TimeoutError):
@@ -86,7 +83,7 @@ def test_a_failed_batch_fails_each_of_its_reads() -> None:
     async def run() -> None:
         owners = Owners()
         owners.fail = PeerError("connection reset", "short")
-        gather = Gather(owners.run, owners.one)
+        gather = Gather(owners.run)
         got = await asyncio.gather(
             *(gather.read("a", "ns", k, 1.0) for k in (b"k1", b"k2")), return_exceptions=True
         )
