@@ -21,19 +21,20 @@ same order, so a client may pipeline many requests on one connection.
   handshake that fails is counted as an unauthenticated refusal, logged,
   and closes the connection; a connection refused at admission is closed
   before the handshake.
-- GET: the reader pins the value (``ValueOps.fetch``) and queues it; the writer
-  sends header and pool pages with one ``sendmsg`` (then ``sock_sendall`` for
-  what the socket did not take), or from a send thread while another
-  connection is sending on a machine with cores to spare
-  (``kvd.wire.send``), and unpins once the last byte
-  left. An answer that cannot leave within ``bulk_frame_timeout_ms`` (a
-  client that stopped reading) closes the connection. An answer of up to
+- GET: the reader pins a value in L1 and queues it; a value elsewhere (L2,
+  a pool member) is read by a task queued in its answer's place while the
+  reader goes on (``kvd.paths.bulk.fetches``). The writer sends header and
+  pool pages with one ``sendmsg`` (then ``sock_sendall`` for the rest), or
+  from a send thread while another connection is sending on a machine with
+  cores to spare (``kvd.wire.send``), and unpins once the last byte left.
+  An answer that cannot leave within ``bulk_frame_timeout_ms`` (a client
+  that stopped reading) closes the connection. An answer of up to
   ``DIRECT_ANSWER_BYTES`` with nothing queued or being sent before it is
   sent by the reader itself: on a 2-CPU VM the writer's turn cost a lone
   64 KiB get 40-80 µs of a 180-260 µs round trip (A/B runs).
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
-  and ``QUEUE_FRAMES_MAX`` answers queued; past that its reader stops reading
-  the socket, and TCP flow control slows the client down.
+  queued, ``FETCHES_MAX`` values being read and ``QUEUE_FRAMES_MAX`` answers
+  queued; past that its reader stops reading, and TCP slows the client down.
 - Auth: with a token table, the HELLO frame's payload is the bearer token;
   a connection whose token is unknown is answered UNAUTHENTICATED and
   closed, and each PUT/GET on a namespace the token does not name is
@@ -47,12 +48,9 @@ same order, so a client may pipeline many requests on one connection.
   request (a miss, a full pool, a conflicting put) are answered with a code
   and the connection stays open.
 
-The store reads and writes, and their counts (fetch time by tier, hits,
-misses, bytes), are the op layer's ``ValueOps`` (``kvd.paths.ops.values``).
-Refusals are counted, and turned into their code, by the op layer's
-``refused`` (``kvd.paths.ops.calls``), as on the other transports; the
-codes are ``kvd.wire.errors``'. Bulk requests count no ``kvd_requests``
-of their own (a get's answer leaves from the writer, later).
+Store reads and writes and their counts are the op layer's ``ValueOps``
+(``kvd.paths.ops.values``), refusals its ``refused`` (``kvd.paths.ops.calls``),
+as on the other transports. Bulk requests count no ``kvd_requests``.
 
 This module imports neither grpc nor the gRPC service.
 """
@@ -70,6 +68,7 @@ from typing import TYPE_CHECKING
 
 from kvd.cluster import scope
 from kvd.paths.bulk.admission import Admission, Slot
+from kvd.paths.bulk.fetches import Answer, Fetches
 from kvd.paths.bulk.limits import BulkLimits
 from kvd.paths.bulk.peer_ops import PeerOps
 from kvd.paths.bulk.receive import buffered, discard, receive_upload, recv_into_exact
@@ -161,7 +160,8 @@ class _Connection:
         self.sock = sock
         self.peer = peer
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[bytes, Reader | None]] = asyncio.Queue(QUEUE_FRAMES_MAX)
+        self.queue: asyncio.Queue[Answer | asyncio.Task[Answer]] = asyncio.Queue(QUEUE_FRAMES_MAX)
+        self.fetches = Fetches()
         self.queued_bytes = 0
         self.drained = asyncio.Event()
         self.header = bytearray(REQUEST.size)
@@ -214,9 +214,10 @@ class _Connection:
         """Once the connection's task ended, however (even cancelled before it ran)."""
         self.peer_ops.close()
         while not self.queue.empty():
-            _, reader = self.queue.get_nowait()
-            if reader is not None:
-                reader.close()
+            item = self.queue.get_nowait()
+            if not isinstance(item, asyncio.Task) and item[1] is not None:
+                item[1].close()
+        self.fetches.close()
         if self.slot is not None:
             self.server.admission.release(self.slot)
         self.sock.close()
@@ -391,44 +392,57 @@ class _Connection:
 
     async def _get(self, request: Request, tail: bytes) -> None:
         ns, key, _, _ = split_tail(request, tail)
-        rid = request.request_id
         try:
             self._authorize(ns)
-            if request.flags & FLAG_HOP:  # a pool member's read: from here alone
-                with scope.as_hop():
-                    reader = await self.values.fetch("bulk_get", ns, key)
-            else:
-                reader = await self.values.fetch("bulk_get", ns, key)
         except KvdError as exc:
-            code = refused(self.server.metrics, "bulk_get", exc)
-            await self._answer(encode_response(OP_GET, rid, code, message=str(exc)))
+            await self._answer(*self._refusal(request, exc))
             return
-        if reader is None:  # counted as a miss
-            await self._answer(encode_response(OP_GET, rid, CODE_NOT_FOUND))
+        reader = self.values.open_now("bulk_get", ns, key)
+        if reader is None:  # on L2 or at its owner: read while the next frames are
+            task = await self.fetches.start(self._fetch(request, ns, key))
+            await self.queue.put(task)
             return
+        header, pinned = self._get_answer(request, reader)
         try:
-            if request.length and reader.size > request.length:
-                answer = encode_response(
-                    OP_GET,
-                    rid,
-                    CODE_RESOURCE_EXHAUSTED,
-                    message=f"value of {reader.size} bytes, room for {request.length}",
-                    length=reader.size,
-                )
-                await self._answer(answer)
-                return
-            limit = self.server.limits.inflight_bytes
-            while self.queued_bytes and self.queued_bytes + reader.size > limit:
+            size, limit = (pinned.size if pinned else 0), self.server.limits.inflight_bytes
+            while self.queued_bytes and self.queued_bytes + size > limit:
                 self.drained.clear()
                 await self.drained.wait()
-            header = encode_response(
-                OP_GET, rid, meta=reader.meta, length=reader.size, checksum=reader.checksum
-            )
-            pinned, reader = reader, None  # _answer closes it
-            await self._answer(header, pinned)
-        finally:
-            if reader is not None:
-                reader.close()
+        except BaseException:
+            if pinned is not None:
+                pinned.close()
+            raise
+        await self._answer(header, pinned)  # closes it
+
+    async def _fetch(self, request: Request, ns: str, key: bytes) -> Answer:
+        """A GET's answer once its value was read (``kvd.paths.bulk.fetches``)."""
+        # A pool member's read (FLAG_HOP) is answered from here alone.
+        hop = scope.as_hop() if request.flags & FLAG_HOP else contextlib.nullcontext()
+        try:
+            with hop:
+                reader = await self.values.fetch("bulk_get", ns, key)
+        except KvdError as exc:
+            return self._refusal(request, exc)
+        return self._get_answer(request, reader)
+
+    def _refusal(self, request: Request, exc: KvdError) -> Answer:
+        code = refused(self.server.metrics, "bulk_get", exc)
+        return encode_response(OP_GET, request.request_id, code, message=str(exc)), None
+
+    def _get_answer(self, request: Request, reader: Reader | None) -> Answer:
+        """A GET's header, and the value it sends (None: a miss, counted, or no room)."""
+        rid = request.request_id
+        if reader is None:
+            return encode_response(OP_GET, rid, CODE_NOT_FOUND), None
+        if request.length and reader.size > request.length:
+            reader.close()
+            message = f"value of {reader.size} bytes, room for {request.length}"
+            code = CODE_RESOURCE_EXHAUSTED
+            return encode_response(OP_GET, rid, code, message=message, length=reader.size), None
+        header = encode_response(
+            OP_GET, rid, meta=reader.meta, length=reader.size, checksum=reader.checksum
+        )
+        return header, reader
 
     async def _answer(self, header: bytes, reader: Reader | None = None) -> None:
         """Send an answer (and the value ``reader`` pins, closed once sent) after
@@ -450,15 +464,21 @@ class _Connection:
     async def _write_loop(self) -> None:
         while True:
             self.writing = False
-            header, reader = await self.queue.get()
-            if not header:
-                return
+            item = await self.queue.get()
             self.writing = True
+            if isinstance(item, asyncio.Task):  # a GET whose value was being read
+                header, reader = await self.fetches.answer(item)
+                counted = 0
+            else:
+                header, reader = item
+                counted = reader.size if reader is not None else 0
+                if not header:
+                    return
             try:
                 await self._send(header, reader)
             finally:
-                if reader is not None:
-                    self.queued_bytes -= reader.size
+                if counted:
+                    self.queued_bytes -= counted
                     self.drained.set()
 
     async def _send(self, header: bytes, reader: Reader | None) -> None:

@@ -1,0 +1,78 @@
+"""The GETs of one bulk connection whose value is not in L1, read while the
+connection goes on reading frames.
+
+A GET of a value in L1 is answered at once, in order. Any other waits for a
+read: its record on L2 into L1 or, in a pool, the value from the key's
+owner. Awaited in the reader, such reads went one after the other, so a
+client's pipelined GETs of 32 values another member owns paid 32 peer round
+trips. Now the connection's reader starts each as a task and queues the task
+where its answer goes; the writer awaits it when its turn comes. The reads of
+a client's pipelined GETs so overlap (in a pool, a batch's reads of one
+owner asked in the same turn go together: ``kvd.cluster.nixl_reads``), and
+the answers still leave in request order.
+
+Bounded: at most ``FETCHES_MAX`` reads per connection at once; past it the
+reader waits for one to end (and TCP slows the client down). A task's value
+stays pinned until the writer sent it, or until the connection ends
+(``close``: a task not sent is cancelled, or its value unpinned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from kvd.store.index import Reader
+
+# Reads one connection's GETs have in flight at once.
+FETCHES_MAX = 16
+
+# A GET's answer: its header, and the pinned value it sends (None for a code alone).
+Answer = tuple[bytes, Reader | None]
+
+
+class Fetches:
+    """The reads one connection's GETs have in flight, and their answers not yet sent."""
+
+    def __init__(self) -> None:
+        self._room = asyncio.Semaphore(FETCHES_MAX)
+        self._unsent: set[asyncio.Task[Answer]] = set()
+
+    async def start(self, read: Coroutine[Any, Any, Answer]) -> asyncio.Task[Answer]:
+        """``read`` as a task, once fewer than FETCHES_MAX run."""
+        try:
+            await self._room.acquire()
+        except BaseException:
+            read.close()
+            raise
+        task = asyncio.get_running_loop().create_task(read)
+        task.add_done_callback(lambda _: self._room.release())
+        self._unsent.add(task)
+        return task
+
+    async def answer(self, task: asyncio.Task[Answer]) -> Answer:
+        """The answer of ``task``, once it is read; from here the caller sends
+        it (and closes its reader)."""
+        answer = await task
+        self._unsent.discard(task)  # no await since: nothing can be lost in between
+        return answer
+
+    def close(self) -> None:
+        """The connection ended: reads still running are cancelled, values read
+        and not sent are unpinned."""
+        for task in self._unsent:
+            if task.done():
+                _unpin(task)
+            else:
+                task.cancel()
+                task.add_done_callback(_unpin)
+        self._unsent.clear()
+
+
+def _unpin(task: asyncio.Task[Answer]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    _, reader = task.result()
+    if reader is not None:
+        reader.close()
