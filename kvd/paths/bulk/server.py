@@ -22,16 +22,15 @@ same order, so a client may pipeline many requests on one connection.
   and closes the connection; a connection refused at admission is closed
   before the handshake.
 - GET: the reader pins a value in L1 and queues it; a value elsewhere (L2,
-  a pool member) is read by a task queued in its answer's place while the
-  reader goes on (``kvd.paths.bulk.fetches``). The writer sends header and
-  pool pages with one ``sendmsg`` (then ``sock_sendall`` for the rest), or
-  from a send thread while another connection is sending on a machine with
-  cores to spare (``kvd.wire.send``), and unpins once the last byte left.
-  An answer that cannot leave within ``bulk_frame_timeout_ms`` (a client
-  that stopped reading) closes the connection. An answer of up to
-  ``DIRECT_ANSWER_BYTES`` with nothing queued or being sent before it is
-  sent by the reader itself: on a 2-CPU VM the writer's turn cost a lone
-  64 KiB get 40-80 µs of a 180-260 µs round trip (A/B runs).
+  a pool member) with more frames behind it is read by a task queued in its
+  answer's place while the reader goes on (``kvd.paths.bulk.fetches``). The
+  writer sends header and pool pages with one ``sendmsg`` (the rest with
+  ``sock_sendall``), or from a send thread while another connection sends
+  on a machine with cores to spare (``kvd.wire.send``), and unpins once the
+  last byte left; one that cannot leave within ``bulk_frame_timeout_ms``
+  closes the connection. An answer of up to ``DIRECT_ANSWER_BYTES`` with
+  nothing ahead of it is sent by the reader itself (on a 2-CPU VM the
+  writer's turn cost a lone 64 KiB get 40-80 µs of a 180-260 µs round trip).
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
   queued, ``FETCHES_MAX`` values being read and ``QUEUE_FRAMES_MAX`` answers
   queued; past that its reader stops reading, and TCP slows the client down.
@@ -398,9 +397,11 @@ class _Connection:
             await self._answer(*self._refusal(request, exc))
             return
         reader = self.values.open_now("bulk_get", ns, key)
-        if reader is None:  # on L2 or at its owner: read while the next frames are
-            task = await self.fetches.start(self._fetch(request, ns, key))
-            await self.queue.put(task)
+        if reader is None:  # on L2 or at its owner: with more asked, read meanwhile
+            if buffered(self.sock) or not self.queue.empty() or self.writing:
+                await self.queue.put(await self.fetches.start(self._fetch(request, ns, key)))
+            else:
+                await self._answer(*await self._fetch(request, ns, key))
             return
         header, pinned = self._get_answer(request, reader)
         try:
