@@ -93,6 +93,15 @@ POOL_COUNTERS = {
         "Other members' chain lookups this member's eviction policy learned its share of",
     ),
     "remote_gets": ("kvd_cluster_remote_gets", "Gets sent to the key's owner"),
+    "prefetched": (
+        "kvd_cluster_prefetched",
+        "Values leased lookups found at their owners and started fetching before their get "
+        "(pool_prefetch_keys)",
+    ),
+    "prefetches_dropped": (
+        "kvd_cluster_prefetches_dropped",
+        "Leased lookups whose values found elsewhere were not fetched ahead: too many ran",
+    ),
     "nixl_read_batches": (
         "kvd_cluster_nixl_read_batches",
         "NIXL reads of one owner's values made together: pins on one connection, one transfer",
@@ -307,7 +316,7 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
                       _start_nixl(config, store, membership.advertise))  # fmt: skip
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000,
                         config.pool_lookup_hint_ms / 1000,
-                        config.pool_rebalance_bytes_per_s)  # fmt: skip
+                        config.pool_rebalance_bytes_per_s, config.pool_prefetch_keys)  # fmt: skip
     router.start()
     etcd: EtcdMembers | None = None
     dns: DnsMembers | None = None

@@ -67,6 +67,7 @@ from kvd.cluster.peer_reads import PeerReads
 from kvd.cluster.peers import PeerError, Peers
 from kvd.cluster.pinned import Holds, PinShare
 from kvd.cluster.plans import PoolPlans
+from kvd.cluster.prefetch import Prefetches
 from kvd.cluster.promises import Promises
 from kvd.cluster.rebalance import Rebalance
 from kvd.cluster.refresh import Refresh
@@ -125,6 +126,8 @@ class PoolCounters:
     forward_errors: int = 0
     forwards_dropped: int = 0
     tells_dropped: int = 0  # lookups an owner was not told of (kvd.cluster.tells)
+    prefetched: int = 0  # values leased lookups started fetching (kvd.cluster.prefetch)
+    prefetches_dropped: int = 0  # leased lookups whose values were not fetched: too many ran
     plans_adopted: int = 0  # the plan holder's eviction plans this member keeps blocks by
     plans_refused: int = 0  # plans of another policy or member size (it plans for itself)
     rebalanced: int = 0  # values handed to their new owner after the members changed
@@ -145,9 +148,12 @@ class PoolRouter:
         peer_timeout_s: float,
         lookup_hint_s: float = 0.0,
         rebalance_bytes_per_s: int = 0,
+        prefetch_keys: int = 0,
     ) -> None:
         """``lookup_hint_s``: how long owners' answers answer lookups (``Hints``),
-        0: never; ``rebalance_bytes_per_s``: the pace of ``Rebalance``, 0: unpaced."""
+        0: never; ``rebalance_bytes_per_s``: the pace of ``Rebalance``, 0: unpaced;
+        ``prefetch_keys``: values a leased lookup found at their owners fetched
+        at once (``Prefetches``), 0: none."""
         self.store = store
         self.membership = membership
         self.peers = peers
@@ -172,6 +178,7 @@ class PoolRouter:
         self.tells = Tells(reads, self._exists, self._peer_failed, peer_timeout_s,
                            store.limits.max_lookup_keys)  # fmt: skip
         self.refresh = Refresh(lookup_hint_s / 4, self._exists)
+        self.prefetches = Prefetches(self._prefetch, prefetch_keys)
         self._errors_logged: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
         # Per member: this daemon's lookups since it last told the member of
@@ -198,7 +205,8 @@ class PoolRouter:
         self.store.on_put = None
         self.store.guest_of = None
         tasks = [*self.rebalance.tasks(), *self.forwards.tasks(), *self._fetching.values(),
-                 *self.tells.tasks(), *self.refresh.tasks(), *self.reads.tasks()]  # fmt: skip
+                 *self.tells.tasks(), *self.refresh.tasks(), *self.reads.tasks(),
+                 *self.prefetches.tasks()]  # fmt: skip
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -213,6 +221,8 @@ class PoolRouter:
         self.counters.plans_adopted = self.plans.adopted
         self.counters.plans_refused = self.plans.refused
         self.counters.tells_dropped = self.tells.dropped
+        self.counters.prefetched = self.prefetches.values
+        self.counters.prefetches_dropped = self.prefetches.dropped
         forwards = self.forwards
         self.counters.forwards, self.counters.forward_errors = forwards.sent, forwards.errors
         self.counters.forwards_dropped = forwards.dropped
@@ -329,6 +339,9 @@ class PoolRouter:
         if not extra and lease_id == local.lease_id:
             return local
         self.counters.remote_lookup_hits += extra
+        if lease_ms:  # leased: the engine loads the chain next; its owners' values start now
+            away = compress(keys[start : start + extra], map(operator.not_, tail[:extra]))
+            self.prefetches.start(namespace, list(away))
         return LookupResult(
             local.prefix_len + extra,
             local.l1_hits,
@@ -518,6 +531,20 @@ class PoolRouter:
         if len(missing) < 2:
             return
         self.counters.remote_get_batches += 1
+        await self._fetch_all(namespace, missing, landed)
+
+    async def _prefetch(self, namespace: str, keys: list[bytes]) -> None:
+        """A lookup's ``Prefetches``: those of ``keys`` not here (meanwhile) into L1."""
+        held = self.store.exists(namespace, keys)
+        missing = [key for key, here in zip(keys, held, strict=True) if not here]
+        if missing:
+            await self._fetch_all(namespace, missing)
+
+    async def _fetch_all(
+        self, namespace: str, missing: list[bytes], landed: Callable[[bytes], None] | None = None
+    ) -> None:
+        """Read ``missing`` from their owners, ``FETCH_PARALLEL_MAX`` at once;
+        each held until its get opens it, or ``FETCHED_BATCH_HOLD_S`` past the last."""
         room = asyncio.Semaphore(FETCH_PARALLEL_MAX)
 
         async def fetch(key: bytes) -> None:

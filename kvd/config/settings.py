@@ -374,6 +374,15 @@ class Config:
         min=0,
         max=60_000,
     )
+    pool_prefetch_keys: int = _setting(
+        32,
+        help="values a lookup that leases what it found (an engine about to load it) starts "
+        "fetching from their owners at once, the first of the chain's held elsewhere, so "
+        "the get that follows finds them here or joins the read under way; at most 4 "
+        "lookups' at once; 0: a get starts the reads",
+        min=0,
+        max=16_384,
+    )
     pool_rebalance_bytes_per_s: int = _setting(
         256 * MiB,
         help="after the pool's members change, the most a member receives a second of the "

@@ -257,13 +257,14 @@ class FakeOwner(FakeMember):
 
 
 def _beside_a_fake_owner(tmp_path: Path, offer_exists: bool) -> tuple[FakeOwner, DaemonProcess]:
-    """A daemon in a pool of two whose other member is a ``FakeOwner``."""
+    """A daemon in a pool of two whose other member is a ``FakeOwner``, which
+    answers lookups only (the daemon fetches nothing ahead of a get)."""
     port, owner_port = free_ports(2)
     owner = FakeOwner(owner_port, offer_exists)
     members = f"static:127.0.0.1:{port},{owner.target}"
     try:
         args = ["--listen", f"127.0.0.1:{port}", "--pool-members", members,
-                "--pool-peer-timeout-ms", "2000"]  # fmt: skip
+                "--pool-peer-timeout-ms", "2000", "--pool-prefetch-keys", "0"]  # fmt: skip
         daemon = DaemonProcess(tmp_path, args, ssd="")
     except BaseException:
         owner.close()
