@@ -282,3 +282,6 @@ def test_dashboard_is_grafana_json() -> None:
     for panel in dashboard["panels"]:
         assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}"
+        # Grafana keeps one query per refId: a second one of a panel is lost.
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)), panel["title"]
