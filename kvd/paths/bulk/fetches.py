@@ -14,10 +14,13 @@ a client's pipelined GETs so overlap (in a pool, a batch's reads of one
 owner asked in the same turn go together: ``kvd.cluster.nixl_reads``), and
 the answers still leave in request order.
 
-Bounded: at most ``FETCHES_MAX`` reads per connection at once; past it the
-reader waits for one to end (and TCP slows the client down). A task's value
-stays pinned until the writer sent it, or until the connection ends
-(``close``: a task not sent is cancelled, or its value unpinned).
+Bounded: at most ``FETCHES_MAX`` such GETs per connection are being read or
+waiting for the writer; past it the reader waits until the writer takes
+one (and TCP slows the client down), so a client that stops reading its
+answers pins at most that many values this way (beside the
+``bulk_inflight_bytes`` of answers queued from L1). A task's value stays
+pinned until the writer sent it, or until the connection ends (``close``: a
+task not sent is cancelled, or its value unpinned).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from typing import Any
 
 from kvd.store.index import Reader
 
-# Reads one connection's GETs have in flight at once.
-FETCHES_MAX = 16
+# GETs of one connection being read, or read and waiting for the writer.
+FETCHES_MAX = 8
 
 # A GET's answer: its header, and the pinned value it sends (None for a code alone).
 Answer = tuple[bytes, Reader | None]
@@ -50,15 +53,15 @@ class Fetches:
             read.close()
             raise
         task = asyncio.get_running_loop().create_task(read)
-        task.add_done_callback(lambda _: self._room.release())
         self._unsent.add(task)
         return task
 
     async def answer(self, task: asyncio.Task[Answer]) -> Answer:
         """The answer of ``task``, once it is read; from here the caller sends
-        it (and closes its reader)."""
+        it (and closes its reader), and the reader may start another."""
         answer = await task
         self._unsent.discard(task)  # no await since: nothing can be lost in between
+        self._room.release()
         return answer
 
     def close(self) -> None:

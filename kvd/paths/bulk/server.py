@@ -32,7 +32,7 @@ same order, so a client may pipeline many requests on one connection.
   nothing ahead of it is sent by the reader itself (on a 2-CPU VM the
   writer's turn cost a lone 64 KiB get 40-80 µs of a 180-260 µs round trip).
 - Backpressure: a connection may have ``bulk_inflight_bytes`` of GET payload
-  queued, ``FETCHES_MAX`` values being read and ``QUEUE_FRAMES_MAX`` answers
+  queued, ``FETCHES_MAX`` values being read or unsent, ``QUEUE_FRAMES_MAX`` answers
   queued; past that its reader stops reading, and TCP slows the client down.
 - Auth: with a token table, the HELLO frame's payload is the bearer token;
   a connection whose token is unknown is answered UNAUTHENTICATED and

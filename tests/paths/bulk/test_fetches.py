@@ -2,8 +2,9 @@
 that owns them: the store's miss hook) are read while the connection goes
 on reading frames. A client's pipelined GETs of such values are all being
 read at once, at most ``FETCHES_MAX``, and their answers still leave in
-request order, behind and before values in L1. A server stopped while the
-reads run, or just after some ended, leaves no value pinned.
+request order, behind and before values in L1. A client that stops reading
+its answers pins no more than that many such values. A server stopped while
+the reads run, or just after some ended, leaves no value pinned.
 
 The miss hook here is the store's own interface, played as a pool's router
 plays it: the value arrives from elsewhere (put into the store) once the
@@ -28,17 +29,20 @@ from kvd.wire.checksum import checksum
 from tests.sockets import recv_exact
 
 
-def value_of(key: bytes) -> bytes:
-    return key * (4096 // len(key))
+def value_of(key: bytes, size: int = 4096) -> bytes:
+    return key * (size // len(key))
 
 
 class Elsewhere:
     """The store's miss hook: each value asked arrives once ``release`` is
     set (``None`` for the keys in ``absent``); the keys asked, in order."""
 
-    def __init__(self, store: Store, absent: frozenset[bytes] = frozenset()) -> None:
+    def __init__(
+        self, store: Store, absent: frozenset[bytes] = frozenset(), size: int = 4096
+    ) -> None:
         self.store = store
         self.absent = absent
+        self.size = size
         self.asked: list[bytes] = []
         self.release = asyncio.Event()
 
@@ -47,7 +51,7 @@ class Elsewhere:
         await self.release.wait()
         if key in self.absent:
             return None
-        value = value_of(key)
+        value = value_of(key, self.size)
         await self.store.put(ns, key, value, checksum=checksum(value), hasher=checksum)
         return self.store.open(ns, key)
 
@@ -135,6 +139,32 @@ async def test_at_most_fetches_max_reads_run_for_one_connection() -> None:
         await server.stop()
     assert hook.asked == keys
     assert got == [(i, 0, value_of(key)) for i, key in enumerate(keys)]
+    assert pins(store, keys) == 0
+
+
+async def test_a_client_that_stops_reading_pins_at_most_fetches_max_values() -> None:
+    size = 12 << 20  # three fill the socket's buffers (tcp_rmem and tcp_wmem at most)
+    limits = StoreLimits.from_config(Config())
+    store = Store(Pool(24 * size), limits)
+    keys = [b"away-%02d" % i for i in range(40)]
+    hook = store.on_miss = Elsewhere(store, size=size)
+    hook.release.set()
+    server, port = await serving(store)
+    sock = await connected(port)
+    try:
+        frames = [encode_request(OP_GET, i, b"ns", key) for i, key in enumerate(keys)]
+        await asyncio.to_thread(sock.sendall, b"".join(frames))  # and never reads
+        await asked(hook, FETCHES_MAX)
+        while True:  # until the connection stops reading values
+            before = len(hook.asked)
+            await asyncio.sleep(0.3)
+            if len(hook.asked) == before:
+                break
+        assert len(hook.asked) < len(keys)
+        assert pins(store, keys) <= FETCHES_MAX + 1  # read and waiting, and the one sending
+    finally:
+        sock.close()
+        await server.stop()
     assert pins(store, keys) == 0
 
 
