@@ -69,6 +69,12 @@ async def connected(port: int) -> socket.socket:
     return sock
 
 
+async def send_gets(sock: socket.socket, keys: list[bytes]) -> None:
+    """A GET of each key, pipelined (request ids 0, 1, ...)."""
+    frames = [encode_request(OP_GET, i, b"ns", key) for i, key in enumerate(keys)]
+    await asyncio.to_thread(sock.sendall, b"".join(frames))
+
+
 def answers(sock: socket.socket, count: int) -> list[tuple[int, int, bytes]]:
     """``count`` answers: (request id, code, value)."""
     got = []
@@ -101,8 +107,7 @@ async def test_pipelined_gets_of_values_elsewhere_are_read_at_once_and_answered_
     sock = await connected(port)
     try:
         keys = [elsewhere[0], here, *elsewhere[1:], here]
-        frames = [encode_request(OP_GET, i, b"ns", key) for i, key in enumerate(keys)]
-        await asyncio.to_thread(sock.sendall, b"".join(frames))
+        await send_gets(sock, keys)
         # Every value elsewhere is asked for before any arrived.
         await asked(hook, len(elsewhere))
         assert hook.asked == elsewhere
@@ -127,8 +132,7 @@ async def test_at_most_fetches_max_reads_run_for_one_connection() -> None:
     server, port = await serving(store)
     sock = await connected(port)
     try:
-        frames = [encode_request(OP_GET, i, b"ns", key) for i, key in enumerate(keys)]
-        await asyncio.to_thread(sock.sendall, b"".join(frames))
+        await send_gets(sock, keys)
         await asked(hook, FETCHES_MAX)
         await asyncio.sleep(0.2)  # the reader waits for room: no more are asked
         assert len(hook.asked) == FETCHES_MAX
@@ -152,8 +156,7 @@ async def test_a_client_that_stops_reading_pins_at_most_fetches_max_values() -> 
     server, port = await serving(store)
     sock = await connected(port)
     try:
-        frames = [encode_request(OP_GET, i, b"ns", key) for i, key in enumerate(keys)]
-        await asyncio.to_thread(sock.sendall, b"".join(frames))  # and never reads
+        await send_gets(sock, keys)  # and never reads
         await asked(hook, FETCHES_MAX)
         while True:  # until the connection stops reading values
             before = len(hook.asked)
@@ -176,8 +179,7 @@ async def test_a_server_stopped_as_reads_end_leaves_nothing_pinned() -> None:
         server, port = await serving(store)
         sock = await connected(port)
         try:
-            frames = [encode_request(OP_GET, i, b"ns", key) for i, key in enumerate(keys)]
-            await asyncio.to_thread(sock.sendall, b"".join(frames))
+            await send_gets(sock, keys)
             await asked(hook, len(keys))
             hook.release.set()
             for _ in range(turns):  # some reads ended, not all sent
