@@ -10,10 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvd.config.pem import check_pem, read_pem
-
-# A file and the setting that names it (for the errors).
-Named = tuple[str, str]
+from kvd.config.pem import Named, read_tls_files
 
 
 @dataclass(frozen=True)
@@ -30,11 +27,8 @@ class ClientTls:
         """The files, checked as a TLS client uses them (ConfigError naming
         the setting of one that does not parse); a certificate and key of
         path "": none."""
-        check_pem(cert[0], key[0], ca[0], ca[1], server=False, cert_setting=cert[1])
-        ca_pem, cert_pem, key_pem = (
-            read_pem(path, setting) if path else b"" for path, setting in (ca, cert, key)
-        )
-        return cls(ca_pem, cert_pem, key_pem, server_name)
+        files = read_tls_files(cert, key, ca, server=False)  # once, and those bytes checked
+        return cls(files.ca, files.cert, files.key, server_name)
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

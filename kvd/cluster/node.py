@@ -193,7 +193,7 @@ class PoolNode:
         certificate) keeps the old ones."""
         if self._tls_config is not None:
             tls = peer_tls(self._tls_config)
-            bulk = peer_bulk_tls(self._tls_config)
+            bulk = peer_bulk_tls(tls)
             assert tls is not None and bulk is not None, "a pool with TLS has pool_tls_ca_file"
             self.router.peers.use_tls(tls)
             self.router.reads.bulk.use_tls(bulk)
@@ -311,8 +311,9 @@ async def start_pool(config: Config, store: Store, port: int) -> PoolNode | None
         return None
     membership = Membership(advertise_address(config, port))
     token = _read_token(config.pool_token_file)
-    peers = Peers(token, config.max_message_bytes, peer_tls(config))
-    reads = PeerReads(store, peers, BulkPeers(token, peer_bulk_tls(config)), _transport(config),
+    tls = peer_tls(config)
+    peers = Peers(token, config.max_message_bytes, tls)
+    reads = PeerReads(store, peers, BulkPeers(token, peer_bulk_tls(tls)), _transport(config),
                       _start_nixl(config, store, membership.advertise))  # fmt: skip
     router = PoolRouter(store, membership, peers, reads, config.pool_peer_timeout_ms / 1000,
                         config.pool_lookup_hint_ms / 1000,

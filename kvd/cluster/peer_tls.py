@@ -9,7 +9,8 @@ bulk port takes TLS (``bulk_tls``) is read there, over TLS with the same
 files (``peer_bulk_tls``); one whose bulk port is in clear, over gRPC.
 NIXL carries values in clear: members with TLS do not use it.
 
-The files are read at start and again on SIGHUP (``reload``): calls after a
+The files are read at start and again on SIGHUP (``reload``), once each
+time, gRPC's and the bulk port's TLS made from the same bytes: calls after a
 reload open new channels with the new files; a reload that fails keeps the
 old ones.
 """
@@ -37,16 +38,16 @@ def peer_tls(config: Config) -> ClientTls | None:
     )
 
 
-def peer_bulk_tls(config: Config) -> BulkTls | None:
+def peer_bulk_tls(tls: ClientTls | None) -> BulkTls | None:
     """The TLS of this member's connections to the others' bulk ports, from
-    the same files (check them with ``peer_tls`` first); None without
-    ``pool_tls_ca_file``."""
-    if not config.pool_tls_ca_file:
+    the files ``peer_tls`` read and checked (the same bytes); None without
+    them (no ``pool_tls_ca_file``)."""
+    if tls is None:
         return None
     try:
-        context = client_context(config.pool_tls_ca_file, config.tls_cert_file, config.tls_key_file)
+        context = client_context(tls.ca, tls.cert, tls.key)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(
             f"pool_tls_ca_file: the TLS files do not load: {exc}", key="pool_tls_ca_file"
         ) from None
-    return BulkTls(context, config.pool_tls_server_name)
+    return BulkTls(context, tls.server_name)

@@ -22,7 +22,7 @@ import threading
 
 import grpc
 
-from kvd.config.pem import check_pem, read_pem
+from kvd.config.pem import TlsFiles, read_tls_files
 from kvd.config.setting import ConfigError
 from kvd.config.settings import Config
 from kvd.wire.tls_socket import server_context
@@ -42,8 +42,7 @@ class ServerTls:
         self.bulk = bulk
         self._lock = threading.Lock()  # _fetch runs on gRPC's threads
         self._pending: grpc.ServerCertificateConfiguration | None = None
-        self._initial = self._load()
-        self._bulk_context = self._load_bulk()
+        self._initial, self._bulk_context = self._load()
 
     @classmethod
     def from_config(cls, config: Config) -> ServerTls | None:
@@ -57,11 +56,17 @@ class ServerTls:
     def mode(self) -> str:
         return "mtls" if self.require_client_cert else "tls"
 
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        check_pem(self.cert_file, self.key_file, self.ca_file, "tls_client_ca_file", server=True)
-        pair = (read_pem(self.key_file, "tls_key_file"), read_pem(self.cert_file, "tls_cert_file"))
-        ca = read_pem(self.ca_file, "tls_client_ca_file") if self.ca_file else None
-        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+    def _load(self) -> tuple[grpc.ServerCertificateConfiguration, ssl.SSLContext | None]:
+        """gRPC's configuration and the bulk port's context (``bulk_tls``), both
+        from one read of the files, checked (``kvd.config.pem``)."""
+        files = read_tls_files(
+            (self.cert_file, "tls_cert_file"), (self.key_file, "tls_key_file"),
+            (self.ca_file, "tls_client_ca_file"), server=True,
+        )  # fmt: skip
+        config = grpc.ssl_server_certificate_configuration(
+            [(files.key, files.cert)], root_certificates=files.ca or None
+        )
+        return config, self._load_bulk(files)
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
@@ -73,12 +78,11 @@ class ServerTls:
             pending, self._pending = self._pending, None
         return pending
 
-    def _load_bulk(self) -> ssl.SSLContext | None:
-        """The bulk port's context (the files checked by ``_load`` first)."""
+    def _load_bulk(self, files: TlsFiles) -> ssl.SSLContext | None:
         if not self.bulk:
             return None
         try:
-            return server_context(self.cert_file, self.key_file, self.ca_file)
+            return server_context(files.cert, files.key, files.ca)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(
                 f"bulk_tls: the TLS files do not load: {exc}", key="tls_cert_file"
@@ -91,8 +95,7 @@ class ServerTls:
 
     def reload(self) -> None:
         """Read the files again; the next handshake uses them. ConfigError keeps the old."""
-        loaded = self._load()
-        bulk = self._load_bulk()
+        loaded, bulk = self._load()
         with self._lock:
             self._pending = loaded
         if bulk is not None:

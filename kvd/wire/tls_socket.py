@@ -42,6 +42,7 @@ import termios
 from typing import cast
 
 from kvd.util.aio import readable, writable
+from kvd.util.memfile import load_chain
 
 # Ciphertext read from the socket at a time: one system call for 16 records.
 RECV_BYTES = 256 << 10
@@ -233,14 +234,15 @@ async def send_whole(
         await flushed(loop, sock)
 
 
-def server_context(cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLContext:
-    """The bulk listener's TLS: its certificate and key, and with
-    ``client_ca_file`` a client certificate it signed required (mTLS)."""
+def server_context(cert: bytes, key: bytes, client_ca: bytes) -> ssl.SSLContext:
+    """The bulk listener's TLS: its certificate chain and key and, with
+    ``client_ca``, a client certificate it signed required (mTLS); the
+    bytes as read and checked (``kvd.config.pem``)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert_file, key_file)
-    if client_ca_file:
-        context.load_verify_locations(cafile=client_ca_file)
+    load_chain(context, cert, key)
+    if client_ca:
+        context.load_verify_locations(cadata=client_ca.decode("latin-1"))
         context.verify_mode = ssl.CERT_REQUIRED
     context.num_tickets = 0
     # A client's renegotiation (TLS 1.2) is refused with an alert, not left
@@ -249,12 +251,13 @@ def server_context(cert_file: str, key_file: str, client_ca_file: str) -> ssl.SS
     return context
 
 
-def client_context(ca_file: str, cert_file: str = "", key_file: str = "") -> ssl.SSLContext:
-    """A client's TLS: the server's certificate checked against ``ca_file``
-    (and the name asked for), and a client certificate where given."""
+def client_context(ca: bytes, cert: bytes = b"", key: bytes = b"") -> ssl.SSLContext:
+    """A client's TLS: the server's certificate checked against the CA bundle
+    ``ca`` (and the name asked for), and a client certificate where given;
+    the bytes as read and checked (``kvd.config.pem``)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_verify_locations(cafile=ca_file)
-    if cert_file:
-        context.load_cert_chain(cert_file, key_file)
+    context.load_verify_locations(cadata=ca.decode("latin-1"))
+    if cert:
+        load_chain(context, cert, key)
     return context
