@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from kvd.util.memfile import load_chain
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire.checksum import checksum
 from kvd.wire.errors import (
@@ -83,26 +84,41 @@ class Tls:
         """The same files for the bulk TCP port, where the daemon's takes TLS
         (``bulk_tls``): its certificate checked against ``ca_file`` (the
         system's roots without one) and the host's name."""
-        self._check_pair()
+        ca, cert, key = self._files()
         try:
-            context = ssl.create_default_context(cafile=self.ca_file)
-        except (OSError, ssl.SSLError) as exc:
+            context = ssl.create_default_context(
+                cadata=None if ca is None else ca.decode("latin-1")
+            )
+        except (ValueError, ssl.SSLError) as exc:
             raise InvalidArgument(f"tls ca_file {self.ca_file}: {exc}") from None
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            if self.cert_file is not None:
-                context.load_cert_chain(self.cert_file, self.key_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise InvalidArgument(f"tls cert_file {self.cert_file}: {exc}") from None
+        if cert is not None and key is not None:
+            load_chain(context, cert, key)  # the bytes _files checked
         return context
 
     def credentials(self) -> grpc.ChannelCredentials:
-        self._check_pair()
+        ca, cert, key = self._files()
         return grpc.ssl_channel_credentials(
-            root_certificates=_pem(self.ca_file, "ca_file"),
-            private_key=_pem(self.key_file, "key_file"),
-            certificate_chain=_pem(self.cert_file, "cert_file"),
+            root_certificates=ca, private_key=key, certificate_chain=cert
         )
+
+    def _files(self) -> tuple[bytes | None, bytes | None, bytes | None]:
+        """The CA bundle, certificate chain and key, each read once; the chain
+        and key checked together, so gRPC never gets a key without the
+        certificate it goes with (a file caught half-rewritten: gRPC aborts
+        the process on that)."""
+        self._check_pair()
+        ca, cert, key = (_pem(path, name) for path, name in
+                         ((self.ca_file, "ca_file"), (self.cert_file, "cert_file"),
+                          (self.key_file, "key_file")))  # fmt: skip
+        if cert is not None and key is not None:
+            try:
+                load_chain(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), cert, key)
+            except (OSError, ssl.SSLError) as exc:
+                raise InvalidArgument(
+                    f"tls cert_file {self.cert_file} with key_file {self.key_file}: {exc}"
+                ) from None
+        return ca, cert, key
 
 
 def _pem(path: str | None, name: str) -> bytes | None:

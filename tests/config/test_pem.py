@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from kvd.client import Tls
 from kvd.cluster.client_tls import ClientTls
 from kvd.config.pem import read_tls_files
 from kvd.config.setting import ConfigError
+from kvd.wire.errors import InvalidArgument
 from tests.certs import make_pki, write_server_files
 
 
@@ -106,3 +108,21 @@ def test_a_key_that_does_not_match_or_a_ca_that_is_none_is_refused(
             (str(cert), "tls_cert_file"), (str(key), "tls_key_file"),
             (str(ca), "tls_client_ca_file"), server=True,
         )  # fmt: skip
+
+
+def test_a_client_never_hands_grpc_a_key_without_its_certificate(tmp_path: Path) -> None:
+    """The same for ``kvd.client``'s ``Tls`` (an engine's connector): a
+    certificate read empty (rewritten in place) is an error it turns into a
+    miss, not a channel gRPC aborts the engine's process on."""
+    pki = make_pki("pem")
+    _, key, ca = write_server_files(tmp_path, pki)
+    cert = tmp_path / "client.crt"
+    cert.write_bytes(b"")
+    tls = Tls(ca_file=str(ca), cert_file=str(cert), key_file=str(key))
+    with pytest.raises(InvalidArgument, match="cert_file"):
+        tls.credentials()
+    with pytest.raises(InvalidArgument, match="cert_file"):
+        tls.context()
+    cert.write_bytes(pki.server.cert)
+    tls.credentials()
+    tls.context()
