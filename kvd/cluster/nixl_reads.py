@@ -44,8 +44,12 @@ from kvd.wire.errors import DataLoss, KvdError
 BATCH_MAX = 32
 
 Outcome = str | BaseException
-# run(member, namespace, keys, timeout_s) -> each key's outcome, in order
-RunFn = Callable[[str, str, list[bytes], float], Awaitable[list[Outcome]]]
+# report(i, outcome): key i's outcome, known before the batch ends (its caller wakes)
+Report = Callable[[int, Outcome], None]
+# run(member, namespace, keys, timeout_s, report) -> each key's outcome, in order
+RunFn = Callable[[str, str, list[bytes], float, Report], Awaitable[list[Outcome]]]
+# landed(namespace, key): a value just published in L1 from its owner
+Landed = Callable[[str, bytes], None]
 
 
 @dataclass
@@ -100,25 +104,32 @@ class Gather:
     async def _serve(self, name: tuple[str, str], waiting: _Waiting) -> None:
         member, namespace = name
         outcomes: list[Outcome]
+
+        def report(i: int, outcome: Outcome) -> None:
+            future = waiting.futures[i]
+            if future.done():  # its caller gave up, or it was reported
+                return
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
         try:
             if len(waiting.keys) > 1:
                 self.batches += 1
                 self.batched += len(waiting.keys)
             async with asyncio.timeout(waiting.timeout_s):
-                outcomes = await self._run(member, namespace, waiting.keys, waiting.timeout_s)
+                outcomes = await self._run(
+                    member, namespace, waiting.keys, waiting.timeout_s, report
+                )
         except asyncio.CancelledError:  # the daemon stopping
             for future in waiting.futures:
                 future.cancel()
             raise
         except Exception as exc:  # every caller gets it, as each read alone would
             outcomes = [exc] * len(waiting.keys)
-        for future, outcome in zip(waiting.futures, outcomes, strict=True):
-            if future.done():  # its caller gave up
-                continue
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+        for i, outcome in enumerate(outcomes):
+            report(i, outcome)
 
 
 @dataclass
@@ -134,12 +145,12 @@ class Pinned:
 
 async def land_many(
     store: Store, nixl: NixlNode, member: str, agent: str, namespace: str,
-    values: list[Pinned],
+    values: list[Pinned], landed: Landed,
 ) -> list[Outcome]:  # fmt: skip
     """Reserve pages for each pinned value, READ them all (one transfer per
-    ``SEGMENTS_MAX`` descriptors), publish each whose bytes match; each
-    value's outcome, in order. Pages of values not published go back once
-    their transfer has stopped."""
+    ``SEGMENTS_MAX`` descriptors), publish each whose bytes match (``landed``
+    at once); each value's outcome, in order. Pages of values not published
+    go back once their transfer has stopped."""
     outcomes: list[Outcome] = [HIT] * len(values)
     posted: set[int] = set()  # values a transfer took: it gives their pages back
     try:
@@ -153,12 +164,14 @@ async def land_many(
                 except KvdError as error:
                     outcomes[i] = not_kept(member, error)
                     continue
-                if not isinstance(ticket, PutResult):  # else stored here meanwhile
+                if isinstance(ticket, PutResult):  # stored here meanwhile
+                    landed(namespace, value.key)
+                else:
                     value.ticket = ticket
             reading = [(i, v) for i, v in enumerate(values) if v.ticket is not None]
             for group in _transfers(store, member, reading, outcomes):
                 posted.update(i for i, _, _, _ in group)
-                if not await _read_group(store, nixl, member, agent, group, outcomes):
+                if not await _read_group(store, nixl, member, agent, group, outcomes, landed):
                     failed = outcomes[group[0][0]]
                     for i, _ in reading:  # not posted: their pages go back below
                         if i not in posted:
@@ -201,7 +214,7 @@ def _transfers(
 
 async def _read_group(
     store: Store, nixl: NixlNode, member: str, agent: str, group: list[Paired],
-    outcomes: list[Outcome],
+    outcomes: list[Outcome], landed: Landed,
 ) -> bool:  # fmt: skip
     """One transfer of ``group``'s values, then each published or given
     back; False where the transfer failed (each of its values then has the
@@ -230,6 +243,7 @@ async def _read_group(
             assert value.ticket is not None
             try:
                 store.publish_now(value.ticket, checksum_views(value.ticket.views))
+                landed(value.ticket.ns_name, value.key)
             except DataLoss:
                 outcomes[i] = PeerError(
                     f"{member}: value of {value.answer.size} bytes failed its checksum", "checksum"

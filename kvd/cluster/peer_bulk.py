@@ -85,6 +85,8 @@ from kvd.wire.tls_socket import TlsSocket, Wire, handshake, recv_some, send_whol
 CONNECTIONS_MAX = 8
 # Idle connections kept per member for the next reads.
 IDLE_MAX = 8
+# A value not kept is read and dropped this much at a time.
+SKIP_BYTES = 1 << 20
 
 
 class BulkUnreachable(PeerError):
@@ -168,9 +170,22 @@ class BulkConnection:
     async def get(self, namespace: str, key: bytes, max_value_bytes: int) -> BulkAnswer | None:
         """Ask for a value; its header, or None when the member does not hold
         it. The value's bytes follow: ``receive`` them before anything else."""
+        (rid,) = await self.ask(namespace, [key])
+        return await self.answer_get(rid, max_value_bytes)
+
+    async def ask(self, namespace: str, keys: list[bytes]) -> list[int]:
+        """A GET frame with ``FLAG_HOP`` for each key, back to back; their
+        request ids, whose answers come in this order (``answer_get``)."""
         self.reusable = False
-        rid = next(self._ids)
-        await self._send(encode_request(OP_GET, rid, namespace.encode(), key, flags=FLAG_HOP))
+        rids = [next(self._ids) for _ in keys]
+        for i, (rid, key) in enumerate(zip(rids, keys, strict=True)):
+            request = encode_request(OP_GET, rid, namespace.encode(), key, flags=FLAG_HOP)
+            await self._send(request, flush=i == len(keys) - 1)
+        return rids
+
+    async def answer_get(self, rid: int, max_value_bytes: int) -> BulkAnswer | None:
+        """The header of GET ``rid``'s answer (None: not held; a refusal
+        raises ``refused`` or ``auth``); its value's bytes follow."""
         code, meta, message, answer = await self._answer(OP_GET, rid)
         if code == CODE_NOT_FOUND:
             self.reusable = True
@@ -181,6 +196,7 @@ class BulkConnection:
         size = answer[0]
         if size > max_value_bytes:
             raise PeerError(f"bulk GET answered {size} bytes, over max_value_bytes", "protocol")
+        self.reusable = False  # until its bytes were read (receive, skip)
         return BulkAnswer(size, meta, answer[1])
 
     async def put_many(
@@ -361,6 +377,15 @@ class BulkConnection:
         got = 0
         for view in views:
             got += await self._recv_into(view, hasher, got, total)
+        self.reusable = True
+
+    async def skip(self, size: int) -> None:
+        """A value's bytes read and dropped (one not kept here, with more
+        answers behind it on this connection)."""
+        scratch = memoryview(bytearray(min(size, SKIP_BYTES)))
+        got = 0
+        while got < size:
+            got += await self._recv_into(scratch[: min(size - got, len(scratch))], None, got, size)
         self.reusable = True
 
     async def _send(self, data: bytes | memoryview, flush: bool = True) -> None:

@@ -10,7 +10,11 @@ Transports (``pool_peer_transport``, the name -> way table is ``TRANSPORTS``):
   put (``Store.begin_put``) and the bytes are received straight into them,
   hashed as they land, and published only if they match the owner's
   checksum (``Store.publish_now``; else the pages go back, DATA_LOSS → a
-  ``checksum`` peer error). No Python ``bytes`` per value.
+  ``checksum`` peer error). No Python ``bytes`` per value. The reads of one
+  owner asked in the same turn of the loop (a batched get's, a lookup's
+  fetch ahead) are spread over up to ``CONNECTIONS_MAX`` connections, each
+  sending its share's GET frames back to back and reading the answers in
+  order; a value not kept here is read and dropped when answers follow it.
 - ``nixl``: a one-sided NIXL/UCX read into the same reserved pages
   (``kvd.cluster.nixl_node``) where NIXL imports and starts and the owner
   offers it; ``auto`` picks it then, else bulk. The reads of one owner
@@ -47,9 +51,9 @@ from typing import TypeVar
 
 from kvd.cluster import scope
 from kvd.cluster.nixl_node import NixlError, NixlNode
-from kvd.cluster.nixl_reads import Gather, Outcome, Pinned, land_many
+from kvd.cluster.nixl_reads import Gather, Landed, Outcome, Pinned, Report, land_many
 from kvd.cluster.outcomes import HIT, MISS, NOT_KEPT, not_kept
-from kvd.cluster.peer_bulk import BulkConnection, BulkPeers, BulkUnreachable
+from kvd.cluster.peer_bulk import CONNECTIONS_MAX, BulkConnection, BulkPeers, BulkUnreachable
 from kvd.cluster.peers import PeerError, PeerPaths, Peers
 from kvd.config.addresses import parse_address
 from kvd.store.index import PutResult, Reader
@@ -144,8 +148,13 @@ class PeerReads:
         self.traffic = PeerTraffic()
         self._paths: dict[str, PeerPaths] = {}
         self._grpc_logged: set[str] = set()
-        # NIXL reads of one owner asked in the same turn of the loop: one batch.
+        # Reads of one owner asked in the same turn of the loop: one batch,
+        # over NIXL or over the owner's bulk port.
         self.gather = Gather(self._read_nixl_many)
+        self.bulk_gather = Gather(self._read_bulk_many)
+        # Told of each value published here from its owner, before anything
+        # else runs (the router holds it for its get); set by the router.
+        self.landed: Landed = _nothing
 
     def describe(self) -> str:
         """The transport in use and, where it differs, the one asked for and why."""
@@ -167,7 +176,7 @@ class PeerReads:
 
     def tasks(self) -> list[asyncio.Task[None]]:
         """Batches of NIXL reads under way."""
-        return self.gather.tasks()
+        return [*self.gather.tasks(), *self.bulk_gather.tasks()]
 
     def close(self) -> None:
         self.bulk.close()
@@ -184,9 +193,8 @@ class PeerReads:
                 if way is None:
                     return await self._read_grpc(member, namespace, key, timeout_s)
                 try:
-                    if self.nixl is not None:
-                        return await self.gather.read(member, namespace, key, timeout_s)
-                    return await self._read_bulk(member, way, namespace, key)
+                    reads = self.gather if self.nixl is not None else self.bulk_gather
+                    return await reads.read(member, namespace, key, timeout_s)
                 except BulkUnreachable as error:
                     self._unreachable(member, error)
                     left_s = deadline - time.monotonic()
@@ -360,33 +368,71 @@ class PeerReads:
         host, _ = parse_address(member)
         return host, paths.bulk_port
 
-    async def _read_bulk(
-        self, member: str, way: tuple[str, int], namespace: str, key: bytes
-    ) -> str:
-        async with self.bulk.connection(member, *way) as connection:
-            return await self._get_bulk(member, connection, namespace, key)
+    async def _read_bulk_many(
+        self, member: str, namespace: str, keys: list[bytes], timeout_s: float, report: Report
+    ) -> list[Outcome]:
+        """The values over the member's bulk port: spread over up to
+        ``CONNECTIONS_MAX`` connections, each asking for its share of the keys
+        with GET frames back to back (``_get_bulk_many``); each key's outcome."""
+        way = await self._known_way(member, timeout_s)
+        count = min(len(keys), CONNECTIONS_MAX)
+        starts = [len(keys) * i // count for i in range(count + 1)]
+        parts = [keys[starts[i] : starts[i + 1]] for i in range(count)]
 
-    async def _get_bulk(
-        self, member: str, connection: BulkConnection, namespace: str, key: bytes
-    ) -> str:
-        answer = await connection.get(namespace, key, self.store.limits.max_value_bytes)
-        if answer is None:
-            self.traffic.called(member, "bulk", 0)
-            return MISS
-        outcome = await self._land(member, namespace, key, answer.size, answer.meta,
-                                   answer.checksum, connection)  # fmt: skip
-        self.traffic.called(member, "bulk", answer.size)
-        return outcome
+        async def read(i: int) -> list[Outcome]:
+            async with self.bulk.connection(member, *way) as connection:
+                return await self._get_bulk_many(
+                    member, connection, namespace, parts[i], lambda j, o: report(starts[i] + j, o)
+                )
+
+        done = await asyncio.gather(*(read(i) for i in range(count)), return_exceptions=True)
+        outcomes: list[Outcome] = []
+        for part, result in zip(parts, done, strict=True):
+            outcomes += result if isinstance(result, list) else [result] * len(part)
+        return outcomes
+
+    async def _get_bulk_many(
+        self, member: str, connection: BulkConnection, namespace: str, keys: list[bytes],
+        report: Report,
+    ) -> list[Outcome]:  # fmt: skip
+        """Each key's value over one connection, its GETs sent back to back
+        and the answers read in order. A refusal, a miss or a checksum failure
+        is that value's outcome; a connection that fails fails the rest (and
+        is closed), as does the last value left unread (not kept here)."""
+        max_value_bytes = self.store.limits.max_value_bytes
+        outcomes: list[Outcome] = []
+        try:
+            rids = await connection.ask(namespace, keys)
+            for i, (key, rid) in enumerate(zip(keys, rids, strict=True)):
+                try:
+                    answer = await connection.answer_get(rid, max_value_bytes)
+                    if answer is None:
+                        self.traffic.called(member, "bulk", 0)
+                        outcomes.append(MISS)
+                    else:
+                        outcomes.append(await self._land(member, namespace, key, answer.size,
+                                                         answer.meta, answer.checksum, connection,
+                                                         whole=i < len(keys) - 1))  # fmt: skip
+                        self.traffic.called(member, "bulk", answer.size)
+                except PeerError as error:
+                    if error.kind not in ("refused", "auth", "checksum"):
+                        raise
+                    outcomes.append(error)  # this value's alone: the next answer follows
+                report(i, outcomes[-1])  # its caller goes on while the others arrive
+        except PeerError as error:
+            connection.reusable = False
+            outcomes += [error] * (len(keys) - len(outcomes))
+        return outcomes
 
     async def _read_nixl_many(
-        self, member: str, namespace: str, keys: list[bytes], timeout_s: float
+        self, member: str, namespace: str, keys: list[bytes], timeout_s: float, report: Report
     ) -> list[Outcome]:
         """Pin the values on the member (bulk connection), READ their pages
         into reserved local pages in one transfer, release the pins
         together (``kvd.cluster.nixl_reads``); each key's outcome, or its
         failure. A member that offers no NIXL is read with plain bulk GETs."""
         assert self.nixl is not None
-        way = await self._nixl_way(member, timeout_s)
+        way = await self._known_way(member, timeout_s)
         async with self.bulk.connection(member, *way) as connection:
             offer = await self._offer(member, connection)
             if offer is not None:
@@ -396,7 +442,7 @@ class PeerReads:
                         enumerate(zip(keys, pins, strict=True)) if pin is not None]  # fmt: skip
                 outcomes: list[Outcome] = [MISS] * len(keys)
                 landed = await land_many(self.store, self.nixl, member, offer[1], namespace,
-                                         [value for _, value in held])  # fmt: skip
+                                         [value for _, value in held], self.landed)  # fmt: skip
                 await connection.nixl_release_many([value.lease for _, value in held])
                 for (i, value), outcome in zip(held, landed, strict=True):
                     outcomes[i] = outcome
@@ -405,11 +451,10 @@ class PeerReads:
                 for _ in range(len(keys) - len(held)):
                     self.traffic.called(member, "nixl", 0)
                 return outcomes
-        # The member offers no NIXL: a bulk GET each, each on its own connection.
-        reads = (self._read_bulk(member, way, namespace, key) for key in keys)
-        return list(await asyncio.gather(*reads, return_exceptions=True))
+            # The member offers no NIXL: bulk GETs on the same connection.
+            return await self._get_bulk_many(member, connection, namespace, keys, report)
 
-    async def _nixl_way(self, member: str, timeout_s: float) -> tuple[str, int]:
+    async def _known_way(self, member: str, timeout_s: float) -> tuple[str, int]:
         """The member's bulk port (known: ``read`` asked for it first)."""
         way = await self._way(member, timeout_s)
         if way is None:  # forgotten meanwhile (a failed read): the caller reads over gRPC
@@ -449,22 +494,31 @@ class PeerReads:
         meta: bytes,
         sum_sent: int,
         connection: BulkConnection,
+        whole: bool = False,
     ) -> str:
         """Reserve pages for the value, receive it into them, publish it if
-        its bytes match ``sum_sent``; the pages go back on any failure."""
+        its bytes match ``sum_sent``; the pages go back on any failure. With
+        ``whole`` (more answers follow on the connection) a value not
+        received is read and dropped; else its connection is closed."""
         with scope.as_hop():  # the owner has it: not handed back
             try:
                 ticket = await self.store.begin_put(namespace, key, size, meta, None, sum_sent)
             except KvdError as error:
                 not_kept(member, error)
-                return NOT_KEPT  # the connection, its value unread, is closed
+                if whole:
+                    await connection.skip(size)
+                return NOT_KEPT  # else the connection, its value unread, is closed
             if isinstance(ticket, PutResult):
+                self.landed(namespace, key)
+                if whole:
+                    await connection.skip(size)
                 return HIT  # stored here meanwhile, with these bytes
             try:
                 hasher = Hasher()
                 await connection.receive(ticket.views, hasher)
                 try:
                     self.store.publish_now(ticket, hasher.value())
+                    self.landed(namespace, key)
                 except DataLoss:
                     raise PeerError(
                         f"{member}: value of {size} bytes failed its checksum", "checksum"
@@ -494,3 +548,7 @@ class PeerReads:
             not_kept(member, error)
             return NOT_KEPT
         return HIT
+
+
+def _nothing(namespace: str, key: bytes) -> None:
+    """``PeerReads.landed`` where no router listens."""

@@ -175,6 +175,7 @@ class PoolRouter:
         # one a get waits on, so that it lands held whatever the churn).
         share = PinShare(store.hold, int(store.pool.capacity_bytes * FETCHED_HOLD_FRACTION))
         self._holds = Holds(share, FETCHED_HOLD_S)
+        reads.landed = self._landed  # held as it lands, before anything else runs
         self.tells = Tells(reads, self._exists, self._peer_failed, peer_timeout_s,
                            store.limits.max_lookup_keys)  # fmt: skip
         self.refresh = Refresh(lookup_hint_s / 4, self._exists)
@@ -555,6 +556,11 @@ class PoolRouter:
 
         await asyncio.gather(*(fetch(key) for key in missing))
         self._holds.end_later(namespace, missing, FETCHED_BATCH_HOLD_S)
+
+    def _landed(self, namespace: str, key: bytes) -> None:
+        """A value from its owner just published here: held at once, past the
+        share where a get waits on it (as ``_fetch_into_l1`` holds it)."""
+        self._holds.hold(namespace, key, past_share=(namespace, key) in self._awaited)
 
     async def _fetch_into_l1(self, owner: str, namespace: str, key: bytes, budget_s: float) -> bool:
         try:

@@ -1,6 +1,7 @@
 """NIXL reads gathered into batches (kvd.cluster.nixl_reads), without an
 agent: the reads of one owner asked in one turn of the loop go as one batch
-(a read alone is a batch of one), each caller gets its own key's outcome, a caller
+(a read alone is a batch of one), each caller gets its own key's outcome
+(as soon as the batch reports it, before the batch ends), a caller
 that gives up leaves the batch to the others, a failed batch fails each of
 its reads, and a batch's values are cut into transfers of at most
 SEGMENTS_MAX descriptors. The batches against real daemons and agents are
@@ -14,7 +15,7 @@ from typing import Any, cast
 import pytest
 
 from kvd.cluster import nixl_node, nixl_reads
-from kvd.cluster.nixl_reads import Gather, Outcome, Pinned
+from kvd.cluster.nixl_reads import Gather, Outcome, Pinned, Report
 from kvd.cluster.peer_bulk import BulkAnswer
 from kvd.cluster.peers import PeerError
 from kvd.store.index import PutTicket
@@ -30,8 +31,12 @@ class Owners:
         self.release.set()
         self.fail: BaseException | None = None
 
-    async def run(self, member: str, ns: str, keys: list[bytes], timeout_s: float) -> list[Outcome]:
+    async def run(
+        self, member: str, ns: str, keys: list[bytes], timeout_s: float, report: Report
+    ) -> list[Outcome]:
         self.batches.append((member, ns, keys))
+        if keys[0] == b"early":  # known before the rest: its caller goes on
+            report(0, "hit:early")
         await self.release.wait()
         if self.fail is not None:
             raise self.fail
@@ -131,3 +136,19 @@ def test_a_batch_is_cut_into_transfers_of_at_most_segments_max(
     # c needs five descriptors, more than a transfer takes: its pages go back.
     assert isinstance(outcomes[2], PeerError) and outcomes[2].kind == "transfer"
     assert pages.aborted == [values[2].ticket]
+
+
+def test_an_outcome_reported_early_wakes_its_caller_before_the_batch_ends() -> None:
+    async def run() -> None:
+        owners = Owners()
+        owners.release.clear()
+        gather = Gather(owners.run)
+        early = asyncio.ensure_future(gather.read("a", "ns", b"early", 1.0))
+        late = asyncio.ensure_future(gather.read("a", "ns", b"late", 1.0))
+        assert await asyncio.wait_for(early, 1.0) == "hit:early"
+        assert not late.done()  # the batch goes on
+        owners.release.set()
+        assert await late == "hit:late"
+        assert owners.batches == [("a", "ns", [b"early", b"late"])]
+
+    asyncio.run(run())
