@@ -20,7 +20,10 @@ batch is bounded by the longest of its callers' timeouts. Pages reserved
 for a value go back on any failure, once the transfer that writes into
 them has stopped (``NixlNode.read``'s ``give_back``).
 
-A read alone in its turn is a batch of one.
+A read alone in its turn is a batch of one. ``Gather`` serves the bulk
+transport's batches too (``kvd.cluster.peer_reads``); a batch may report a
+value's outcome as soon as it is known (``report``), and its caller goes on
+while the others are read.
 """
 
 from __future__ import annotations

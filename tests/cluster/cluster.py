@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,20 @@ def recv_all(sock: socket.socket, size: int) -> bytes:
             raise ConnectionError("closed")
         data += piece
     return bytes(data)
+
+
+def gets_of(sock: socket.socket) -> Iterator[tuple[bulk.Request, bytes]]:
+    """A fake member's bulk connection: its HELLO answered, then each
+    request and its key (for a GET), in order; ends when the peer closes."""
+    while True:
+        head = recv_all(sock, bulk.REQUEST.size)
+        request = bulk.decode_request(head, 1 << 30)
+        tail = recv_all(sock, request.tail_bytes)
+        if request.op == bulk.OP_HELLO:
+            recv_all(sock, request.length)
+            sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
+            continue
+        yield request, bulk.split_tail(request, tail)[1]
 
 
 class FakeMember:

@@ -20,7 +20,7 @@ from kvd.client import Client
 from kvd.cluster.rendezvous import Placement
 from kvd.wire import bulk
 from kvd.wire.checksum import checksum
-from tests.cluster.cluster import FakeMember, free_ports, keys_owned, labelled, recv_all
+from tests.cluster.cluster import FakeMember, free_ports, gets_of, keys_owned, labelled
 from tests.sockets import metric
 from tests.support import DaemonProcess, wait_until
 
@@ -47,14 +47,7 @@ class BatchOwner(FakeMember):
         self.waiting: list[int] = []  # per GET: frames already behind it when answered
 
     def serve(self, sock: socket.socket) -> None:
-        while True:
-            head = recv_all(sock, bulk.REQUEST.size)
-            request = bulk.decode_request(head, 1 << 30)
-            tail = recv_all(sock, request.tail_bytes)
-            if request.op == bulk.OP_HELLO:
-                recv_all(sock, request.length)
-                sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
-                continue
+        for request, key in gets_of(sock):
             time.sleep(0.005)  # a moment for frames sent back to back to arrive
             try:
                 behind = len(sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
@@ -62,7 +55,6 @@ class BatchOwner(FakeMember):
                 behind = 0
             with self.lock:
                 self.waiting.append(behind // bulk.REQUEST.size)
-            _, key, _, _ = bulk.split_tail(request, tail)
             sock.sendall(self._answer(request.request_id, key))
 
     def _answer(self, rid: int, key: bytes) -> bytes:

@@ -29,9 +29,9 @@ from tests.cluster.cluster import (
     FakeMember,
     bound_subscriber,
     free_ports,
+    gets_of,
     keys_owned,
     labelled,
-    recv_all,
     start_static_pool,
 )
 from tests.sockets import metric
@@ -199,15 +199,7 @@ class BadOwner(FakeMember):
                          named_bulk_port=named_bulk_port, pool_version=pool_version)  # fmt: skip
 
     def serve(self, sock: socket.socket) -> None:
-        while True:
-            head = recv_all(sock, bulk.REQUEST.size)
-            request = bulk.decode_request(head, 1 << 30)
-            tail = recv_all(sock, request.tail_bytes)
-            if request.op == bulk.OP_HELLO:
-                recv_all(sock, request.length)
-                sock.sendall(bulk.encode_response(bulk.OP_HELLO, request.request_id))
-                continue
-            _, key, _, _ = bulk.split_tail(request, tail)
+        for request, key in gets_of(sock):
             if not self._answer(sock, request.request_id, key):
                 return
 

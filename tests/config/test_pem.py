@@ -16,7 +16,7 @@ import pytest
 
 from kvd.client import Tls
 from kvd.cluster.client_tls import ClientTls
-from kvd.config.pem import read_tls_files
+from kvd.config.pem import TlsFiles, read_tls_files
 from kvd.config.setting import ConfigError
 from kvd.wire.errors import InvalidArgument
 from tests.certs import make_pki, write_server_files
@@ -53,6 +53,22 @@ def release(path: Path, writer: tuple[threading.Thread, threading.Event]) -> Non
         thread.join(0.1)
 
 
+def server_files(cert: Path, key: Path, ca: Path) -> TlsFiles:
+    """The files as the daemon's listener reads them."""
+    return read_tls_files(
+        (str(cert), "tls_cert_file"), (str(key), "tls_key_file"),
+        (str(ca), "tls_client_ca_file"), server=True,
+    )  # fmt: skip
+
+
+def etcd_client_files(cert: Path, key: Path, ca: Path) -> ClientTls:
+    """The files as the daemon's etcd client reads them."""
+    return ClientTls.read(
+        (str(ca), "pool_etcd_ca_file"), (str(cert), "pool_etcd_cert_file"),
+        (str(key), "pool_etcd_key_file"),
+    )  # fmt: skip
+
+
 def test_a_certificate_is_read_once_and_the_bytes_checked_are_the_ones_used(
     tmp_path: Path,
 ) -> None:
@@ -61,10 +77,7 @@ def test_a_certificate_is_read_once_and_the_bytes_checked_are_the_ones_used(
     cert = tmp_path / "rotating.crt"
     writer = rewritten_in_place(cert, pki.server.cert)
     try:
-        files = read_tls_files(
-            (str(cert), "tls_cert_file"), (str(key), "tls_key_file"),
-            (str(ca), "tls_client_ca_file"), server=True,
-        )  # fmt: skip
+        files = server_files(cert, key, ca)
     finally:
         release(cert, writer)
     assert (files.cert, files.key, files.ca) == (pki.server.cert, pki.server.key, pki.ca.cert)
@@ -78,16 +91,10 @@ def test_a_client_certificate_read_empty_is_refused_never_used_without_it(
     cert = tmp_path / "empty.crt"
     cert.write_bytes(b"")
     with pytest.raises(ConfigError, match="pool_etcd_cert_file"):
-        ClientTls.read(
-            (str(ca), "pool_etcd_ca_file"), (str(cert), "pool_etcd_cert_file"),
-            (str(key), "pool_etcd_key_file"),
-        )  # fmt: skip
+        etcd_client_files(cert, key, ca)
     # A whole one is taken, and gRPC's credentials are made of the same bytes.
     cert.write_bytes(pki.server.cert)
-    tls = ClientTls.read(
-        (str(ca), "pool_etcd_ca_file"), (str(cert), "pool_etcd_cert_file"),
-        (str(key), "pool_etcd_key_file"),
-    )  # fmt: skip
+    tls = etcd_client_files(cert, key, ca)
     assert (tls.cert, tls.key, tls.ca) == (pki.server.cert, pki.server.key, pki.ca.cert)
     tls.credentials()
 
@@ -104,10 +111,7 @@ def test_a_key_that_does_not_match_or_a_ca_that_is_none_is_refused(
         ca.write_bytes(b"not a certificate")
     setting = {"key": "tls_cert_file", "ca": "tls_client_ca_file"}[bad]
     with pytest.raises(ConfigError, match=setting):
-        read_tls_files(
-            (str(cert), "tls_cert_file"), (str(key), "tls_key_file"),
-            (str(ca), "tls_client_ca_file"), server=True,
-        )  # fmt: skip
+        server_files(cert, key, ca)
 
 
 def test_a_client_never_hands_grpc_a_key_without_its_certificate(tmp_path: Path) -> None:
