@@ -30,6 +30,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from kvd.store.index import Reader
+from kvd.wire.bulk import CODE_NOT_FOUND, CODE_RESOURCE_EXHAUSTED, OP_GET, Request, encode_response
 
 # GETs of one connection being read, or read and waiting for the writer.
 FETCHES_MAX = 8
@@ -74,6 +75,23 @@ class Fetches:
                 task.cancel()
                 task.add_done_callback(_unpin)
         self._unsent.clear()
+
+
+def get_answer(request: Request, reader: Reader | None) -> Answer:
+    """A GET's header, and the value it sends (None: a miss, counted, or a
+    value over the room the request names, unpinned here)."""
+    rid = request.request_id
+    if reader is None:
+        return encode_response(OP_GET, rid, CODE_NOT_FOUND), None
+    if request.length and reader.size > request.length:
+        reader.close()
+        message = f"value of {reader.size} bytes, room for {request.length}"
+        code = CODE_RESOURCE_EXHAUSTED
+        return encode_response(OP_GET, rid, code, message=message, length=reader.size), None
+    header = encode_response(
+        OP_GET, rid, meta=reader.meta, length=reader.size, checksum=reader.checksum
+    )
+    return header, reader
 
 
 def _unpin(task: asyncio.Task[Answer]) -> None:

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 
 from kvd.cluster import scope
 from kvd.paths.bulk.admission import Admission, Slot
-from kvd.paths.bulk.fetches import Answer, Fetches
+from kvd.paths.bulk.fetches import Answer, Fetches, get_answer
 from kvd.paths.bulk.limits import BulkLimits
 from kvd.paths.bulk.peer_ops import PeerOps
 from kvd.paths.bulk.receive import buffered, discard, receive_upload, recv_into_exact
@@ -403,7 +403,7 @@ class _Connection:
             else:
                 await self._answer(*await self._fetch(request, ns, key))
             return
-        header, pinned = self._get_answer(request, reader)
+        header, pinned = get_answer(request, reader)
         try:
             size, limit = (pinned.size if pinned else 0), self.server.limits.inflight_bytes
             while self.queued_bytes and self.queued_bytes + size > limit:
@@ -424,26 +424,11 @@ class _Connection:
                 reader = await self.values.fetch("bulk_get", ns, key)
         except KvdError as exc:
             return self._refusal(request, exc)
-        return self._get_answer(request, reader)
+        return get_answer(request, reader)
 
     def _refusal(self, request: Request, exc: KvdError) -> Answer:
         code = refused(self.server.metrics, "bulk_get", exc)
         return encode_response(OP_GET, request.request_id, code, message=str(exc)), None
-
-    def _get_answer(self, request: Request, reader: Reader | None) -> Answer:
-        """A GET's header, and the value it sends (None: a miss, counted, or no room)."""
-        rid = request.request_id
-        if reader is None:
-            return encode_response(OP_GET, rid, CODE_NOT_FOUND), None
-        if request.length and reader.size > request.length:
-            reader.close()
-            message = f"value of {reader.size} bytes, room for {request.length}"
-            code = CODE_RESOURCE_EXHAUSTED
-            return encode_response(OP_GET, rid, code, message=message, length=reader.size), None
-        header = encode_response(
-            OP_GET, rid, meta=reader.meta, length=reader.size, checksum=reader.checksum
-        )
-        return header, reader
 
     async def _answer(self, header: bytes, reader: Reader | None = None) -> None:
         """Send an answer (and the value ``reader`` pins, closed once sent) after
