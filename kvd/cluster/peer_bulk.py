@@ -8,10 +8,11 @@ a member's eviction plan (PEER_PLAN), and a put handed on to its owner
 (PUT with ``FLAG_HOP``, its bytes sent from this daemon's L1 pages).
 
 A read is one GET frame with ``FLAG_HOP`` (the owner answers from what it
-holds, never asking a third member); its answer's header says the size,
-meta and checksum, then the value's bytes are received straight into the
-views the caller gives (``kvd.cluster.peer_reads``: the reserved pool pages
-of a put), hashed as they land.
+holds, never asking a third member), several of them back to back on one
+connection for a batch (``ask``); each answer's header says the size, meta
+and checksum, then the value's bytes are received straight into the views
+the caller gives (``kvd.cluster.peer_reads``: the reserved pool pages of a
+put), hashed as they land, or read and dropped (``skip``).
 
 Connections are opened on first use (HELLO with the pool token), kept per
 member for the next read, and bounded: at most ``CONNECTIONS_MAX`` per
@@ -167,19 +168,19 @@ class BulkConnection:
     def close(self) -> None:
         self.sock.close()
 
-    async def get(self, namespace: str, key: bytes, max_value_bytes: int) -> BulkAnswer | None:
-        """Ask for a value; its header, or None when the member does not hold
-        it. The value's bytes follow: ``receive`` them before anything else."""
-        (rid,) = await self.ask(namespace, [key])
-        return await self.answer_get(rid, max_value_bytes)
-
     async def ask(self, namespace: str, keys: list[bytes]) -> list[int]:
         """A GET frame with ``FLAG_HOP`` for each key, back to back; their
-        request ids, whose answers come in this order (``answer_get``)."""
+        request ids, whose answers come in this order (``answer_get``): the
+        value's bytes follow each answer, ``receive`` or ``skip`` them."""
+        return await self._ask(OP_GET, namespace, keys)
+
+    async def _ask(self, op: int, namespace: str, keys: list[bytes]) -> list[int]:
+        """A frame of ``op`` with ``FLAG_HOP`` for each key, back to back (one
+        flush); their request ids, in order."""
         self.reusable = False
         rids = [next(self._ids) for _ in keys]
         for i, (rid, key) in enumerate(zip(rids, keys, strict=True)):
-            request = encode_request(OP_GET, rid, namespace.encode(), key, flags=FLAG_HOP)
+            request = encode_request(op, rid, namespace.encode(), key, flags=FLAG_HOP)
             await self._send(request, flush=i == len(keys) - 1)
         return rids
 
@@ -307,27 +308,17 @@ class BulkConnection:
         self.reusable = True
         return bytes(metadata)
 
-    async def nixl_pin(
-        self, namespace: str, key: bytes, max_value_bytes: int
-    ) -> tuple[BulkAnswer, int, list[tuple[int, int]]] | None:
-        """Pin a value on the member for a NIXL read: its header, the lease id
-        and its pages' (address, length); None when the member does not hold it.
-        ``nixl_release`` the lease once read."""
-        return (await self.nixl_pin_many(namespace, [key], max_value_bytes))[0]
-
     async def nixl_pin_many(
         self, namespace: str, keys: list[bytes], max_value_bytes: int
     ) -> list[tuple[BulkAnswer, int, list[tuple[int, int]]] | None]:
-        """``nixl_pin`` of each key, the NIXL_PIN frames sent back to back and
-        their answers read in order (at most the member's pins a connection
-        holds, ``PINS_MAX`` in kvd.paths.bulk.peer_ops). A refused pin
-        (RESOURCE_EXHAUSTED, ...) raises, and the connection is closed, which
-        ends the pins it took."""
-        self.reusable = False
-        rids = [next(self._ids) for _ in keys]
-        for i, (rid, key) in enumerate(zip(rids, keys, strict=True)):
-            request = encode_request(OP_NIXL_PIN, rid, namespace.encode(), key, flags=FLAG_HOP)
-            await self._send(request, flush=i == len(keys) - 1)
+        """Pin each value on the member for a NIXL read: its header, the lease
+        id and its pages' (address, length); None where the member does not
+        hold it. The NIXL_PIN frames go back to back and their answers are
+        read in order (at most the member's pins a connection holds,
+        ``PINS_MAX`` in kvd.paths.bulk.peer_ops); ``nixl_release_many`` the
+        leases once read. A refused pin (RESOURCE_EXHAUSTED, ...) raises, and
+        the connection is closed, which ends the pins it took."""
+        rids = await self._ask(OP_NIXL_PIN, namespace, keys)
         pinned = [await self._pinned(rid, max_value_bytes) for rid in rids]
         self.reusable = True
         return pinned
@@ -354,10 +345,6 @@ class BulkConnection:
         if sum(n for _, n in pages) != size:
             raise PeerError(f"NIXL_PIN segments do not cover its {size} bytes", "protocol")
         return BulkAnswer(size, meta, sum_sent), lease, pages
-
-    async def nixl_release(self, lease: int) -> None:
-        """End a pin taken with ``nixl_pin``."""
-        await self.nixl_release_many([lease])
 
     async def nixl_release_many(self, leases: list[int]) -> None:
         """End pins taken with ``nixl_pin_many``: the NIXL_RELEASE frames back

@@ -175,7 +175,7 @@ class PeerReads:
         self.traffic.retain(members)
 
     def tasks(self) -> list[asyncio.Task[None]]:
-        """Batches of NIXL reads under way."""
+        """Batches of reads under way (NIXL and bulk)."""
         return [*self.gather.tasks(), *self.bulk_gather.tasks()]
 
     def close(self) -> None:
@@ -547,6 +547,7 @@ class PeerReads:
         except KvdError as error:
             not_kept(member, error)
             return NOT_KEPT
+        self.landed(namespace, key)
         return HIT
 
 

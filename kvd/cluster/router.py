@@ -529,8 +529,11 @@ class PoolRouter:
         self._holds.end_later(namespace, missing, FETCHED_BATCH_HOLD_S)
 
     def _landed(self, namespace: str, key: bytes) -> None:
-        """A value from its owner just published here: held at once, past the
-        share where a get waits on it (as ``_fetch_into_l1`` holds it)."""
+        """A value from its owner just published here (``PeerReads.landed``):
+        held at once, before anything else runs. Past the held share only a
+        value a get waits on is held (at most one per such get): a batch's
+        other values may be evicted before its reads, which read them again
+        (``fetch_remote``)."""
         self._holds.hold(namespace, key, past_share=(namespace, key) in self._awaited)
 
     async def _fetch_into_l1(self, owner: str, namespace: str, key: bytes, budget_s: float) -> bool:
@@ -553,13 +556,7 @@ class PoolRouter:
         elif outcome == NOT_KEPT:
             self.counters.remote_not_kept += 1
         elif outcome == HIT:
-            self.counters.remote_hits += 1
-            # No await since it landed: still here. Past the held share only
-            # a value a get waits on is held (at most one per such get): a
-            # batch's other values may be evicted before its reads, which
-            # read them again (``fetch_remote``).
-            waited = (namespace, key) in self._awaited
-            self._holds.hold(namespace, key, past_share=waited)
+            self.counters.remote_hits += 1  # held as it landed (``_landed``)
         return outcome == HIT
 
     # ---- put -------------------------------------------------------------------
