@@ -19,7 +19,7 @@ from kvd.cluster.client_tls import ClientTls
 from kvd.config.pem import TlsFiles, read_tls_files
 from kvd.config.setting import ConfigError
 from kvd.wire.errors import InvalidArgument
-from tests.certs import make_pki, write_server_files
+from tests.certs import Pki, make_pki, write_server_files
 
 
 def rewritten_in_place(path: Path, first: bytes) -> tuple[threading.Thread, threading.Event]:
@@ -53,6 +53,14 @@ def release(path: Path, writer: tuple[threading.Thread, threading.Event]) -> Non
         thread.join(0.1)
 
 
+def key_and_ca(where: Path) -> tuple[Pki, Path, Path]:
+    """A PKI, and its server key and CA bundle written under ``where`` (the
+    certificate is each test's own)."""
+    pki = make_pki("pem")
+    _, key, ca = write_server_files(where, pki)
+    return pki, key, ca
+
+
 def server_files(cert: Path, key: Path, ca: Path) -> TlsFiles:
     """The files as the daemon's listener reads them."""
     return read_tls_files(
@@ -72,8 +80,7 @@ def etcd_client_files(cert: Path, key: Path, ca: Path) -> ClientTls:
 def test_a_certificate_is_read_once_and_the_bytes_checked_are_the_ones_used(
     tmp_path: Path,
 ) -> None:
-    pki = make_pki("pem")
-    _, key, ca = write_server_files(tmp_path, pki)
+    pki, key, ca = key_and_ca(tmp_path)
     cert = tmp_path / "rotating.crt"
     writer = rewritten_in_place(cert, pki.server.cert)
     try:
@@ -86,8 +93,7 @@ def test_a_certificate_is_read_once_and_the_bytes_checked_are_the_ones_used(
 def test_a_client_certificate_read_empty_is_refused_never_used_without_it(
     tmp_path: Path,
 ) -> None:
-    pki = make_pki("pem")
-    _, key, ca = write_server_files(tmp_path, pki)
+    pki, key, ca = key_and_ca(tmp_path)
     cert = tmp_path / "empty.crt"
     cert.write_bytes(b"")
     with pytest.raises(ConfigError, match="pool_etcd_cert_file"):
@@ -118,8 +124,7 @@ def test_a_client_never_hands_grpc_a_key_without_its_certificate(tmp_path: Path)
     """The same for ``kvd.client``'s ``Tls`` (an engine's connector): a
     certificate read empty (rewritten in place) is an error it turns into a
     miss, not a channel gRPC aborts the engine's process on."""
-    pki = make_pki("pem")
-    _, key, ca = write_server_files(tmp_path, pki)
+    pki, key, ca = key_and_ca(tmp_path)
     cert = tmp_path / "client.crt"
     cert.write_bytes(b"")
     tls = Tls(ca_file=str(ca), cert_file=str(cert), key_file=str(key))
